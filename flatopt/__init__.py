@@ -1,0 +1,25 @@
+"""flatopt: fast, exact, resumable optimizer steps for NumPy training code.
+
+Parameters live in contiguous per-(group, dtype) buffers; fused Numba kernels update whole
+buffers in one parallel call, following torch.optim's semantics exactly.
+"""
+
+from ._layout import FlatBuffer, ParamIndex, ParamInfo
+from .adam import Adam, AdamParamState, AdamW
+from .errors import (FlatoptError, GradientError, GroupAssignmentError, HyperparameterError,
+                     ParamError, StateDictError)
+from .grouping import group_by_pattern
+from .optimizer import Gradients, Optimizer, ParamViews
+from .sgd import SGD, SGDParamState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SGD", "Adam", "AdamW", "Optimizer",
+    "group_by_pattern",
+    "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
+    "SGDParamState", "AdamParamState",
+    "FlatoptError", "ParamError", "HyperparameterError", "GroupAssignmentError",
+    "GradientError", "StateDictError",
+    "__version__",
+]

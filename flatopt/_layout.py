@@ -1,0 +1,162 @@
+"""Packing parameters into flat buffers, and the index that describes the packing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+# Each parameter starts on a 64-byte boundary (a cache line, a full AVX-512 vector), so a
+# parameter's elements never share a cache line with its neighbour's.
+ALIGN_BYTES = 64
+# Elements per unit of parallel work: small enough to spread one 1,000-element tensor list or
+# one 64M-element tensor evenly over the threads, large enough that scheduling is negligible.
+CHUNK_ELEMENTS = 1 << 14
+
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Where one parameter lives: a record of the optimizer's index."""
+
+    id: int
+    """Stable integer id, assigned in construction order (and continued by add_param_group)."""
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    group: int
+    """Index into ``opt.param_groups``."""
+    buffer: int
+    """Index into ``opt.buffers`` (one buffer per group and dtype)."""
+    slot: int
+    """Position of the parameter within its buffer's per-parameter arrays."""
+    offset: int
+    """First element of the parameter in its buffer (and in the gradient and state buffers)."""
+    size: int
+
+
+class ParamIndex(Sequence[ParamInfo]):
+    """Every parameter's :class:`ParamInfo`, in id order; also looked up by path."""
+
+    def __init__(self, infos: Sequence[ParamInfo] = ()):
+        self._infos: list[ParamInfo] = []
+        self._by_path: dict[str, ParamInfo] = {}
+        self._extend(infos)
+
+    def _extend(self, infos: Sequence[ParamInfo]) -> None:
+        for info in infos:
+            self._infos.append(info)
+            self._by_path[info.path] = info
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self._by_path[key]
+        return self._infos[key]
+
+    def __iter__(self) -> Iterator[ParamInfo]:
+        return iter(self._infos)
+
+    def __contains__(self, key) -> bool:
+        if isinstance(key, str):
+            return key in self._by_path
+        return key in self._infos
+
+    @property
+    def paths(self) -> list[str]:
+        return [info.path for info in self._infos]
+
+    def get(self, path: str, default=None):
+        return self._by_path.get(path, default)
+
+    def __repr__(self) -> str:
+        rows = [f"  {i.id:>5}  {i.path}  {i.shape}  {i.dtype}  group={i.group} "
+                f"buffer={i.buffer} offset={i.offset} size={i.size}" for i in self._infos[:20]]
+        more = f"\n  ... {len(self) - 20} more" if len(self) > 20 else ""
+        return "ParamIndex(\n" + "\n".join(rows) + more + "\n)"
+
+
+def aligned_zeros(n_elements: int, dtype: np.dtype) -> np.ndarray:
+    """A zero-filled 1-D array whose first element sits on an ALIGN_BYTES boundary."""
+    dtype = np.dtype(dtype)
+    raw = np.zeros(n_elements * dtype.itemsize + ALIGN_BYTES, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN_BYTES
+    return raw[start:start + n_elements * dtype.itemsize].view(dtype)
+
+
+def aligned_offsets(sizes: Sequence[int], dtype: np.dtype) -> tuple[np.ndarray, int]:
+    """Offsets that start each parameter on an aligned element, and the buffer's total length."""
+    align = ALIGN_BYTES // np.dtype(dtype).itemsize
+    offsets = np.empty(len(sizes), dtype=np.int64)
+    position = 0
+    for k, size in enumerate(sizes):
+        offsets[k] = position
+        position += -(-int(size) // align) * align
+    return offsets, position
+
+
+def chunk_table(offsets: np.ndarray, sizes: np.ndarray, total: int,
+                chunk: int = CHUNK_ELEMENTS) -> np.ndarray:
+    """For each chunk of ``chunk`` elements, the slot of the first parameter ending inside it."""
+    n_chunks = -(-total // chunk)
+    starts = np.arange(n_chunks, dtype=np.int64) * chunk
+    ends = offsets + sizes
+    return np.searchsorted(ends, starts, side="right").astype(np.int64)
+
+
+class FlatBuffer:
+    """One contiguous buffer holding every parameter of one group and dtype.
+
+    ``params`` and ``grads`` are aligned 1-D arrays of the same length; every state slot
+    (``state[name]``) is another such array, allocated when first needed. Parameter ``slot``
+    occupies ``[offsets[slot], offsets[slot] + sizes[slot])`` in all of them.
+    ``present[slot]`` marks whether that parameter has a gradient for the next step;
+    ``per_param`` holds the optimizer's per-parameter arrays (step counts, flags).
+    """
+
+    def __init__(self, number: int, group: int, dtype: np.dtype, ids: Sequence[int],
+                 paths: Sequence[str], shapes: Sequence[tuple[int, ...]]):
+        self.number = number
+        self.group = group
+        self.dtype = np.dtype(dtype)
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.paths = list(paths)
+        self.shapes = [tuple(s) for s in shapes]
+        self.sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in self.shapes],
+                              dtype=np.int64)
+        self.offsets, self.length = aligned_offsets(self.sizes, self.dtype)
+        self.chunk_first = chunk_table(self.offsets, self.sizes, self.length)
+        self.chunk_size = CHUNK_ELEMENTS
+        self.params = aligned_zeros(self.length, self.dtype)
+        self.grads = aligned_zeros(self.length, self.dtype)
+        self.present = np.zeros(len(self.paths), dtype=np.uint8)
+        self.state: dict[str, np.ndarray] = {}
+        self.per_param: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def view(self, flat: np.ndarray, slot: int) -> np.ndarray:
+        """The parameter at ``slot`` as a view into ``flat`` with its own shape."""
+        start = int(self.offsets[slot])
+        return flat[start:start + int(self.sizes[slot])].reshape(self.shapes[slot])
+
+    def state_buffer(self, name: str) -> np.ndarray:
+        """The flat state buffer ``name``, allocated zero-filled on first use."""
+        flat = self.state.get(name)
+        if flat is None:
+            flat = self.state[name] = aligned_zeros(self.length, self.dtype)
+        return flat
+
+    @property
+    def nbytes(self) -> int:
+        return (self.params.nbytes + self.grads.nbytes
+                + sum(a.nbytes for a in self.state.values()))
+
+    def __repr__(self) -> str:
+        return (f"FlatBuffer(number={self.number}, group={self.group}, dtype={self.dtype}, "
+                f"params={len(self)}, elements={self.length}, state={sorted(self.state)})")
