@@ -1,0 +1,78 @@
+"""An independent NumPy reference of each update rule, one parameter at a time.
+
+Written from torch.optim's documented order of operations (../shared/reference/
+torch_optim_semantics.md), sharing no code with flatopt's kernels, so the conformance suite is
+meaningful without torch. Arithmetic is done in the parameter's dtype; scalars are formed in
+Python double and rounded once to that dtype, as torch does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ReferenceOptimizer:
+    """``groups``: list of (dict path -> array, hyperparameters dict). ``kind``: SGD/Adam/AdamW."""
+
+    def __init__(self, kind: str, groups):
+        self.kind = kind
+        self.groups = [({k: v.copy() for k, v in params.items()}, dict(hp)) for params, hp in groups]
+        self.state: dict[str, dict] = {}
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        return {k: v for params, _ in self.groups for k, v in params.items()}
+
+    def step(self, grads: dict[str, np.ndarray]) -> None:
+        for params, hp in self.groups:
+            for path, p in params.items():
+                g = grads.get(path)
+                if g is None:
+                    continue  # a missing gradient skips the parameter entirely
+                if self.kind == "SGD":
+                    params[path] = self._sgd(path, p, g, hp)
+                else:
+                    params[path] = self._adam(path, p, g, hp, self.kind == "AdamW")
+
+    def _sgd(self, path, p, g, hp):
+        t = p.dtype.type
+        g = -g if hp["maximize"] else g.copy()
+        if hp["weight_decay"] != 0:
+            g = g + t(hp["weight_decay"]) * p
+        if hp["momentum"] != 0:
+            state = self.state.setdefault(path, {})
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = g.copy()
+            else:
+                buf = state["momentum_buffer"]
+                state["momentum_buffer"] = buf * t(hp["momentum"]) + t(1 - hp["dampening"]) * g
+            buf = state["momentum_buffer"]
+            g = g + t(hp["momentum"]) * buf if hp["nesterov"] else buf
+        return p + t(-hp["lr"]) * g
+
+    def _adam(self, path, p, g, hp, decoupled):
+        t = p.dtype.type
+        beta1, beta2 = hp["betas"]
+        lr, wd = hp["lr"], hp["weight_decay"]
+        state = self.state.setdefault(path, {})
+        if not state:
+            state.update(step=0, exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p))
+        if hp["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = np.zeros_like(p)
+        g = -g if hp["maximize"] else g.copy()
+        state["step"] += 1
+        if wd != 0:
+            if decoupled:
+                p = p * t(1 - lr * wd)
+            else:
+                g = g + t(wd) * p
+        m = state["exp_avg"] = state["exp_avg"] + t(1 - beta1) * (g - state["exp_avg"])
+        v = state["exp_avg_sq"] = state["exp_avg_sq"] * t(beta2) + t(1 - beta2) * g * g
+        step = float(state["step"])
+        step_size = lr / (1 - beta1 ** step)
+        bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+        if hp["amsgrad"]:
+            state["max_exp_avg_sq"] = np.maximum(state["max_exp_avg_sq"], v)
+            v = state["max_exp_avg_sq"]
+        denom = np.sqrt(v) / t(bias_correction2_sqrt) + t(hp["eps"])
+        return p + (t(-step_size) * m) / denom

@@ -1,0 +1,169 @@
+"""Conformance on random configurations: flatopt against torch.optim 2.13 and against the
+independent NumPy reference (tests/reference.py).
+
+Every optimizer and flag, several groups with different hyperparameters, missing and zero
+gradients at random steps, 0-d, zero-size and multi-chunk tensors, float32 and float64, lr
+changed mid-run. float64 must agree within 1e-12 relative over the whole run; float32 within
+rtol 1e-5, atol 1e-6 per step (each step starts from the same state: teacher forcing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flatopt
+from reference import ReferenceOptimizer
+
+KINDS = ["SGD", "Adam", "AdamW"]
+DTYPES = [np.float32, np.float64]
+SEEDS = range(4)
+STEPS = 12
+SHAPES = [(), (0,), (3, 0), (7,), (5, 3), (17, 33), (40_000,), (2, 3, 4)]
+
+
+def random_hyperparameters(rng: np.random.Generator, kind: str) -> dict:
+    if kind == "SGD":
+        momentum = float(rng.choice([0.0, 0.5, 0.9]))
+        nesterov = bool(momentum > 0 and rng.random() < 0.4)
+        dampening = 0.0 if nesterov else float(rng.choice([0.0, 0.3]))
+        return dict(lr=float(rng.choice([0.01, 0.1])), momentum=momentum, dampening=dampening,
+                    weight_decay=float(rng.choice([0.0, 0.05])), nesterov=nesterov,
+                    maximize=bool(rng.random() < 0.3))
+    return dict(lr=float(rng.choice([1e-3, 1e-2])),
+                betas=(float(rng.choice([0.9, 0.8, 0.3])), float(rng.choice([0.999, 0.99]))),
+                eps=float(rng.choice([1e-8, 1e-6])),
+                weight_decay=float(rng.choice([0.0, 0.1])),
+                amsgrad=bool(rng.random() < 0.4), maximize=bool(rng.random() < 0.3))
+
+
+def random_problem(seed: int, kind: str, dtype):
+    rng = np.random.default_rng(seed * 101 + KINDS.index(kind) * 7 + (dtype == np.float64))
+    n_groups = int(rng.integers(1, 4))
+    groups = []
+    counter = 0
+    for _ in range(n_groups):
+        params = {}
+        for _ in range(int(rng.integers(1, 5))):
+            shape = SHAPES[int(rng.integers(len(SHAPES)))]
+            params[f"layer{counter}.w"] = rng.standard_normal(shape).astype(dtype)
+            counter += 1
+        groups.append((params, random_hyperparameters(rng, kind)))
+    schedule = []
+    paths = [path for params, _ in groups for path in params]
+    shapes = {path: arr.shape for params, _ in groups for path, arr in params.items()}
+    for _ in range(STEPS):
+        grads = {}
+        for path in paths:
+            r = rng.random()
+            if r < 0.25:
+                continue  # missing
+            grads[path] = (np.zeros(shapes[path], dtype) if r < 0.35
+                           else rng.standard_normal(shapes[path]).astype(dtype))
+        schedule.append(grads)
+    return groups, schedule
+
+
+def make_flatopt(kind, groups):
+    cls = getattr(flatopt, kind)
+    return cls([{"params": {k: v.copy() for k, v in params.items()}, **hp}
+                for params, hp in groups])
+
+
+def change_lr(groups_like, step):
+    """lr of group 0 changes mid-run, applied to the live param_groups."""
+    if step == STEPS // 2:
+        groups_like[0]["lr"] *= 0.5
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_numpy_reference(kind, dtype, seed):
+    groups, schedule = random_problem(seed, kind, dtype)
+    opt = make_flatopt(kind, groups)
+    ref = ReferenceOptimizer(kind, groups)
+    rtol, atol = (1e-12, 1e-15) if dtype == np.float64 else (1e-5, 1e-6)
+    for step, grads in enumerate(schedule):
+        change_lr(opt.param_groups, step)
+        change_lr([hp for _, hp in ref.groups], step)
+        opt.step(grads)
+        ref.step(grads)
+        for path, expected in ref.params.items():
+            np.testing.assert_allclose(opt.params[path], expected, rtol=rtol, atol=atol,
+                                       err_msg=f"{kind} {path} step {step}")
+            assert opt.params[path].dtype == dtype
+        assert set(opt.state_dict()["state"]) == {p for p, s in ref.state.items() if s}
+
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def make_torch(kind, groups):
+    torch = _torch()
+    tensors = {}
+    torch_groups = []
+    for params, hp in groups:
+        ts = []
+        for path, arr in params.items():
+            t = torch.tensor(arr.copy(), requires_grad=True)
+            tensors[path] = t
+            ts.append(t)
+        torch_groups.append({"params": ts, **hp})
+    cls = getattr(torch.optim, kind)
+    return cls(torch_groups), tensors
+
+
+def force_torch_state(torch_opt, tensors, opt):
+    """Teacher forcing: give torch flatopt's parameters and state, so the next step starts
+    from the same point (float32 rounding differences then cannot accumulate)."""
+    torch = _torch()
+    with torch.no_grad():
+        for path, t in tensors.items():
+            t.copy_(torch.from_numpy(opt.params[path].copy()))
+            ours = opt.state_of(path)
+            if ours is None:
+                continue
+            theirs = torch_opt.state[t]
+            for name, value in ours._asdict().items():
+                if value is None or name == "step":
+                    continue
+                theirs[name].copy_(torch.from_numpy(np.array(value)))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_torch_optim(kind, dtype, seed):
+    torch = _torch()
+    groups, schedule = random_problem(seed, kind, dtype)
+    opt = make_flatopt(kind, groups)
+    torch_opt, tensors = make_torch(kind, groups)
+    float32 = dtype == np.float32
+    rtol, atol = (1e-5, 1e-6) if float32 else (1e-12, 1e-15)
+    for step, grads in enumerate(schedule):
+        change_lr(opt.param_groups, step)
+        change_lr(torch_opt.param_groups, step)
+        for path, t in tensors.items():
+            t.grad = torch.from_numpy(grads[path].copy()) if path in grads else None
+        torch_opt.step()
+        opt.step(grads)
+        for path, t in tensors.items():
+            where = f"{kind} {path} step {step}"
+            np.testing.assert_allclose(opt.params[path], t.detach().numpy(), rtol=rtol,
+                                       atol=atol, err_msg=where)
+            theirs = torch_opt.state.get(t, {})
+            ours = opt.state_of(path)
+            assert (ours is None) == (len(theirs) == 0), where
+            if ours is None:
+                continue
+            for name, value in ours._asdict().items():
+                if name == "step":
+                    assert value == int(theirs["step"].item()), where
+                elif value is not None:
+                    np.testing.assert_allclose(value, theirs[name].numpy(), rtol=rtol,
+                                               atol=atol, err_msg=f"{where} {name}")
+        if float32:
+            force_torch_state(torch_opt, tensors, opt)
