@@ -230,11 +230,9 @@ class Optimizer:
 
         structure: list[str] = []
         groups = _split_groups(params, structure)
-        if not structure and not groups:
-            structure.append("optimizer got an empty parameter list; give a dict {path: array}")
         if structure:
             raise ParamError("\n".join(structure))
-        self._add_groups(groups)
+        self._add_groups(groups, require_params=True)
 
     # ----------------------------------------------------------------- construction
     def add_param_group(self, group: Mapping[str, Any]) -> None:
@@ -243,7 +241,7 @@ class Optimizer:
             raise ParamError(f"param_group must be a dict, got {type(group).__name__}")
         self._add_groups([group])
 
-    def _add_groups(self, groups: list[Mapping[str, Any]]) -> None:
+    def _add_groups(self, groups: list[Mapping[str, Any]], require_params: bool = False) -> None:
         """Validate every group completely, then build their buffers (all or nothing)."""
         param_problems: list[str] = []
         hyper_problems: list[str] = []
@@ -305,6 +303,9 @@ class Optimizer:
                 all_arrays.append((path, array))
             staged.append((group, values, group_label, entries))
         param_problems += _tied_problems(all_arrays)
+        if require_params and not all_arrays and not param_problems:
+            param_problems.append("optimizer got an empty parameter list; give a dict "
+                                  "{path: array} with at least one parameter")
         if param_problems:
             raise ParamError("\n".join(param_problems))
         _hyper.raise_problems(hyper_problems)
@@ -488,10 +489,10 @@ class Optimizer:
         if hyperparameters == "saved":
             saved_by_paths = {}
             for number, group in enumerate(state_dict["param_groups"]):
-                saved_by_paths[tuple(group.get("params", ()))] = (number, group)
+                saved_by_paths[frozenset(group.get("params", ()))] = (number, group)
             for number, paths in enumerate(self._group_paths):
                 where = _hyper.describe_group(number, self.param_groups[number])
-                match = saved_by_paths.get(paths)
+                match = saved_by_paths.get(frozenset(paths))
                 if match is None:
                     problems.append(f"{where}: no saved group holds exactly its parameters; the "
                                     "grouping changed, load with hyperparameters='live' to keep "

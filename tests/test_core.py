@@ -1,0 +1,449 @@
+"""Packing, the index, views, gradients, groups, state dicts and every error case."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import flatopt
+from flatopt import (GradientError, GroupAssignmentError, HyperparameterError, ParamError,
+                     StateDictError)
+from flatopt._layout import ALIGN_BYTES, CHUNK_ELEMENTS, chunk_table
+from flatopt.kernels import cpu
+
+
+def f32(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- the seeds' fixtures
+def test_seed_sgd_groups_override_default_lr():
+    """0.5*(2w+b-4)^2 at w=1, b=0: gradients -4 and -2; group lrs 0.1 and 0.01 over lr=1."""
+    opt = flatopt.SGD([{"params": {"w": np.array(1.0)}, "lr": 0.1},
+                       {"params": {"b": np.array(0.0)}, "lr": 0.01}], lr=1.0)
+    opt.zero_grad(set_to_none=True)
+    w, b = float(opt.params["w"]), float(opt.params["b"])
+    residual = 2 * w + b - 4
+    opt.step({"w": np.array(2 * residual), "b": np.array(residual)})
+    assert f"{float(opt.params['w']):.6f}" == "1.400000"
+    assert f"{float(opt.params['b']):.6f}" == "0.020000"
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+
+
+def test_seed_momentum_continuation_restored_versus_weights_only():
+    """Restored buffer 2.0 then gradient -4 gives 1.22 (buffer -2.2); without it, 1.4 (-4)."""
+    restored = flatopt.SGD({"p": np.array(1.0)}, lr=0.1, momentum=0.9)
+    snapshot = restored.state_dict()
+    snapshot["state"]["p"] = {"momentum_buffer": np.array(2.0)}
+    restored.load_state_dict(snapshot)
+    restored.step({"p": np.array(-4.0)})
+    assert f"{float(restored.params['p']):.6f}" == "1.220000"
+    assert float(restored.state_of("p").momentum_buffer) == pytest.approx(-2.2)
+
+    weights_only = flatopt.SGD({"p": np.array(1.0)}, lr=0.1, momentum=0.9)
+    weights_only.step({"p": np.array(-4.0)})
+    assert f"{float(weights_only.params['p']):.6f}" == "1.400000"
+    assert float(weights_only.state_of("p").momentum_buffer) == -4.0
+
+
+# ---------------------------------------------------------------------------- packing and index
+def test_one_aligned_buffer_per_group_and_dtype_and_a_complete_index():
+    params = [{"params": {"a": f32(3, 5), "b": np.zeros(7), "c": f32(2)}, "lr": 0.1},
+              {"params": {"d": f32(4)}, "label": "second"}]
+    opt = flatopt.Adam(params)
+    assert [(b.group, b.dtype) for b in opt.buffers] == [
+        (0, np.float32), (0, np.float64), (1, np.float32)]
+    assert [i.path for i in opt.index] == ["a", "b", "c", "d"]
+    assert [i.id for i in opt.index] == [0, 1, 2, 3]
+    c = opt.index["c"]
+    assert (c.shape, c.dtype, c.group, c.buffer, c.size) == ((2,), np.float32, 0, 0, 2)
+    assert c.offset == 16  # a's 15 elements padded to 64 bytes
+    for buf in opt.buffers:
+        for flat in (buf.params, buf.grads):
+            assert flat.ndim == 1 and flat.flags.c_contiguous
+            assert flat.ctypes.data % ALIGN_BYTES == 0
+    for info in opt.index:
+        assert info.offset * info.dtype.itemsize % ALIGN_BYTES == 0
+
+
+def test_views_share_memory_with_the_flat_buffer_and_see_steps_immediately():
+    original = f32(4, 3)
+    opt = flatopt.SGD({"w": original}, lr=0.5)
+    view = opt.params["w"]
+    assert view.shape == (4, 3) and view.dtype == np.float32 and view.flags.writeable
+    assert np.shares_memory(view, opt.buffers[0].params)
+    assert not np.shares_memory(view, original)  # copied once at construction
+    before = view.copy()
+    grad = f32(4, 3, seed=1)
+    opt.step({"w": grad})
+    np.testing.assert_allclose(view, before - np.float32(0.5) * grad, rtol=1e-6)
+    np.testing.assert_array_equal(original, before)  # the caller's array is not the parameter
+    view[...] = 7.0  # writes through to the buffer used by the next step
+    opt.step({"w": np.zeros((4, 3), np.float32)})
+    np.testing.assert_array_equal(opt.params["w"], 7.0)
+
+
+def test_zero_dim_and_zero_size_parameters():
+    opt = flatopt.Adam({"scalar": np.array(2.0, np.float32), "empty": np.zeros((0, 3), np.float32),
+                        "v": f32(5)}, lr=0.1)
+    assert opt.params["scalar"].shape == () and opt.params["empty"].shape == (0, 3)
+    opt.step({"scalar": np.array(1.0, np.float32), "empty": np.zeros((0, 3), np.float32),
+              "v": f32(5)})
+    assert float(opt.params["scalar"]) == pytest.approx(1.9, rel=1e-6)
+    assert opt.state_of("empty").step == 1
+    assert opt.state_dict()["state"]["empty"]["exp_avg"].shape == (0, 3)
+
+
+def test_params_as_a_list_of_pairs_keep_their_order():
+    opt = flatopt.SGD([("z", f32(2)), ("a", f32(3))])
+    assert opt.index.paths == ["z", "a"]
+
+
+def test_chunks_split_one_huge_tensor_and_many_small_ones_evenly():
+    sizes = np.array([3 * CHUNK_ELEMENTS + 5], dtype=np.int64)
+    first = chunk_table(np.array([0]), sizes, int(sizes[0]))
+    assert len(first) == 4 and (first == 0).all()
+    offsets = np.arange(0, 100 * 1024, 1024, dtype=np.int64)
+    sizes = np.full(100, 1000, dtype=np.int64)
+    first = chunk_table(offsets, sizes, 100 * 1024)
+    chunk_starts = np.arange(len(first)) * CHUNK_ELEMENTS
+    # each chunk starts at the first parameter ending after the chunk's start
+    assert (offsets[first] + sizes[first] > chunk_starts).all()
+    assert (first == 0).sum() == 1 and first[1] == CHUNK_ELEMENTS // 1024
+
+
+# ---------------------------------------------------------------------------- parameter errors
+@pytest.mark.parametrize("params, words", [
+    ({}, "empty"),
+    ([], "empty"),
+    ({"a": np.arange(3)}, "int64"),
+    ({"a": np.zeros(3, np.float16)}, "float16"),
+    ({"a": np.array(["x"])}, "<U1"),
+    ({"a": np.array([object()])}, "object"),
+    ({"a": [1.0, 2.0]}, "list"),
+    ({"": f32(2)}, "non-empty string"),
+    ({"params": {"a": f32(2)}, "lr": 0.1}, "one group dict"),
+    (f32(3), "bare array"),
+], ids=["empty-dict", "empty-list", "int", "float16", "str", "object", "list", "empty-path",
+        "single-group", "bare-array"])
+def test_unusable_parameters_raise_param_error(params, words):
+    with pytest.raises(ParamError, match=words):
+        flatopt.SGD(params)
+
+
+def test_a_set_of_parameters_is_refused_top_level_and_in_groups():
+    with pytest.raises(ParamError, match="set"):
+        flatopt.SGD({("a", 1)})
+    with pytest.raises(ParamError, match="set"):
+        flatopt.SGD([{"params": {("a", 1)}}])
+
+
+def test_duplicate_paths_across_groups_name_the_path():
+    with pytest.raises(ParamError, match="'a' appears more than once"):
+        flatopt.SGD([{"params": {"a": f32(2)}}, {"params": {"a": f32(2)}}])
+
+
+def test_tied_weights_are_refused_with_both_paths():
+    shared = f32(4)
+    with pytest.raises(ParamError, match="'enc.w' and 'dec.w' are the same array"):
+        flatopt.SGD({"enc.w": shared, "dec.w": shared})
+    matrix = f32(4, 4)
+    with pytest.raises(ParamError, match="sharing memory"):
+        flatopt.SGD({"w": matrix, "w_t": matrix.T})
+    opt = flatopt.SGD({"w": matrix})
+    with pytest.raises(ParamError, match="view of this optimizer's own buffer"):
+        opt.add_param_group({"params": {"again": opt.params["w"]}})
+
+
+def test_every_problem_is_listed_in_one_error():
+    with pytest.raises(ParamError) as info:
+        flatopt.SGD({"a": np.arange(3), "b": np.zeros(2, np.float16), "c": f32(2)})
+    assert "'a'" in str(info.value) and "'b'" in str(info.value)
+
+
+# ---------------------------------------------------------------------------- hyperparameters
+def test_unknown_hyperparameter_suggests_the_near_name():
+    with pytest.raises(HyperparameterError, match="'weight_decy'.*did you mean 'weight_decay'"):
+        flatopt.AdamW({"a": f32(2)}, weight_decy=0.1)
+    with pytest.raises(HyperparameterError,
+                       match="param group 1 \\('head'\\): unknown hyperparameter 'momentun'"):
+        flatopt.SGD([{"params": {"a": f32(2)}}, {"params": {"b": f32(2)}, "label": "head",
+                                                 "momentun": 0.9}])
+
+
+@pytest.mark.parametrize("cls, kwargs, key", [
+    (flatopt.SGD, dict(lr=-0.1), "lr"),
+    (flatopt.SGD, dict(momentum=-0.5), "momentum"),
+    (flatopt.SGD, dict(weight_decay=-1e-4), "weight_decay"),
+    (flatopt.SGD, dict(dampening=1.5), "dampening"),
+    (flatopt.SGD, dict(nesterov=True), "nesterov"),
+    (flatopt.SGD, dict(nesterov=True, momentum=0.9, dampening=0.1), "nesterov"),
+    (flatopt.SGD, dict(lr=float("nan")), "lr"),
+    (flatopt.SGD, dict(lr="0.1"), "lr"),
+    (flatopt.SGD, dict(maximize=1), "maximize"),
+    (flatopt.Adam, dict(betas=(1.0, 0.999)), "betas"),
+    (flatopt.Adam, dict(betas=(0.9, -0.1)), "betas"),
+    (flatopt.Adam, dict(betas=(0.9,)), "betas"),
+    (flatopt.Adam, dict(eps=-1e-8), "eps"),
+    (flatopt.AdamW, dict(weight_decay=-0.01), "weight_decay"),
+    (flatopt.Adam, dict(amsgrad="yes"), "amsgrad"),
+])
+def test_invalid_values_raise_in_constructor_and_in_group_overrides(cls, kwargs, key):
+    with pytest.raises(HyperparameterError, match=f"{cls.__name__}\\(\\): .*{key}"):
+        cls({"a": f32(2)}, **kwargs)
+    with pytest.raises(HyperparameterError, match=f"param group 1 \\('bad'\\): .*{key}"):
+        cls([{"params": {"a": f32(2)}}, {"params": {"b": f32(2)}, "label": "bad", **kwargs}])
+
+
+def test_a_group_override_beats_the_default_and_a_group_may_carry_a_label():
+    opt = flatopt.AdamW([{"params": {"a": f32(2)}, "weight_decay": 0.0, "label": "no_decay"},
+                         {"params": {"b": f32(2)}}], lr=0.01)
+    assert opt.param_groups[0]["weight_decay"] == 0.0 and opt.param_groups[0]["label"] == "no_decay"
+    assert opt.param_groups[1]["weight_decay"] == 0.01 and opt.param_groups[1]["lr"] == 0.01
+
+
+def test_lr_changed_in_param_groups_takes_effect_on_the_next_step():
+    opt = flatopt.SGD({"a": np.array([1.0])}, lr=0.1)
+    opt.step({"a": np.array([1.0])})
+    opt.param_groups[0]["lr"] = 0.5
+    opt.step({"a": np.array([1.0])})
+    assert opt.params["a"][0] == pytest.approx(1.0 - 0.1 - 0.5)
+
+
+def test_an_invalid_value_set_mid_run_raises_at_step_and_changes_nothing():
+    opt = flatopt.Adam({"a": f32(3)}, lr=0.1)
+    opt.step({"a": f32(3, seed=1)})
+    before = opt.state_dict()
+    opt.param_groups[0]["betas"] = (0.9, 1.5)
+    with pytest.raises(HyperparameterError, match="param group 0: betas"):
+        opt.step({"a": f32(3, seed=2)})
+    opt.param_groups[0]["betas"] = (0.9, 0.999)
+    opt.param_groups[0]["weight_decy"] = 0.1
+    with pytest.raises(HyperparameterError, match="did you mean 'weight_decay'"):
+        opt.step({"a": f32(3, seed=2)})
+    after = opt.state_dict()
+    np.testing.assert_array_equal(after["state"]["a"]["exp_avg"], before["state"]["a"]["exp_avg"])
+    assert after["state"]["a"]["step"] == 1
+
+
+def test_replacing_a_groups_params_is_refused():
+    opt = flatopt.SGD({"a": f32(2)})
+    opt.param_groups[0]["params"] = ["a", "b"]
+    with pytest.raises(HyperparameterError, match="add_param_group"):
+        opt.step()
+
+
+# ---------------------------------------------------------------------------- gradients
+def test_missing_gradient_skips_the_parameter_entirely():
+    opt = flatopt.AdamW({"used": f32(3), "frozen": f32(3, seed=1)}, lr=0.1, weight_decay=0.5)
+    frozen = opt.params["frozen"].copy()
+    for _ in range(3):
+        opt.step({"used": f32(3, seed=2)})
+    np.testing.assert_array_equal(opt.params["frozen"], frozen)  # no decoupled decay either
+    assert opt.state_of("frozen") is None and opt.state_of("used").step == 3
+    # unfrozen later: its own step count starts at 1 (its own bias correction)
+    opt.step({"used": f32(3, seed=2), "frozen": f32(3, seed=3)})
+    assert opt.state_of("frozen").step == 1 and opt.state_of("used").step == 4
+
+
+def test_zero_gradient_is_a_real_step():
+    opt = flatopt.AdamW({"a": np.ones(3, np.float32)}, lr=0.1, weight_decay=0.5)
+    opt.step({"a": np.zeros(3, np.float32)})
+    np.testing.assert_allclose(opt.params["a"], 1 - 0.1 * 0.5)
+    assert opt.state_of("a").step == 1
+    sgd = flatopt.SGD({"a": np.ones(2)}, lr=0.1, momentum=0.9, weight_decay=0.1)
+    sgd.step({"a": np.zeros(2)})
+    np.testing.assert_allclose(sgd.state_of("a").momentum_buffer, 0.1)
+
+
+def test_zero_copy_gradients_with_explicit_presence():
+    opt = flatopt.SGD({"a": np.ones(3), "b": np.ones(2)}, lr=0.5)
+    g = opt.grads
+    g["a"][...] = 1.0
+    np.multiply(np.ones(2), 2.0, out=g["b"])
+    assert np.shares_memory(g["a"], opt.buffers[0].grads)
+    opt.step()  # nothing marked present: nothing moves
+    np.testing.assert_array_equal(opt.params["a"], 1.0)
+    g.mark_present(["a"])
+    assert g.present_paths() == ["a"] and g.is_present("a") and not g.is_present("b")
+    opt.step()
+    np.testing.assert_array_equal(opt.params["a"], 0.5)
+    np.testing.assert_array_equal(opt.params["b"], 1.0)
+    g.mark_present()
+    opt.step()
+    np.testing.assert_array_equal(opt.params["b"], 0.0)
+    g.mark_missing("a")
+    assert g.present_paths() == ["b"]
+    g["a"] = np.full(3, 2.0)  # assignment copies and marks present
+    assert g.is_present("a")
+
+
+def test_zero_grad_set_to_none_marks_missing_and_false_zeroes():
+    opt = flatopt.SGD({"a": np.ones(3)}, lr=0.5, weight_decay=1.0)
+    opt.grads["a"] = np.ones(3)
+    opt.zero_grad()
+    assert not opt.grads.is_present("a")
+    opt.step()
+    np.testing.assert_array_equal(opt.params["a"], 1.0)
+    opt.zero_grad(set_to_none=False)
+    assert opt.grads.is_present("a")
+    np.testing.assert_array_equal(opt.grads["a"], 0.0)
+    opt.step()  # a real step: weight decay acts on a zero gradient
+    np.testing.assert_array_equal(opt.params["a"], 0.5)
+
+
+@pytest.mark.parametrize("grads, words", [
+    ({"a": np.ones(4)}, "'a' has shape \\(4,\\)"),
+    ({"a": np.ones(3, np.float32)}, "'a' has dtype float32"),
+    ({"ab": np.ones(3)}, "unknown parameter 'ab'.*did you mean"),
+    ({"a": [1.0, 1.0, 1.0]}, "list"),
+])
+def test_bad_gradients_raise_gradient_error_and_change_nothing(grads, words):
+    opt = flatopt.SGD({"a": np.ones(3), "b": np.ones(2)}, lr=0.5)
+    opt.grads["b"] = np.full(2, 3.0)
+    with pytest.raises(GradientError, match=words):
+        opt.step({"b": np.ones(2), **grads})
+    np.testing.assert_array_equal(opt.grads["b"], 3.0)
+    assert opt.grads.present_paths() == ["b"]
+    np.testing.assert_array_equal(opt.params["b"], 1.0)
+
+
+def test_marking_an_unknown_path_changes_no_flag():
+    opt = flatopt.SGD({"a": np.ones(3), "b": np.ones(2)})
+    with pytest.raises(GradientError, match="'c'"):
+        opt.grads.mark_present(["a", "c"])
+    assert opt.grads.present_paths() == []
+
+
+# ---------------------------------------------------------------------------- add_param_group
+def test_add_param_group_leaves_existing_buffers_views_and_state_alone():
+    opt = flatopt.Adam({"a": f32(3)}, lr=0.1)
+    opt.step({"a": f32(3, seed=1)})
+    view, flat, state = opt.params["a"], opt.buffers[0].params, opt.state_dict()
+    opt.add_param_group({"params": {"b": f32(4, seed=2)}, "lr": 0.01, "label": "new"})
+    assert opt.params["a"] is view and opt.buffers[0].params is flat
+    assert opt.index["b"].id == 1 and opt.index["b"].group == 1
+    np.testing.assert_array_equal(opt.state_of("a").exp_avg, state["state"]["a"]["exp_avg"])
+    opt.step({"a": f32(3, seed=1), "b": f32(4, seed=3)})
+    assert opt.state_of("a").step == 2 and opt.state_of("b").step == 1
+    with pytest.raises(ParamError, match="'b' appears more than once"):
+        opt.add_param_group({"params": {"b": f32(4), "c": f32(1)}})
+    with pytest.raises(HyperparameterError, match="param group 2"):
+        opt.add_param_group({"params": {"c": f32(1)}, "lr": -1.0})
+    assert len(opt.param_groups) == 2 and "c" not in opt.index
+
+
+# ---------------------------------------------------------------------------- state dicts
+def test_state_dict_returns_copies_and_optimizers_never_share_state():
+    a = flatopt.Adam({"w": f32(3)}, lr=0.1)
+    a.step({"w": f32(3, seed=1)})
+    snapshot = a.state_dict()
+    snapshot["state"]["w"]["exp_avg"][...] = 99.0
+    assert (a.state_of("w").exp_avg != 99.0).all()
+    b = flatopt.Adam({"w": f32(3)}, lr=0.1)
+    b.load_state_dict(a.state_dict())
+    b.step({"w": f32(3, seed=2)})
+    assert a.state_of("w").step == 1 and b.state_of("w").step == 2
+    assert not np.shares_memory(a.state_of("w").exp_avg, b.state_of("w").exp_avg)
+
+
+def test_load_state_dict_matches_by_path_not_position():
+    a = flatopt.SGD({"x": np.ones(2), "y": np.ones(2)}, momentum=0.9)
+    a.step({"x": np.full(2, 1.0), "y": np.full(2, 5.0)})
+    b = flatopt.SGD({"y": np.ones(2), "x": np.ones(2)}, momentum=0.9)  # same shapes, swapped
+    b.load_state_dict(a.state_dict())
+    np.testing.assert_array_equal(b.state_of("x").momentum_buffer, 1.0)
+    np.testing.assert_array_equal(b.state_of("y").momentum_buffer, 5.0)
+
+
+def test_load_state_dict_reports_every_mismatch_and_changes_nothing():
+    a = flatopt.Adam({"x": f32(2), "y": f32(3), "gone": f32(1)}, lr=0.1)
+    a.step({"x": f32(2), "y": f32(3), "gone": f32(1)})
+    b = flatopt.Adam({"x": f32(2), "y": f32(4)}, lr=0.5)
+    b.step({"x": f32(2, seed=4), "y": f32(4, seed=4)})
+    before = b.state_dict()
+    with pytest.raises(StateDictError) as info:
+        b.load_state_dict(a.state_dict())
+    message = str(info.value)
+    assert "'gone'" in message and "'y'" in message and "shape (3,)" in message
+    assert "grouping changed" in message
+    after = b.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    np.testing.assert_array_equal(after["state"]["x"]["exp_avg"], before["state"]["x"]["exp_avg"])
+    with pytest.raises(StateDictError, match="from Adam"):
+        flatopt.SGD({"x": f32(2)}).load_state_dict(a.state_dict())
+
+
+def test_load_state_dict_saved_hyperparameters_win_unless_live_is_chosen():
+    a = flatopt.SGD({"x": np.ones(2)}, lr=0.1, momentum=0.9)
+    a.step({"x": np.ones(2)})
+    b = flatopt.SGD({"x": np.ones(2)}, lr=0.5, momentum=0.9)
+    b.load_state_dict(a.state_dict(), hyperparameters="live")
+    assert b.param_groups[0]["lr"] == 0.5 and b.state_of("x") is not None
+    b.load_state_dict(a.state_dict())
+    assert b.param_groups[0]["lr"] == 0.1
+
+
+def test_loading_state_without_an_entry_resets_that_parameter():
+    fresh = flatopt.Adam({"x": f32(2), "y": f32(2)}, lr=0.1)
+    fresh.step({"x": f32(2)})
+    used = flatopt.Adam({"x": f32(2), "y": f32(2)}, lr=0.1)
+    for _ in range(3):
+        used.step({"x": f32(2, seed=1), "y": f32(2, seed=1)})
+    used.load_state_dict(fresh.state_dict())
+    assert used.state_of("y") is None
+    used.step({"y": f32(2, seed=1)})
+    assert used.state_of("y").step == 1
+    np.testing.assert_allclose(used.state_of("y").exp_avg, 0.1 * f32(2, seed=1), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------- grouping helper
+def test_group_by_pattern_assigns_every_parameter_once():
+    params = {"enc.0.weight": f32(2), "enc.0.bias": f32(2), "enc.norm.scale": f32(2),
+              "head.weight": f32(2)}
+    groups = flatopt.group_by_pattern(params, [
+        {"match": ["*.bias", "*norm*"], "weight_decay": 0.0, "label": "no_decay"}],
+        rest={"label": "decay"})
+    opt = flatopt.AdamW(groups, weight_decay=0.1)
+    assert opt.param_groups[0]["params"] == ("enc.0.bias", "enc.norm.scale")
+    assert opt.param_groups[0]["weight_decay"] == 0.0
+    assert opt.param_groups[1]["params"] == ("enc.0.weight", "head.weight")
+    assert opt.param_groups[1]["weight_decay"] == 0.1
+
+
+def test_group_by_pattern_lists_every_unmatched_and_ambiguous_path():
+    params = {"a.weight": f32(1), "a.bias": f32(1), "norm.bias": f32(1), "b.weight": f32(1)}
+    with pytest.raises(GroupAssignmentError) as info:
+        flatopt.group_by_pattern(params, [{"match": "*.bias"}, {"match": ["norm*"]}])
+    message = str(info.value)
+    assert "'norm.bias' matches more than one rule" in message and "['norm*']" in message
+    assert "'a.weight'" in message and "'b.weight'" in message and "'*.bias'" in message
+    with pytest.raises(GroupAssignmentError, match=re.escape("rule 1 ['*enc*'] matches no parameter")):
+        flatopt.group_by_pattern(params, [{"match": "*"}, {"match": "*enc*"}])
+    with pytest.raises(GroupAssignmentError, match="needs 'match'"):
+        flatopt.group_by_pattern(params, [{"lr": 0.1}])
+
+
+# ---------------------------------------------------------------------------- kernels
+def test_a_second_step_does_not_recompile():
+    opt = flatopt.Adam({"a": f32(5), "b": f32(40_000)}, lr=0.1, amsgrad=True)
+    opt.step({"a": f32(5), "b": f32(40_000)})
+    counts = {k: len(k.signatures) for k in (cpu.adam_step, cpu.adam_prepare)}
+    opt.param_groups[0]["lr"] = 0.05
+    for _ in range(3):
+        opt.step({"a": f32(5), "b": f32(40_000)})
+    assert {k: len(k.signatures) for k in counts} == counts
+
+
+@pytest.mark.parametrize("kernel, make", [
+    (cpu.adam_step, lambda p: flatopt.AdamW(p, weight_decay=0.1, amsgrad=True, maximize=True)),
+    (cpu.sgd_step, lambda p: flatopt.SGD(p, momentum=0.9, weight_decay=0.1, nesterov=True)),
+])
+def test_float32_kernels_stay_in_float32(kernel, make):
+    opt = make({"a": f32(100)})
+    opt.step({"a": f32(100)})
+    ir = [text for sig, text in kernel.inspect_llvm().items() if sig[0].dtype.name == "float32"]
+    assert ir and "fmul float" in ir[0] or "fmul <" in ir[0]
+    assert "fpext" not in ir[0] and "double" not in ir[0]
