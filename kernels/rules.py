@@ -78,3 +78,10 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, one_minus
         denom = math.sqrt(v) / bias_correction2_sqrt + eps
     p = p + (neg_step_size * m) / denom
     return p, m, v, v_max
+
+
+def adam_bias_correction(step, lr, beta1, beta2):
+    """Per-parameter scalars for step count ``step`` (already advanced), in float64 as torch
+    computes them in Python: ``(-lr / (1 - beta1**t), sqrt(1 - beta2**t))``."""
+    t = float(step)
+    return -(lr / (1.0 - beta1 ** t)), (1.0 - beta2 ** t) ** 0.5
