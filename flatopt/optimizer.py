@@ -74,12 +74,18 @@ def _split_groups(params: Any, problems: list[str]) -> list[dict]:
     return [{"params": items}]
 
 
+try:  # numpy >= 2
+    _byte_bounds = np.lib.array_utils.byte_bounds
+except AttributeError:  # numpy 1.x
+    _byte_bounds = np.byte_bounds
+
+
 def _tied_problems(arrays: list[tuple[str, np.ndarray]]) -> list[str]:
     """Messages for arrays given twice or sharing memory (tied weights), found by a sweep."""
     bounded = []
     for path, array in arrays:
         if array.size:
-            low, high = np.lib.array_utils.byte_bounds(array)
+            low, high = _byte_bounds(array)
             bounded.append((low, high, path, array))
     bounded.sort(key=lambda item: item[0])
     problems = []
@@ -477,7 +483,9 @@ class Optimizer:
                                 "flatopt's state_dict()?")
         if problems:
             raise StateDictError("\n".join(problems))
-        if state_dict["format"] != STATE_DICT_FORMAT or state_dict["version"] > STATE_DICT_VERSION:
+        version = state_dict["version"]
+        if (state_dict["format"] != STATE_DICT_FORMAT or not isinstance(version, int)
+                or version > STATE_DICT_VERSION):
             raise StateDictError(
                 f"state dict format {state_dict['format']!r} version {state_dict['version']} "
                 f"is not {STATE_DICT_FORMAT!r} version <= {STATE_DICT_VERSION}; upgrade flatopt")
