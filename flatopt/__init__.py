@@ -6,8 +6,10 @@ buffers in one parallel call, following torch.optim's semantics exactly.
 
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from .adam import Adam, AdamParamState, AdamW
-from .errors import (FlatoptError, GradientError, GroupAssignmentError, HyperparameterError,
-                     ParamError, StateDictError)
+from .checkpoint import Difference, LoadResult, load, save
+from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, FlatoptError,
+                     GradientError, GroupAssignmentError, HyperparameterError, ParamError,
+                     StateDictError)
 from .grouping import group_by_pattern
 from .optimizer import Gradients, Optimizer, ParamViews
 from .sgd import SGD, SGDParamState
@@ -21,5 +23,7 @@ __all__ = [
     "SGDParamState", "AdamParamState",
     "FlatoptError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError",
+    "save", "load", "LoadResult", "Difference",
+    "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt",
     "__version__",
 ]

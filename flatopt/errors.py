@@ -23,3 +23,38 @@ class GradientError(FlatoptError, ValueError):
 
 class StateDictError(FlatoptError, ValueError):
     """An in-memory state dict does not fit the optimizer it is loaded into."""
+
+
+class CheckpointError(FlatoptError):
+    """A checkpoint could not be saved or loaded. ``path`` names the file (or None)."""
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class CheckpointMismatch(CheckpointError, ValueError):
+    """The checkpoint is sound but does not fit the optimizer it is loaded into.
+
+    ``differences`` lists every difference found (a list of
+    :class:`flatopt.checkpoint.Difference`), all collected before anything was changed;
+    ``report()`` gives them as plain dicts. The message names each one and the option that
+    would relax it.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, differences=()):
+        super().__init__(message, path=path)
+        self.differences = list(differences)
+
+    def report(self) -> list[dict]:
+        return [difference.to_dict() for difference in self.differences]
+
+
+class CheckpointCorrupt(CheckpointError, ValueError):
+    """The file is damaged, incomplete (an interrupted save) or hostile (external storage,
+    links, virtual datasets, unknown filters, impossible sizes). ``buffer`` names the dataset
+    when the damage was found in one."""
+
+    def __init__(self, message: str, *, path: str | None = None, buffer: str | None = None):
+        super().__init__(message, path=path)
+        self.buffer = buffer
