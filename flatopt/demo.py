@@ -1,7 +1,7 @@
 """Demo: train a small NumPy MLP on generated data with flatopt, print the loss curve and the
 optimizer's step throughput.
 
-    python -m flatopt.demo [--steps 300] [--hidden 256] [--seed 0]
+    python -m flatopt.demo [--steps 300] [--hidden 256] [--seed 0] [--checkpoint PATH]
 
 Backprop writes every gradient straight into flatopt's flat gradient buffer (``out=``), so the
 optimizer step reads and writes contiguous memory with no copies.
@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", metavar="PATH",
+                        help="save a checkpoint there at the end (inspect it with "
+                             "`flatopt inspect PATH`)")
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
@@ -108,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     median = float(np.median(step_seconds)) if step_seconds else float("nan")
     print(f"optimizer step: median {median * 1e6:.1f} us, "
           f"{n_elements / median / 1e6:.1f} M elements/s")
+    if args.checkpoint:
+        start = time.perf_counter()
+        flatopt.save(args.checkpoint, opt, metadata={"step": args.steps, "seed": args.seed,
+                                                      "loss": loss})
+        print(f"checkpoint saved to {args.checkpoint} in "
+              f"{time.perf_counter() - start:.3f} s (flatopt inspect {args.checkpoint})")
     return 0
 
 
