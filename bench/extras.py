@@ -1,0 +1,212 @@
+"""The runner's other figures: first-step compile time in a fresh process (cold and warm Numba
+cache), per-step latency of the smallest profile, memory overhead, checkpoint throughput."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import flatopt
+
+from .impls import Case, HYPER, make_impl, max_threads, set_threads
+from .profiles import PROFILES
+
+MIN_STATE_ARRAYS = {"sgd": 1, "adam": 2, "adamw": 2}
+
+
+def memory_overhead(case: Case) -> dict:
+    """State bytes per element against the minimum (momentum: 1 array, Adam: 2 arrays)."""
+    opt = case.opt
+    n = case.profile.n_elements
+    state = sum(b.nbytes for buf in opt.buffers for b in buf.state.values())
+    per_param = sum(a.nbytes for buf in opt.buffers for a in buf.per_param.values())
+    layout = sum(buf.offsets.nbytes + buf.sizes.nbytes + buf.chunk_first.nbytes
+                 + buf.present.nbytes for buf in opt.buffers)
+    total = sum(buf.nbytes for buf in opt.buffers) + per_param + layout
+    return {"profile": case.profile.name, "optimizer": case.optimizer,
+            "dtype": str(case.dtype), "n_elements": n,
+            "padded_elements": sum(buf.length for buf in opt.buffers),
+            "state_bytes_per_element": (state + per_param) / n,
+            "minimum_state_bytes_per_element": MIN_STATE_ARRAYS[case.optimizer]
+            * case.dtype.itemsize,
+            "total_bytes_per_element": total / n}
+
+
+_COMPILE_SCRIPT = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import numpy as np
+import flatopt
+from flatopt.kernels import cpu
+t_import = time.perf_counter() - t0
+out = {"import_s": t_import}
+dtype = np.dtype(sys.argv[1])
+for name, cls, kw in [("sgd", flatopt.SGD, dict(momentum=0.9)), ("adam", flatopt.Adam, {}),
+                      ("adamw", flatopt.AdamW, {})]:
+    params = {"a": np.ones((64, 32), dtype), "b": np.ones(32, dtype)}
+    t0 = time.perf_counter()
+    opt = cls(params, lr=1e-3, **kw)
+    opt.grads.mark_present()
+    opt.step()
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    opt.grads.mark_present()
+    opt.step()
+    second = time.perf_counter() - t0
+    out[name] = {"first_step_s": first, "second_step_s": second}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def compile_times(dtype: str = "float32") -> dict:
+    """First step in a fresh process with an empty Numba cache, then again with it warm."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="flatopt-bench-cache-") as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        for which in ("cold", "warm"):
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, dtype], env=env,
+                                  capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+            if proc.returncode or not line:
+                out[which] = {"error": proc.stderr[-2000:]}
+                continue
+            out[which] = json.loads(line[0][len("RESULT"):])
+            out[which]["process_wall_s"] = wall
+    return out
+
+
+def latency(profile_name: str = "1000x100", optimizer: str = "adam", dtype="float32",
+            steps: int = 2000) -> dict:
+    """Single-step latency distribution (each step timed alone), all cores and 1 thread."""
+    case = Case(PROFILES[profile_name], optimizer, dtype)
+    out = {"profile": profile_name, "optimizer": optimizer, "dtype": str(dtype)}
+    impls = ["flatopt", "torch-fused"]
+    for threads in sorted({1, max_threads()}):
+        set_threads(threads)
+        for name in impls:
+            try:
+                impl = make_impl(name, case)
+            except Exception as exc:
+                out[f"{name}_{threads}t"] = {"skipped": str(exc)}
+                continue
+            for _ in range(20):
+                impl.step()
+            ts = np.empty(steps)
+            for k in range(steps):
+                t0 = time.perf_counter()
+                impl.step()
+                ts[k] = time.perf_counter() - t0
+            out[f"{name}_{threads}t"] = {
+                "median_us": float(np.median(ts) * 1e6),
+                "p90_us": float(np.percentile(ts, 90) * 1e6),
+                "p99_us": float(np.percentile(ts, 99) * 1e6)}
+            impl.close()
+    set_threads(max_threads())
+    return out
+
+
+def _try_calls(fn, variants):
+    last = None
+    for args in variants:
+        try:
+            return fn(*args)
+        except TypeError as exc:
+            last = exc
+    raise last
+
+
+def checkpoint_throughput(profile_name: str = "64x1M", optimizer: str = "adam",
+                          dtype="float32", repeats: int = 3) -> dict:
+    """flatopt.save / flatopt.load against np.save / np.load of the same flat buffers."""
+    if not (hasattr(flatopt, "save") and hasattr(flatopt, "load")):
+        return {"skipped": "flatopt.save / flatopt.load do not exist in this checkout"}
+    case = Case(PROFILES[profile_name], optimizer, dtype)
+    opt = case.opt
+    opt.step()
+    arrays = [buf.params for buf in opt.buffers] + [a for buf in opt.buffers
+                                                    for a in buf.state.values()]
+    nbytes = sum(a.nbytes for a in arrays)
+    res: dict = {"profile": profile_name, "optimizer": optimizer, "bytes": nbytes}
+    with tempfile.TemporaryDirectory(prefix="flatopt-bench-ckpt-") as tmp:
+        tmp = Path(tmp)
+        times = {"flatopt_save": [], "flatopt_load": [], "np_save": [], "np_load": []}
+        for r in range(repeats):
+            path = tmp / f"ckpt{r}.h5"
+            t0 = time.perf_counter()
+            _try_calls(flatopt.save, [(opt, path), (path, opt)])
+            times["flatopt_save"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            _try_calls(flatopt.load, [(opt, path), (path, opt), (path,)])
+            times["flatopt_load"].append(time.perf_counter() - t0)
+            res["file_bytes"] = path.stat().st_size
+            path.unlink()
+            paths = [tmp / f"a{r}_{k}.npy" for k in range(len(arrays))]
+            t0 = time.perf_counter()
+            for p, a in zip(paths, arrays):
+                np.save(p, a)
+            times["np_save"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for p in paths:
+                np.load(p)
+            times["np_load"].append(time.perf_counter() - t0)
+            for p in paths:
+                p.unlink()
+    for key, ts in times.items():
+        res[key + "_s"] = float(np.median(ts))
+        res[key + "_gbps"] = nbytes / float(np.median(ts)) / 1e9
+    return res
+
+
+def run_all(quick: bool, dtype: str, progress) -> dict:
+    out = {}
+    for name, fn in [("compile", lambda: compile_times(dtype)),
+                     ("latency", lambda: latency(dtype=dtype, steps=500 if quick else 2000)),
+                     ("checkpoint", lambda: checkpoint_throughput(
+                         dtype=dtype, repeats=2 if quick else 3))]:
+        progress.show(f"extras: {name}")
+        try:
+            out[name] = fn()
+        except Exception as exc:  # an extra that fails is reported, the table still stands
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        progress.advance()
+    return out
+
+
+def print_extras(extras: dict) -> None:
+    c = extras.get("compile", {})
+    print("\nFirst step in a fresh process (construct + step, float kernels for SGD/Adam/AdamW):")
+    for which in ("cold", "warm"):
+        r = c.get(which, {})
+        if "error" in r or not r:
+            print(f"  {which}: {r.get('error', 'not run')[:300]}")
+            continue
+        print(f"  {which} cache: import {r['import_s']:.2f} s; first step "
+              + ", ".join(f"{k} {r[k]['first_step_s']:.2f} s" for k in ("sgd", "adam", "adamw"))
+              + "; second step "
+              + ", ".join(f"{k} {r[k]['second_step_s'] * 1e6:.0f} us"
+                          for k in ("sgd", "adam", "adamw")))
+    lat = extras.get("latency", {})
+    print(f"\nPer-step latency, {lat.get('profile')} {lat.get('optimizer')} (each step timed "
+          "alone):")
+    for key, r in lat.items():
+        if isinstance(r, dict) and "median_us" in r:
+            print(f"  {key:<18} median {r['median_us']:.1f} us, p90 {r['p90_us']:.1f} us, "
+                  f"p99 {r['p99_us']:.1f} us")
+    ck = extras.get("checkpoint", {})
+    print("\nCheckpoint throughput:")
+    if "skipped" in ck or "error" in ck:
+        print(f"  {ck.get('skipped') or ck.get('error')}")
+    else:
+        print(f"  {ck['profile']} {ck['optimizer']}: {ck['bytes'] / 1e6:.0f} MB of buffers; "
+              f"flatopt.save {ck['flatopt_save_gbps']:.2f} GB/s, np.save {ck['np_save_gbps']:.2f}"
+              f" GB/s; flatopt.load {ck['flatopt_load_gbps']:.2f} GB/s, np.load "
+              f"{ck['np_load_gbps']:.2f} GB/s")
