@@ -41,7 +41,7 @@ import h5py
 import numpy as np
 
 from . import _hyper
-from ._layout import aligned_zeros
+from ._layout import aligned_offsets, aligned_zeros
 from .adam import Adam, AdamW
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, HyperparameterError
 from .optimizer import Optimizer
@@ -260,6 +260,8 @@ def _write(target, opt: Optimizer, kind: _Kind, groups: list[dict], meta_json: s
     buffer_table: dict[str, list] = {}
     with h5py.File(target, "w", libver=LIBVER) as f, \
             concurrent.futures.ThreadPoolExecutor(1) as pool:
+        if isinstance(target, str):
+            _reserve(target, _estimate_bytes(opt, columns))
         for key, value in header.items():
             f.attrs[key] = value
         index = f.create_group("index")
@@ -290,6 +292,49 @@ def _write(target, opt: Optimizer, kind: _Kind, groups: list[dict], meta_json: s
         if stop_before_digest:
             return
         f.attrs["digest"] = _manifest_digest(header, groups, columns, buffer_table)
+
+
+def _estimate_bytes(opt: Optimizer, columns: dict[str, list]) -> int:
+    """An upper bound for the file size: buffers, fletcher32 sums, index and metadata."""
+    data = 0
+    for buf in opt.buffers:
+        for flat in (buf.params, *buf.state.values()):
+            chunks = -(-flat.nbytes // CHUNK_BYTES)
+            data += flat.nbytes + 64 * chunks
+    index = sum(len(path.encode()) + 128 for path in columns["path"])
+    return data + 2 * index + data // 50 + (1 << 20)
+
+
+def _reserve(path: str, nbytes: int) -> None:
+    """Allocate the file's disk space up front, so a full disk fails here, cleanly, before
+    HDF5 writes any chunk (HDF5 2.0 crashes on close after a failed chunked write)."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL,
+                         getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+            return  # the filesystem cannot reserve space; write without the reservation
+        raise
+    finally:
+        os.close(fd)
+
+
+def _trim(path: str) -> None:
+    """Cut the file to the end of HDF5's data (recorded in superblock v2/v3), dropping the
+    unused tail of the reservation."""
+    with open(path, "r+b") as handle:
+        head = handle.read(48)
+        if (len(head) < 48 or head[:8] != b"\x89HDF\r\n\x1a\n" or head[8] not in (2, 3)
+                or head[9] != 8):
+            return
+        end = int.from_bytes(head[28:36], "little")
+        handle.seek(0, os.SEEK_END)
+        if 0 < end < handle.tell():
+            handle.truncate(end)
 
 
 def _fsync_path(path: str, directory: bool = False) -> None:
@@ -374,6 +419,7 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     os.close(fd)
     try:
         _write(tmp, opt, kind, groups, meta_json, sched_json)
+        _trim(tmp)
         _fsync_path(tmp)
         try:
             mode = os.stat(final).st_mode & 0o7777
@@ -868,6 +914,12 @@ def _check_semantics(ck: _Contents, columns: dict[str, list], raw_groups: list[d
             if entry.offset < end:
                 raise ck.corrupt(f"{entry.path!r} overlaps the previous parameter in its buffer")
             end = entry.offset + entry.size
+        # flatopt's packing is canonical: aligned, in order, no gaps, nothing after the end
+        offsets, length = aligned_offsets([e.size for e in buffer.members], _DTYPES[key[1]])
+        if length != buffer.length or any(int(o) != e.offset
+                                           for o, e in zip(offsets, buffer.members)):
+            raise ck.corrupt(f"group {key[0]} {key[1]}: offsets or length do not follow "
+                             "flatopt's aligned packing (gaps or a wrong length)")
         has_state = any(any(v for v in e.per_param.values()) for e in buffer.members)
         if has_state:
             needed = (("exp_avg", "exp_avg_sq") if kind.name != "SGD" else ("momentum_buffer",))
@@ -965,10 +1017,12 @@ def _compare(ck: _Contents, opt: Optimizer, kind: _Kind, *, strict: bool, rename
             diffs.append(Difference("group", info.path, entry.group, info.group,
                                     note="the parameter moved group",
                                     relaxed_by="regroup=True"))
-        elif strict and not regroup and entry.id != info.id:
+        elif entry.id != info.id:
+            # The cross-check: reported, never blocking, since state follows the path.
             diffs.append(Difference("id", info.path, entry.id, info.id,
-                                    note="the optimizer was built in a different order; state "
-                                         "still follows the path", relaxed_by="strict=False"))
+                                    note="built in a different order or a parameter was added "
+                                         "or removed; state follows the path",
+                                    relaxed_by="path matching"))
         if not bad:
             matches.append((info, entry))
     live_paths = set(opt.index.paths)
@@ -1026,6 +1080,8 @@ def _compare(ck: _Contents, opt: Optimizer, kind: _Kind, *, strict: bool, rename
 
 
 def _is_relaxed(diff: Difference, *, strict: bool, hyperparameters, regroup: bool) -> bool:
+    if diff.relaxed_by == "path matching":
+        return True
     if diff.relaxed_by == "strict=False":
         return not strict
     if diff.relaxed_by == "regroup=True":
@@ -1046,7 +1102,8 @@ def _mismatch_message(name: str, opt: Optimizer, blocking: list, relaxed: list) 
         lines.append(f"  ... and {len(blocking) - limit} more (see .differences)")
     if relaxed:
         lines.append(f"accepted by the options given: {len(relaxed)} more")
-    hints = sorted({d.relaxed_by for d in blocking if d.relaxed_by})
+    hints = sorted({d.relaxed_by for d in blocking
+                    if d.relaxed_by and d.relaxed_by != "path matching"})
     if hints:
         lines.append("options that accept some of these: " + "; ".join(hints) +
                      "; rename={old: new} (or a function) maps refactored paths")

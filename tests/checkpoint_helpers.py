@@ -1,0 +1,165 @@
+"""Shared helpers for the checkpoint tests: small optimizers, snapshots, resealing edited files."""
+
+from __future__ import annotations
+
+import io
+
+import h5py
+import numpy as np
+
+import flatopt
+from flatopt import checkpoint as ck_mod
+
+
+def model_params(seed: int = 0, extra: dict | None = None) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    params = {
+        "enc.weight": rng.standard_normal((4, 3)).astype(np.float32),
+        "enc.bias": rng.standard_normal(3).astype(np.float32),
+        "mix.weight": rng.standard_normal((3, 3)).astype(np.float32),  # same shape as dec.weight
+        "dec.weight": rng.standard_normal((3, 3)).astype(np.float32),
+        "dec.bias": rng.standard_normal(3).astype(np.float64),
+        "norm.scale": np.array(1.5, dtype=np.float64),                 # 0-d
+        "empty": np.zeros((0, 2), dtype=np.float32),                   # zero-size
+    }
+    if extra:
+        params.update(extra)
+    return params
+
+
+def grouped(params: dict, rules=None) -> list[dict]:
+    if rules is None:
+        rules = [{"match": ["*.bias", "norm.*", "empty"], "weight_decay": 0.0, "lr": 0.02,
+                  "label": "no_decay"}]
+    return flatopt.group_by_pattern(params, rules, rest={"label": "decay"})
+
+
+def make_opt(kind: str = "Adam", seed: int = 0, steps: int = 3, params=None, rules=None,
+             **hyper) -> flatopt.Optimizer:
+    """A small optimizer with two groups, two dtypes, a 0-d and a zero-size parameter, stepped
+    ``steps`` times with some gradients missing (so step counts differ per parameter)."""
+    params = model_params(seed) if params is None else params
+    cls = {"SGD": flatopt.SGD, "Adam": flatopt.Adam, "AdamW": flatopt.AdamW}[kind]
+    defaults = {"SGD": {"lr": 0.1, "momentum": 0.9}, "Adam": {"lr": 0.01},
+                "AdamW": {"lr": 0.01}}[kind]
+    opt = cls(grouped(params, rules), **{**defaults, **hyper})
+    step_with_grads(opt, seed, steps)
+    return opt
+
+
+def step_with_grads(opt, seed: int, steps: int, start: int = 0) -> None:
+    for t in range(start, start + steps):
+        rng = np.random.default_rng(1000 * seed + t)
+        grads = {}
+        for k, (path, view) in enumerate(opt.params.items()):
+            if (k + t) % 4 == 3:
+                continue  # a missing gradient
+            grads[path] = rng.standard_normal(view.shape).astype(view.dtype)
+        opt.step(grads)
+
+
+def snapshot(opt) -> dict:
+    """Everything load may change: buffers, state slots, persistent per-parameter arrays,
+    param groups."""
+    snap = {"groups": [dict(g) for g in opt.param_groups], "buffers": []}
+    for buf in opt.buffers:
+        snap["buffers"].append({
+            "params": buf.params.copy(),
+            "state": {k: v.copy() for k, v in buf.state.items()},
+            "per_param": {k: buf.per_param[k].copy() for k in ("step", "momentum_initialized")
+                          if k in buf.per_param},
+        })
+    return snap
+
+
+def same_snapshot(a: dict, b: dict) -> bool:
+    if a["groups"] != b["groups"] or len(a["buffers"]) != len(b["buffers"]):
+        return False
+    for x, y in zip(a["buffers"], b["buffers"]):
+        if x["params"].tobytes() != y["params"].tobytes():
+            return False
+        if set(x["state"]) != set(y["state"]) or set(x["per_param"]) != set(y["per_param"]):
+            return False
+        for k in x["state"]:
+            if x["state"][k].tobytes() != y["state"][k].tobytes():
+                return False
+        for k in x["per_param"]:
+            if x["per_param"][k].tobytes() != y["per_param"][k].tobytes():
+                return False
+    return True
+
+
+def state_equal(a, b) -> bool:
+    """Parameters, step counts and state of two optimizers agree bit for bit, by path."""
+    if sorted(a.params) != sorted(b.params):
+        return False
+    for path in a.params:
+        if a.params[path].tobytes() != b.params[path].tobytes():
+            return False
+        sa, sb = a.state_of(path), b.state_of(path)
+        if (sa is None) != (sb is None):
+            return False
+        if sa is None:
+            continue
+        for x, y in zip(sa, sb):
+            if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+                if x is None or y is None or x.tobytes() != y.tobytes():
+                    return False
+            elif x != y:
+                return False
+    return True
+
+
+def saved_bytes(opt, tmp_path, name="ck.h5", **kwargs) -> bytes:
+    path = tmp_path / name
+    flatopt.save(path, opt, **kwargs)
+    return path.read_bytes()
+
+
+def reseal(data: bytes) -> bytes:
+    """Recompute the commit digest of an edited checkpoint, as an attacker could, so that the
+    loader's structural and semantic checks (not only the digest) are exercised."""
+    bio = io.BytesIO(data)
+    with h5py.File(bio, "r+") as f:
+        header = {}
+        for key in f.attrs:
+            if key == "digest":
+                continue
+            value = f.attrs[key]
+            if isinstance(value, np.integer):
+                value = int(value)
+            header[key] = value if isinstance(value, (str, int)) else repr(value)
+        groups = []
+        buffers = {}
+        for number in sorted(f["groups"], key=int):
+            g = f["groups"][number]
+            groups.append({"hyperparameters": g.attrs["hyperparameters"],
+                           "label": g.attrs.get("label")})
+            for dtype in g:
+                for slot in g[dtype]:
+                    try:  # hostile edits may have put links or groups here
+                        ds = g[dtype][slot]
+                        buffers[ds.name] = [ds.dtype.name, int(ds.shape[0]),
+                                            ds.attrs.get("digest")]
+                    except Exception:
+                        continue
+        columns = {}
+        for name in f["index"]:
+            ds = f["index"][name]
+            if h5py.check_string_dtype(ds.dtype) is not None:
+                columns[name] = [v.decode() for v in ds[...]]
+            elif h5py.check_vlen_dtype(ds.dtype) is not None:
+                columns[name] = [[int(d) for d in v] for v in ds[...]]
+            else:
+                columns[name] = [int(v) for v in ds[...]]
+        f.attrs["digest"] = ck_mod._manifest_digest(header, groups, columns, buffers)
+    return bio.getvalue()
+
+
+def edit(data: bytes, fn, seal: bool = True) -> bytes:
+    """Apply ``fn(h5py.File)`` to a copy of a checkpoint in memory; reseal the digest."""
+    bio = io.BytesIO(data)
+    with h5py.File(bio, "r+") as f:
+        fn(f)
+    out = bio.getvalue()
+    return reseal(out) if seal else out

@@ -1,0 +1,668 @@
+"""Checkpoints: round trips, the mismatch report, opt-in relaxations, integrity, hostile files,
+crash-safe saving and the command-line tool."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import flatopt
+from flatopt import checkpoint as ck_mod
+from flatopt import cli
+from checkpoint_helpers import (edit, grouped, make_opt, model_params, reseal, same_snapshot,
+                                snapshot, state_equal, step_with_grads)
+
+KINDS = ["SGD", "Adam", "AdamW"]
+
+
+def fresh_like(kind="Adam", seed=99, **hyper):
+    """An optimizer with the same structure as make_opt(kind) but other values and no state."""
+    opt = make_opt(kind, seed=seed, steps=0, **hyper)
+    return opt
+
+
+def stepped_other(kind="Adam", **hyper):
+    """Same structure, different values and state (so a no-op load is visible)."""
+    return make_opt(kind, seed=7, steps=2, **hyper)
+
+
+# --------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_is_exact(kind, tmp_path):
+    hyper = {"amsgrad": True} if kind == "AdamW" else {}
+    opt = make_opt(kind, steps=5, **hyper)
+    path = tmp_path / "ck.h5"
+    assert flatopt.save(path, opt, metadata={"epoch": 5}) == str(path)
+    other = stepped_other(kind, **hyper)
+    assert not state_equal(opt, other)
+    result = flatopt.load(path, other)
+    assert state_equal(opt, other)
+    assert result.metadata == {"epoch": 5}
+    assert result.loaded == list(opt.params) and result.fresh == [] and result.unused == []
+    assert [f for f in os.listdir(tmp_path)] == ["ck.h5"]  # no temporary file left
+
+
+def test_state_follows_path_when_construction_order_differs(tmp_path):
+    opt = make_opt("Adam", steps=4)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    params = model_params(3)
+    reordered = dict(reversed(list(params.items())))  # ids now differ from the saved ones
+    other = make_opt("Adam", steps=0, params=reordered)
+    result = flatopt.load(tmp_path / "ck.h5", other)
+    for path in opt.params:
+        assert np.array_equal(opt.params[path], other.params[path])
+        a, b = opt.state_of(path), other.state_of(path)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.step == b.step and np.array_equal(a.exp_avg, b.exp_avg)
+    # mix.weight and dec.weight have the same shape: loaded by path, never swapped
+    assert not np.array_equal(other.params["mix.weight"], opt.params["dec.weight"])
+    assert {d.kind for d in result.differences} == {"id"}  # the cross-check is reported
+
+
+def test_save_load_save_is_identical(tmp_path):
+    opt = make_opt("AdamW", steps=3, amsgrad=True)
+    flatopt.save(tmp_path / "a.h5", opt, metadata={"k": [1, 2.5, "x", None]})
+    other = fresh_like("AdamW", amsgrad=True)
+    result = flatopt.load(tmp_path / "a.h5", other)
+    flatopt.save(tmp_path / "b.h5", other, metadata=result.metadata)
+    digests = []
+    for name in ("a.h5", "b.h5"):
+        with h5py.File(tmp_path / name, "r") as f:
+            digests.append(f.attrs["digest"])
+    assert digests[0] == digests[1]  # covers index, hyperparameters and every buffer CRC
+    assert cli.diff_checkpoints(tmp_path / "a.h5", tmp_path / "b.h5")["identical"]
+
+
+def test_metadata_and_scheduler_round_trip(tmp_path):
+    class Scheduler:
+        def __init__(self):
+            self.state = {"last_epoch": 0, "base_lrs": [0.0]}
+
+        def state_dict(self):
+            return dict(self.state)
+
+        def load_state_dict(self, state):
+            self.state = dict(state)
+
+    sched = Scheduler()
+    sched.state = {"last_epoch": 12, "base_lrs": [0.01, 0.02]}
+    meta = {"epoch": 3, "nested": {"a": [1, 2, {"b": True}]}, "np": np.float32(0.5),
+            "unicode": "Ünïcødé"}
+    opt = make_opt("SGD")
+    flatopt.save(tmp_path / "ck.h5", opt, scheduler=sched, metadata=meta)
+    other, target = fresh_like("SGD"), Scheduler()
+    result = flatopt.load(tmp_path / "ck.h5", other, scheduler=target)
+    assert target.state == sched.state
+    assert result.scheduler_state == sched.state
+    assert result.metadata == {**meta, "np": 0.5}
+
+
+def test_non_json_metadata_is_refused_before_writing(tmp_path):
+    opt = make_opt("Adam")
+    with pytest.raises(flatopt.CheckpointError, match="JSON"):
+        flatopt.save(tmp_path / "ck.h5", opt, metadata={"array": np.zeros(3)})
+    assert os.listdir(tmp_path) == []
+
+
+def test_load_from_bytes_and_file_objects(tmp_path):
+    opt = make_opt("Adam")
+    flatopt.save(tmp_path / "ck.h5", opt)
+    data = (tmp_path / "ck.h5").read_bytes()
+    for source in (data, io.BytesIO(data), open(tmp_path / "ck.h5", "rb")):
+        other = fresh_like()
+        flatopt.load(source, other)
+        assert state_equal(opt, other)
+
+
+# --------------------------------------------------------------------------- mismatches
+def test_every_difference_is_reported_at_once(tmp_path):
+    opt = make_opt("Adam", steps=2)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    params = model_params(1)
+    del params["enc.bias"]                                           # missing in live
+    params["new.weight"] = np.zeros(2, np.float32)                   # unexpected... in live
+    params["dec.weight"] = np.zeros((3, 4), np.float32)              # shape change
+    params["dec.bias"] = params["dec.bias"].astype(np.float32)       # dtype change
+    rules = [{"match": ["*.bias", "norm.*", "empty", "mix.*"], "weight_decay": 0.0,
+              "lr": 0.02, "label": "no_decay"}]                      # mix.weight moves group
+    live = flatopt.Adam(grouped(params, rules), lr=0.03, amsgrad=True)
+    before = snapshot(live)
+    with pytest.raises(flatopt.CheckpointMismatch) as info:
+        flatopt.load(tmp_path / "ck.h5", live)
+    exc = info.value
+    assert same_snapshot(before, snapshot(live))
+    kinds = {(d.kind, d.where.split(" ")[-1] if d.kind in ("hyperparameter", "flag")
+              else d.where) for d in exc.differences}
+    assert ("missing", "new.weight") in kinds
+    assert ("unexpected", "enc.bias") in kinds
+    assert ("shape", "dec.weight") in kinds
+    assert ("dtype", "dec.bias") in kinds
+    assert ("group", "mix.weight") in kinds
+    assert ("hyperparameter", "lr") in kinds
+    assert ("flag", "amsgrad") in kinds
+    message = str(exc)
+    assert "saved (3, 3), live (3, 4)" in message
+    assert "saved 'float64', live 'float32'" in message
+    assert "lr: saved 0.01, live 0.03" in message
+    assert "amsgrad: saved False, live True" in message
+    assert "strict=False" in message and "regroup=True" in message
+    assert "ck.h5" in message
+    report = exc.report()
+    json.dumps(report)  # the structured report is plain data
+    assert {"kind", "where", "saved", "live", "relaxed_by"} <= set(report[0])
+
+
+def test_wrong_optimizer_kind_is_not_relaxable(tmp_path):
+    flatopt.save(tmp_path / "ck.h5", make_opt("SGD"))
+    live = make_opt("Adam", steps=1)
+    before = snapshot(live)
+    for options in ({}, {"strict": False, "hyperparameters": "live", "regroup": True}):
+        with pytest.raises(flatopt.CheckpointMismatch, match="optimizer .*saved 'SGD', live "
+                                                             "'Adam'"):
+            flatopt.load(tmp_path / "ck.h5", live, **options)
+    assert same_snapshot(before, snapshot(live))
+
+
+def test_newer_format_version_is_refused_naming_both(tmp_path):
+    flatopt.save(tmp_path / "ck.h5", make_opt())
+    data = edit((tmp_path / "ck.h5").read_bytes(),
+                lambda f: f.attrs.__setitem__("format_version", 7))
+    live = fresh_like()
+    with pytest.raises(flatopt.CheckpointMismatch, match=r"format version 7.*up to 1"):
+        flatopt.load(data, live)
+
+
+def test_partial_loading(tmp_path):
+    opt = make_opt("Adam", steps=3)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    params = model_params(5)
+    del params["enc.bias"]
+    params["extra.weight"] = np.ones((2, 2), np.float32)
+    live = make_opt("Adam", steps=1, params=params)
+    before_extra = live.params["extra.weight"].copy()
+    with pytest.raises(flatopt.CheckpointMismatch, match="missing"):
+        flatopt.load(tmp_path / "ck.h5", live)
+    result = flatopt.load(tmp_path / "ck.h5", live, strict=False)
+    assert result.fresh == ["extra.weight"] and result.unused == ["enc.bias"]
+    assert live.state_of("extra.weight") is None                     # fresh state
+    assert np.array_equal(live.params["extra.weight"], before_extra)  # value kept
+    for path in result.loaded:
+        assert np.array_equal(live.params[path], opt.params[path])
+    assert {d.kind for d in result.differences} >= {"missing", "unexpected"}
+
+
+def test_partial_does_not_accept_shape_changes(tmp_path):
+    flatopt.save(tmp_path / "ck.h5", make_opt("Adam"))
+    params = model_params(5)
+    params["enc.weight"] = np.zeros((5, 3), np.float32)
+    live = make_opt("Adam", steps=1, params=params)
+    before = snapshot(live)
+    with pytest.raises(flatopt.CheckpointMismatch, match="shape") as info:
+        flatopt.load(tmp_path / "ck.h5", live, strict=False, hyperparameters="live",
+                     regroup=True)
+    assert [d.kind for d in info.value.differences if d.kind != "id"] == ["shape"]
+    assert same_snapshot(before, snapshot(live))
+
+
+def renamed_params(seed):
+    params = model_params(seed)
+    return {("encoder." + p[4:] if p.startswith("enc.") else p): v for p, v in params.items()}
+
+
+def test_rename_map_and_function(tmp_path):
+    opt = make_opt("AdamW", steps=3)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    live = make_opt("AdamW", steps=0, params=renamed_params(4))
+    with pytest.raises(flatopt.CheckpointMismatch) as info:
+        flatopt.load(tmp_path / "ck.h5", live)
+    assert {d.kind for d in info.value.differences} == {"missing", "unexpected"}
+    flatopt.load(tmp_path / "ck.h5", live,
+                 rename={"enc.weight": "encoder.weight", "enc.bias": "encoder.bias"})
+    assert np.array_equal(live.params["encoder.weight"], opt.params["enc.weight"])
+    assert live.state_of("encoder.bias").step == opt.state_of("enc.bias").step
+    live2 = make_opt("AdamW", steps=0, params=renamed_params(4))
+    flatopt.load(tmp_path / "ck.h5", live2, rename=lambda p: re.sub(r"^enc\.", "encoder.", p))
+    assert state_equal(live, live2)
+
+
+def test_rename_problems_are_reported(tmp_path):
+    flatopt.save(tmp_path / "ck.h5", make_opt("Adam"))
+    live = fresh_like()
+    before = snapshot(live)
+    with pytest.raises(flatopt.CheckpointMismatch) as info:
+        flatopt.load(tmp_path / "ck.h5", live,
+                     rename={"mix.weight": "dec.weight", "nope": "x"})
+    notes = [d.note for d in info.value.differences if d.kind == "rename"]
+    assert any("same path" in n for n in notes) and any("matches no saved" in n for n in notes)
+    assert same_snapshot(before, snapshot(live))
+
+
+def test_hyperparameter_choice(tmp_path):
+    opt = make_opt("Adam", steps=2)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    live = make_opt("Adam", steps=0, lr=0.5, betas=(0.8, 0.9))
+    with pytest.raises(flatopt.CheckpointMismatch, match="betas"):
+        flatopt.load(tmp_path / "ck.h5", live)
+    flatopt.load(tmp_path / "ck.h5", live, hyperparameters="live")
+    assert live.param_groups[1]["lr"] == 0.5 and live.param_groups[1]["betas"] == (0.8, 0.9)
+    flatopt.load(tmp_path / "ck.h5", live, hyperparameters="saved")
+    assert live.param_groups[1]["lr"] == 0.01 and live.param_groups[1]["betas"] == (0.9, 0.999)
+    assert live.param_groups[0]["lr"] == 0.02
+
+
+def test_regrouped_optimizer_loads_state_by_path(tmp_path):
+    opt = make_opt("Adam", steps=4)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    one_group = flatopt.Adam(model_params(8), lr=0.01)
+    before = snapshot(one_group)
+    with pytest.raises(flatopt.CheckpointMismatch) as info:
+        flatopt.load(tmp_path / "ck.h5", one_group)
+    assert {"group", "groups"} <= {d.kind for d in info.value.differences}
+    # saved groups disagree on lr, so their hyperparameters cannot both win
+    with pytest.raises(flatopt.CheckpointMismatch, match="disagree"):
+        flatopt.load(tmp_path / "ck.h5", one_group, regroup=True, hyperparameters="saved")
+    assert same_snapshot(before, snapshot(one_group))
+    flatopt.load(tmp_path / "ck.h5", one_group, regroup=True, hyperparameters="live")
+    assert state_equal(opt, one_group)
+    # and it keeps training from there
+    step_with_grads(one_group, 3, 1)
+
+
+def test_amsgrad_turned_on_at_load(tmp_path):
+    opt = make_opt("Adam", steps=3)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    live = make_opt("Adam", steps=2, amsgrad=True)
+    with pytest.raises(flatopt.CheckpointMismatch, match="amsgrad: saved False, live True"):
+        flatopt.load(tmp_path / "ck.h5", live)
+    flatopt.load(tmp_path / "ck.h5", live, hyperparameters="live")
+    for buf in live.buffers:
+        assert not buf.state["max_exp_avg_sq"].any()  # the running max starts from zero
+    assert live.state_of("enc.weight").step == opt.state_of("enc.weight").step
+    step_with_grads(live, 5, 1)
+
+
+def test_scheduler_requested_but_absent(tmp_path):
+    flatopt.save(tmp_path / "ck.h5", make_opt("SGD"))
+
+    class Sched:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            raise AssertionError("not called")
+
+    with pytest.raises(flatopt.CheckpointMismatch, match="scheduler"):
+        flatopt.load(tmp_path / "ck.h5", fresh_like("SGD"), scheduler=Sched())
+
+
+# --------------------------------------------------------------------------- integrity
+@pytest.fixture
+def saved(tmp_path):
+    opt = make_opt("Adam", steps=3)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    return opt, (tmp_path / "ck.h5").read_bytes()
+
+
+def expect_corrupt(data, match=None):
+    live = stepped_other()
+    before = snapshot(live)
+    with pytest.raises(flatopt.CheckpointCorrupt, match=match) as info:
+        flatopt.load(data, live)
+    assert same_snapshot(before, snapshot(live))
+    return info.value
+
+
+def chunk_offset(data: bytes, name: str) -> tuple[int, int]:
+    with h5py.File(io.BytesIO(data), "r") as f:
+        chunk = f[name].id.get_chunk_info(0)
+        return chunk.byte_offset, chunk.size
+
+
+def test_flipped_byte_in_data_names_the_buffer(saved):
+    _, data = saved
+    name = "/groups/1/float32/exp_avg"
+    start, size = chunk_offset(data, name)
+    for position in (start, start + size // 2, start + size - 5):
+        damaged = bytearray(data)
+        damaged[position] ^= 0x10
+        exc = expect_corrupt(bytes(damaged), match="checksum|CRC")
+        assert exc.buffer == name and name in str(exc)
+
+
+def test_library_digest_catches_what_fletcher32_cannot(saved):
+    _, data = saved
+    name = "/groups/0/float64/params"
+
+    def overwrite(f):  # a rewrite through HDF5 recomputes fletcher32 but not our CRC
+        values = f[name][...]
+        values[0] += 1.0
+        f[name][...] = values
+    exc = expect_corrupt(edit(data, overwrite, seal=False), match="CRC mismatch")
+    assert exc.buffer == name
+
+
+@pytest.mark.parametrize("fraction", [0.0001, 0.01, 0.3, 0.5, 0.9, 0.9999])
+def test_truncated_files_are_refused(saved, fraction):
+    _, data = saved
+    expect_corrupt(data[:max(1, int(len(data) * fraction))])
+
+
+def test_not_a_checkpoint(tmp_path):
+    expect_corrupt(b"")
+    expect_corrupt(np.random.default_rng(0).bytes(4096), match="not an HDF5 file")
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = np.arange(3.0)
+    expect_corrupt((tmp_path / "other.h5").read_bytes(), match="not a flatopt checkpoint")
+    with pytest.raises(flatopt.CheckpointError, match="does not exist"):
+        flatopt.load(tmp_path / "missing.h5", fresh_like())
+    with pytest.raises(flatopt.CheckpointError, match="not a regular file"):
+        flatopt.load(tmp_path, fresh_like())
+
+
+def test_incomplete_save_is_refused(tmp_path):
+    opt = make_opt("Adam")
+    kind = ck_mod._kind_of(opt)
+    target = tmp_path / "partial.h5"
+    ck_mod._write(str(target), opt, kind, ck_mod._group_hyperparameters(opt), "null", None,
+                  stop_before_digest=True)
+    expect_corrupt(target.read_bytes(), match="did not finish")
+
+
+def test_edited_attributes_and_index_fail_the_digest(saved):
+    _, data = saved
+    edits = [
+        lambda f: f["groups/0"].attrs.__setitem__("hyperparameters", '{"lr": 1.0}'),
+        lambda f: f.attrs.__setitem__("metadata", '{"evil": 1}'),
+        lambda f: f["index/step"].__setitem__(0, 99),
+        lambda f: f["index/path"].__setitem__(0, "dec.weight"),
+    ]
+    for fn in edits:
+        expect_corrupt(edit(data, fn, seal=False), match="digest")
+
+
+def resealed_cases(data):
+    """Consistent-looking files (digest recomputed) whose contents are impossible."""
+    def set_column(name, row, value):
+        def fn(f):
+            column = f["index"][name][...]
+            column[row] = value
+            del f["index"][name]
+            f["index"].create_dataset(name, data=column)
+        return fn
+
+    def set_shape(row, shape):
+        def fn(f):
+            column = f["index/shape"][...]
+            column[row] = np.asarray(shape, np.int64)
+            f["index/shape"][...] = column
+        return fn
+
+    return {
+        "size 2**62": (set_column("size", 0, 2 ** 62), "size"),
+        "shape and size 2**62": (lambda f: (set_shape(0, [2 ** 62])(f),
+                                            set_column("size", 0, 2 ** 62)(f)), "outside"),
+        "negative offset": (set_column("offset", 1, -16), "outside"),
+        "overlap": (set_column("offset", 2, 0), "overlap"),
+        "gap": (set_column("offset", 1, 1), "aligned packing"),
+        "duplicate id": (set_column("id", 1, 0), "duplicated"),
+        "negative step": (set_column("step", 2, -1), "invalid"),
+        "group out of range": (set_column("group", 0, 9), "no float"),
+        "negative dimension": (set_shape(0, [-4, -3]), "negative"),
+        "unknown kind": (lambda f: f.attrs.__setitem__("optimizer", "Lion"), "unknown optimizer"),
+        "bad hyperparameter": (lambda f: f["groups/0"].attrs.__setitem__(
+            "hyperparameters", json.dumps({"lr": -1})), "lr"),
+        "length 2**62": (lambda f: f["groups/0/float32"].attrs.__setitem__("length", 2 ** 62),
+                         "disagrees"),
+        "state without buffers": (lambda f: f["groups/0/float32"].__delitem__("exp_avg"),
+                                  "missing"),
+        "pickle attribute": (lambda f: f.attrs.__setitem__(
+            "payload", np.void(b"\x80\x04\x95cos\nsystem\n")), "unexpected root attributes"),
+    }
+
+
+def test_impossible_contents_are_refused_before_allocating(saved):
+    _, data = saved
+    for name, (fn, match) in resealed_cases(data).items():
+        expect_corrupt(edit(data, fn), match=match)
+
+
+def replace_dataset(f, name, **kwargs):
+    attrs = dict(f[name].attrs)
+    del f[name]
+    ds = f.create_dataset(name, **kwargs)
+    for k, v in attrs.items():
+        ds.attrs[k] = v
+    return ds
+
+
+def hostile_cases(data, tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(1 << 12, dtype=np.float32).tobytes())
+    name = "/groups/1/float32/params"
+    with h5py.File(io.BytesIO(data), "r") as f:
+        length = f[name].shape[0]
+
+    def external(f):
+        replace_dataset(f, name, shape=(length,), dtype="<f4",
+                        external=[(str(secret), 0, length * 4)])
+
+    def virtual(f):
+        layout = h5py.VirtualLayout(shape=(length,), dtype="<f4")
+        layout[:] = h5py.VirtualSource(str(tmp_path / "missing.h5"), "x", shape=(length,))
+        attrs = dict(f[name].attrs)
+        del f[name]
+        ds = f.create_virtual_dataset(name, layout, fillvalue=0)
+        for k, v in attrs.items():
+            ds.attrs[k] = v
+
+    def unknown_filter(f):
+        attrs = dict(f[name].attrs)
+        del f[name]
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_chunk((min(length, 64),))
+        dcpl.set_filter(32013, h5py.h5z.FLAG_OPTIONAL)
+        h5py.h5d.create(f.id, name.encode(), h5py.h5t.IEEE_F32LE,
+                        h5py.h5s.create_simple((length,)), dcpl=dcpl)
+        for k, v in attrs.items():
+            f[name].attrs[k] = v
+
+    def soft(f):
+        del f[name]
+        f[name] = h5py.SoftLink("/groups/1/float32/exp_avg")
+
+    def external_link(f):
+        del f[name]
+        f[name] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/x")
+
+    def many_attributes(f):
+        for k in range(3000):
+            f["groups/0"].attrs[f"a{k}"] = k
+
+    def deep(f):
+        g = f["groups/0/float32"]
+        for k in range(200):
+            g = g.create_group("params_" if k == 0 else "x")
+
+    def huge(f):
+        replace_dataset(f, name, shape=(2 ** 62,), dtype="<f4", chunks=(1 << 16,))
+        f["groups/1/float32"].attrs["length"] = 2 ** 62
+
+    return {
+        "external storage": (external, "external storage"),
+        "virtual dataset": (virtual, "virtual"),
+        "unknown filter": (unknown_filter, "filter 32013"),
+        "soft link": (soft, "soft link"),
+        "external link": (external_link, "external link"),
+        "object dtype": (lambda f: replace_dataset(f, name, shape=(length,),
+                                                   dtype=h5py.string_dtype()), "dtype"),
+        "compound dtype": (lambda f: replace_dataset(
+            f, name, shape=(length,), dtype=np.dtype([("a", "<f4")])), "dtype"),
+        "integer dtype": (lambda f: replace_dataset(f, name, shape=(length,), dtype="<i4"),
+                          "dtype"),
+        "big-endian": (lambda f: replace_dataset(f, name, shape=(length,), dtype=">f4"),
+                       "dtype"),
+        "2-D buffer": (lambda f: replace_dataset(f, name, shape=(length, 1), dtype="<f4"),
+                       "shape"),
+        "2**62 elements": (huge, "more than the file|disagrees"),
+        "thousands of attributes": (many_attributes, "attributes"),
+        "deep nesting": (deep, "not a Adam buffer|should be a dataset"),
+    }
+
+
+def test_hostile_files_are_refused(saved, tmp_path):
+    _, data = saved
+    for label, (fn, match) in hostile_cases(data, tmp_path).items():
+        exc = expect_corrupt(edit(data, fn), match=match)
+        assert "ck" in str(exc) or "in-memory" in str(exc), label
+
+
+# --------------------------------------------------------------------------- saving safely
+def test_disk_full_keeps_the_previous_checkpoint(tmp_path):
+    small = make_opt("Adam", steps=1)
+    flatopt.save(tmp_path / "ck.h5", small)
+    original = (tmp_path / "ck.h5").read_bytes()
+    big = flatopt.Adam({"w": np.ones(1 << 20, np.float32)})
+    step_with_grads(big, 0, 1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # writes past 1 MiB fail
+    try:
+        with pytest.raises(flatopt.CheckpointError, match="could not save") as info:
+            flatopt.save(tmp_path / "ck.h5", big)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert "untouched" in str(info.value)
+    assert os.listdir(tmp_path) == ["ck.h5"]
+    assert (tmp_path / "ck.h5").read_bytes() == original
+    other = fresh_like()
+    flatopt.load(tmp_path / "ck.h5", other)
+    assert state_equal(small, other)
+
+
+def test_enospc_mid_write_removes_the_temporary_file(tmp_path, monkeypatch):
+    opt = make_opt("SGD")
+    flatopt.save(tmp_path / "ck.h5", opt)
+    original = (tmp_path / "ck.h5").read_bytes()
+    real = ck_mod._write_buffer
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args)
+
+    monkeypatch.setattr(ck_mod, "_write_buffer", failing)
+    with pytest.raises(flatopt.CheckpointError, match="disk is full"):
+        flatopt.save(tmp_path / "ck.h5", make_opt("SGD", seed=3))
+    assert os.listdir(tmp_path) == ["ck.h5"]
+    assert (tmp_path / "ck.h5").read_bytes() == original
+
+
+def test_stale_temporary_files_are_cleaned_and_ignored(tmp_path):
+    opt = make_opt("Adam")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f".ck.h5.{dead}.abc123.tmp"
+    stale.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
+    unrelated = tmp_path / ".other.h5.1.x.tmp"
+    unrelated.write_bytes(b"")
+    os.chmod(tmp_path, 0o755)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck.h5", unrelated.name])
+    os.chmod(tmp_path / "ck.h5", 0o640)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    assert (os.stat(tmp_path / "ck.h5").st_mode & 0o777) == 0o640  # mode kept on replace
+
+
+def test_save_errors(tmp_path):
+    opt = make_opt("Adam")
+    with pytest.raises(flatopt.CheckpointError, match="does not exist"):
+        flatopt.save(tmp_path / "no" / "ck.h5", opt)
+    with pytest.raises(flatopt.CheckpointError, match="directory"):
+        flatopt.save(tmp_path, opt)
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(flatopt.HyperparameterError):
+        flatopt.save(tmp_path / "ck.h5", opt)
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- the CLI
+def test_cli_inspect_verify_diff(tmp_path, capsys):
+    opt = make_opt("Adam", steps=3)
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    flatopt.save(a, opt, metadata={"epoch": 1})
+    steps = [opt.state_of(p).step if opt.state_of(p) else 0 for p in opt.params]
+    step_with_grads(opt, 0, 1, start=3)
+    opt.param_groups[1]["lr"] = 0.005
+    flatopt.save(b, opt, metadata={"epoch": 2})
+
+    assert cli.main(["inspect", str(a)]) == 0
+    out = capsys.readouterr().out
+    assert "Adam" in out and "format" in out and "version 1" in out and "'no_decay'" in out
+    assert "lr=0.02" in out and "step counts" in out
+    assert cli.main(["inspect", "--json", str(a)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["optimizer"] == "Adam" and info["parameters"] == 7
+    assert info["format_version"] == 1 and info["groups"][1]["hyperparameters"]["lr"] == 0.01
+    assert (info["step_min"], info["step_max"]) == (min(steps), max(steps))
+    assert info["elements"] == sum(v.size for v in model_params().values())
+
+    assert cli.main(["verify", str(a)]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert cli.main(["diff", str(a), str(a)]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert cli.main(["diff", "--json", str(a), str(b)]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert {"group": 1, "field": "lr", "a": 0.01, "b": 0.005} in result["groups"]
+    changed = {(p["path"], p["field"]) for p in result["params"]}
+    stepped = [p for p, before in zip(opt.params, steps)
+               if opt.state_of(p) and opt.state_of(p).step == before + 1 and opt.params[p].size]
+    assert stepped
+    for path in stepped:
+        assert (path, "params") in changed and (path, "step") in changed
+
+    damaged = bytearray(a.read_bytes())
+    start, size = chunk_offset(bytes(damaged), "/groups/1/float32/exp_avg_sq")
+    damaged[start + 3] ^= 1
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(bytes(damaged))
+    assert cli.main(["verify", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "NOT SOUND" in out and "/groups/1/float32/exp_avg_sq" in out
+    assert cli.main(["verify", "--json", str(bad)]) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False
+    assert cli.main(["inspect", str(tmp_path / "nope.h5")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_entry_point_on_a_demo_checkpoint(tmp_path):
+    path = tmp_path / "demo.h5"
+    run = subprocess.run([sys.executable, "-m", "flatopt.demo", "--steps", "3", "--hidden", "16",
+                          "--checkpoint", str(path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    exe = Path(sys.executable).parent / "flatopt"
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "flatopt.cli"]
+    run = subprocess.run(command + ["inspect", "--json", str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    info = json.loads(run.stdout)
+    assert info["optimizer"] == "AdamW" and info["step_max"] == 3
+    assert [g["label"] for g in info["groups"]] == ["no_decay", "decay"]
+    run = subprocess.run(command + ["verify", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and "OK" in run.stdout
