@@ -75,8 +75,12 @@ _KINDS = {
     "AdamW": _Kind("AdamW", AdamW, {"step": np.dtype("<i8")},
                    ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
 }
-_BASE_COLUMNS = {"id": np.dtype("<i8"), "path": "str", "shape": "shape", "dtype": "str",
-                 "group": np.dtype("<i8"), "offset": np.dtype("<i8"), "size": np.dtype("<i8")}
+# Index columns. Strings are fixed-length UTF-8 and shapes a padded 2-D array: nothing in a
+# checkpoint lives in HDF5's global heap, whose unchecksummed records can make HDF5 spin on a
+# single flipped bit. "ndim" is stored alongside "shape" (padded with -1).
+_BASE_COLUMNS = {"id": np.dtype("<i8"), "path": "str", "ndim": np.dtype("<i8"),
+                 "shape": "shape", "dtype": "str", "group": np.dtype("<i8"),
+                 "offset": np.dtype("<i8"), "size": np.dtype("<i8")}
 
 
 def _kind_of(opt: Optimizer) -> _Kind:
@@ -211,6 +215,7 @@ def _index_columns(opt: Optimizer, kind: _Kind) -> dict[str, list]:
         buf = opt.buffers[info.buffer]
         columns["id"].append(int(info.id))
         columns["path"].append(info.path)
+        columns["ndim"].append(len(info.shape))
         columns["shape"].append([int(d) for d in info.shape])
         columns["dtype"].append(info.dtype.name)
         columns["group"].append(int(info.group))
@@ -221,16 +226,28 @@ def _index_columns(opt: Optimizer, kind: _Kind) -> dict[str, list]:
     return columns
 
 
+def _text_dtype(raw: bytes | list[bytes]) -> np.dtype:
+    longest = max((len(r) for r in raw), default=0) if isinstance(raw, list) else len(raw)
+    return h5py.string_dtype("utf-8", max(1, longest))
+
+
+def _set_text(obj, name: str, text: str) -> None:
+    """A fixed-length UTF-8 string attribute (stored inside the checksummed object header)."""
+    raw = text.encode("utf-8")
+    obj.attrs.create(name, data=np.array(raw, dtype=_text_dtype(raw)))
+
+
 def _write_column(parent: h5py.Group, name: str, values: list, dtype) -> None:
     if dtype == "str":
-        parent.create_dataset(name, data=np.array(values, dtype=object),
-                              dtype=h5py.string_dtype("utf-8"), shape=(len(values),))
-    elif dtype == "shape":
-        data = np.empty(len(values), dtype=object)
-        for k, shape in enumerate(values):
-            data[k] = np.asarray(shape, dtype=np.int64)
-        parent.create_dataset(name, data=data, dtype=h5py.vlen_dtype(np.dtype("<i8")),
+        raw = [v.encode("utf-8") for v in values]
+        parent.create_dataset(name, data=np.array(raw, dtype=_text_dtype(raw)),
                               shape=(len(values),))
+    elif dtype == "shape":
+        width = max([1] + [len(shape) for shape in values])
+        data = np.full((len(values), width), -1, dtype=np.int64)
+        for k, shape in enumerate(values):
+            data[k, :len(shape)] = shape
+        parent.create_dataset(name, data=data)
     else:
         parent.create_dataset(name, data=np.asarray(values, dtype=dtype).reshape(-1))
 
@@ -263,7 +280,13 @@ def _write(target, opt: Optimizer, kind: _Kind, groups: list[dict], meta_json: s
         if isinstance(target, str):
             _reserve(target, _estimate_bytes(opt, columns))
         for key, value in header.items():
-            f.attrs[key] = value
+            if key in ("metadata", "scheduler"):  # may be long: a scalar string dataset
+                raw = value.encode("utf-8")
+                f.create_dataset(key, data=np.array(raw, dtype=_text_dtype(raw)))
+            elif isinstance(value, str):
+                _set_text(f, key, value)
+            else:
+                f.attrs[key] = value
         index = f.create_group("index")
         for name, dtype in (*_BASE_COLUMNS.items(), *kind.per_param.items()):
             _write_column(index, name, columns[name], dtype)
@@ -271,9 +294,9 @@ def _write(target, opt: Optimizer, kind: _Kind, groups: list[dict], meta_json: s
         pending = []
         for number, group in enumerate(groups):
             g = root.create_group(str(number))
-            g.attrs["hyperparameters"] = group["hyperparameters"]
+            _set_text(g, "hyperparameters", group["hyperparameters"])
             if group["label"] is not None:
-                g.attrs["label"] = group["label"]
+                _set_text(g, "label", group["label"])
             for buf in opt.buffers:
                 if buf.group != number:
                     continue
@@ -287,11 +310,11 @@ def _write(target, opt: Optimizer, kind: _Kind, groups: list[dict], meta_json: s
                     pending.append((ds, future))
         for ds, future in pending:
             digest = future.result()
-            ds.attrs["digest"] = digest
+            _set_text(ds, "digest", digest)
             buffer_table[ds.name] = [ds.dtype.name, int(ds.shape[0]), digest]
         if stop_before_digest:
             return
-        f.attrs["digest"] = _manifest_digest(header, groups, columns, buffer_table)
+        _set_text(f, "digest", _manifest_digest(header, groups, columns, buffer_table))
 
 
 def _estimate_bytes(opt: Optimizer, columns: dict[str, list]) -> int:
@@ -641,21 +664,25 @@ def _attr(ck: _Contents, obj, name: str, kind: type, *, required: bool = True):
         if required:
             raise ck.corrupt(f"attribute {name!r} is missing from {where}")
         return None
-    value = obj.attrs[name]
+    # Check the stored type before reading: variable-length data is never read.
+    aid = obj.attrs.get_id(name)
+    dtype = aid.dtype
+    if aid.shape != ():
+        raise ck.corrupt(f"attribute {name!r} of {where} should be a scalar")
     if kind is str:
-        if isinstance(value, bytes):
-            value = value.decode("utf-8")
-        if not isinstance(value, str):
-            raise ck.corrupt(f"attribute {name!r} of {where} should be a string")
-        if len(value) > _MAX_JSON:
+        if dtype.kind != "S":
+            raise ck.corrupt(f"attribute {name!r} of {where} should be a fixed-length string, "
+                             f"is {dtype}")
+        if dtype.itemsize > _MAX_JSON:
             raise ck.corrupt(f"attribute {name!r} of {where} is too long")
-    elif kind is int:
-        if isinstance(value, np.ndarray) and value.shape == ():
-            value = value[()]
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise ck.corrupt(f"attribute {name!r} of {where} should be an integer")
-        value = int(value)
-    return value
+        value = obj.attrs[name]
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ck.corrupt(f"attribute {name!r} of {where} is not UTF-8") from None
+    if dtype.kind not in "iu" or dtype.itemsize > 8:
+        raise ck.corrupt(f"attribute {name!r} of {where} should be an integer, is {dtype}")
+    return int(obj.attrs[name])
 
 
 def _json_attr(ck: _Contents, obj, name: str, required: bool = True):
@@ -670,6 +697,12 @@ def _json_attr(ck: _Contents, obj, name: str, required: bool = True):
 
 def _read_column(ck: _Contents, ds: h5py.Dataset, dtype, rows: int | None) -> list:
     where = ds.name
+    if dtype == "shape":
+        if (ds.ndim != 2 or ds.dtype != np.dtype("<i8") or not 1 <= ds.shape[1] <= _MAX_NDIM
+                or ds.shape[0] != rows or ds.shape[0] * ds.shape[1] * 8 > ck.size):
+            raise ck.corrupt(f"index column {where} should be an int64 array of {rows} rows and "
+                             f"at most {_MAX_NDIM} columns, is {ds.dtype} {ds.shape}")
+        return [[int(d) for d in row] for row in ds[...]]
     if ds.ndim != 1:
         raise ck.corrupt(f"index column {where} should be 1-D, has shape {ds.shape}")
     n = ds.shape[0]
@@ -679,36 +712,32 @@ def _read_column(ck: _Contents, ds: h5py.Dataset, dtype, rows: int | None) -> li
         raise ck.corrupt(f"index column {where} declares {n} rows, more than a file of "
                          f"{ck.size} bytes can hold")
     if dtype == "str":
-        if h5py.check_string_dtype(ds.dtype) is None:
-            raise ck.corrupt(f"index column {where} should hold strings, holds {ds.dtype}")
-        raw = ds[...]
-        values = []
-        for item in raw:
-            if isinstance(item, bytes):
-                try:
-                    item = item.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise ck.corrupt(f"index column {where} holds a string that is not "
-                                     "UTF-8") from None
-            if not isinstance(item, str):
-                raise ck.corrupt(f"index column {where} holds a non-string")
-            values.append(item)
-        return values
-    if dtype == "shape":
-        base = h5py.check_vlen_dtype(ds.dtype)
-        if base is None or np.dtype(base) != np.dtype("<i8"):
-            raise ck.corrupt(f"index column {where} should hold variable-length int64 shapes, "
-                             f"holds {ds.dtype}")
+        if ds.dtype.kind != "S" or n * ds.dtype.itemsize > ck.size:
+            raise ck.corrupt(f"index column {where} should hold fixed-length strings, holds "
+                             f"{ds.dtype}")
         values = []
         for item in ds[...]:
-            item = np.asarray(item)
-            if item.ndim != 1 or item.size > _MAX_NDIM:
-                raise ck.corrupt(f"index column {where} holds a shape of {item.size} dims")
-            values.append(tuple(int(d) for d in item))
+            try:
+                values.append(bytes(item).decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ck.corrupt(f"index column {where} holds a string that is not "
+                                 "UTF-8") from None
         return values
     if ds.dtype != dtype:
         raise ck.corrupt(f"index column {where} should be {np.dtype(dtype)}, is {ds.dtype}")
     return [int(v) for v in ds[...]]
+
+
+def _text_dataset(ck: _Contents, parent, name: str) -> str:
+    if name not in parent:
+        raise ck.corrupt(f"{name} is missing")
+    ds = _member(ck, parent, name, "dataset")
+    if ds.shape != () or ds.dtype.kind != "S" or ds.dtype.itemsize > min(_MAX_JSON, ck.size):
+        raise ck.corrupt(f"/{name} should be a fixed-length string, is {ds.dtype} {ds.shape}")
+    try:
+        return bytes(ds[()]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ck.corrupt(f"/{name} is not UTF-8") from None
 
 
 def _parse(file: h5py.File, name: str, size: int) -> _Contents:
@@ -735,15 +764,15 @@ def _parse(file: h5py.File, name: str, size: int) -> _Contents:
                          "(an interrupted or crashed save); the previous checkpoint, if any, "
                          "is the one to use")
     header: dict[str, Any] = {}
-    for key in ("flatopt_version", "h5py_version", "hdf5_version", "optimizer", "metadata"):
+    for key in ("flatopt_version", "h5py_version", "hdf5_version", "optimizer"):
         header[key] = _attr(ck, root, key, str)
     header["format"] = fmt
     header["format_version"] = version
-    sched = _attr(ck, root, "scheduler", str, required=False)
-    if sched is not None:
-        header["scheduler"] = sched
-    known_attrs = {"format", "format_version", "digest", "scheduler", "flatopt_version",
-                   "h5py_version", "hdf5_version", "optimizer", "metadata"}
+    for key in ("metadata", "scheduler"):
+        if key in root or key == "metadata":
+            header[key] = _text_dataset(ck, root, key)
+    known_attrs = {"format", "format_version", "digest", "flatopt_version",
+                   "h5py_version", "hdf5_version", "optimizer"}
     extra = sorted(set(root.attrs) - known_attrs)
     if extra:
         raise ck.corrupt(f"unexpected root attributes {extra}")
@@ -754,9 +783,9 @@ def _parse(file: h5py.File, name: str, size: int) -> _Contents:
                          f"{', '.join(_KINDS)})")
     ck.kind = kind
     members = set(root)
-    if members != {"index", "groups"}:
-        raise ck.corrupt(f"the root should hold exactly 'index' and 'groups', holds "
-                         f"{sorted(members)[:10]}")
+    if members - {"scheduler"} != {"index", "groups", "metadata"}:
+        raise ck.corrupt(f"the root should hold 'index', 'groups', 'metadata' and maybe "
+                         f"'scheduler', holds {sorted(members)[:10]}")
 
     # ---- index columns (small), read completely
     index = _member(ck, root, "index", "group")
@@ -769,6 +798,12 @@ def _parse(file: h5py.File, name: str, size: int) -> _Contents:
         ds = _member(ck, index, column, "dataset")
         columns[column] = _read_column(ck, ds, dtype, rows)
         rows = len(columns[column])
+    shapes = []
+    for row, (ndim, padded) in enumerate(zip(columns["ndim"], columns["shape"])):
+        if not 0 <= ndim <= len(padded) or any(d != -1 for d in padded[ndim:]):
+            raise ck.corrupt(f"index row {row}: ndim {ndim} disagrees with its padded shape")
+        shapes.append(tuple(padded[:ndim]))
+    columns["shape"] = shapes
 
     # ---- groups and buffer datasets (attributes only; no data read yet)
     groups_obj = _member(ck, root, "groups", "group")

@@ -116,43 +116,52 @@ def saved_bytes(opt, tmp_path, name="ck.h5", **kwargs) -> bytes:
     return path.read_bytes()
 
 
+def _plain(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.integer):
+        return int(value)
+    return value if isinstance(value, (str, int)) else repr(value)
+
+
 def reseal(data: bytes) -> bytes:
     """Recompute the commit digest of an edited checkpoint, as an attacker could, so that the
     loader's structural and semantic checks (not only the digest) are exercised."""
     bio = io.BytesIO(data)
     with h5py.File(bio, "r+") as f:
-        header = {}
-        for key in f.attrs:
-            if key == "digest":
-                continue
-            value = f.attrs[key]
-            if isinstance(value, np.integer):
-                value = int(value)
-            header[key] = value if isinstance(value, (str, int)) else repr(value)
+        header = {key: _plain(f.attrs[key]) for key in f.attrs if key != "digest"}
+        for key in ("metadata", "scheduler"):
+            if key in f:
+                header[key] = _plain(f[key][()])
         groups = []
         buffers = {}
         for number in sorted(f["groups"], key=int):
             g = f["groups"][number]
-            groups.append({"hyperparameters": g.attrs["hyperparameters"],
-                           "label": g.attrs.get("label")})
+            label = g.attrs.get("label")
+            groups.append({"hyperparameters": _plain(g.attrs["hyperparameters"]),
+                           "label": None if label is None else _plain(label)})
             for dtype in g:
                 for slot in g[dtype]:
                     try:  # hostile edits may have put links or groups here
                         ds = g[dtype][slot]
+                        digest = ds.attrs.get("digest")
                         buffers[ds.name] = [ds.dtype.name, int(ds.shape[0]),
-                                            ds.attrs.get("digest")]
+                                            None if digest is None else _plain(digest)]
                     except Exception:
                         continue
         columns = {}
         for name in f["index"]:
             ds = f["index"][name]
-            if h5py.check_string_dtype(ds.dtype) is not None:
-                columns[name] = [v.decode() for v in ds[...]]
-            elif h5py.check_vlen_dtype(ds.dtype) is not None:
-                columns[name] = [[int(d) for d in v] for v in ds[...]]
+            if ds.dtype.kind == "S":
+                columns[name] = [v.decode("utf-8", "replace") for v in ds[...]]
+            elif ds.ndim == 2:
+                columns[name] = [[int(d) for d in row] for row in ds[...]]
             else:
                 columns[name] = [int(v) for v in ds[...]]
-        f.attrs["digest"] = ck_mod._manifest_digest(header, groups, columns, buffers)
+        if "shape" in columns and "ndim" in columns:
+            columns["shape"] = [row[:n] if 0 <= n <= len(row) else row
+                                for row, n in zip(columns["shape"], columns["ndim"])]
+        ck_mod._set_text(f, "digest", ck_mod._manifest_digest(header, groups, columns, buffers))
     return bio.getvalue()
 
 

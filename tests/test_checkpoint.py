@@ -384,10 +384,11 @@ def test_incomplete_save_is_refused(tmp_path):
 def test_edited_attributes_and_index_fail_the_digest(saved):
     _, data = saved
     edits = [
-        lambda f: f["groups/0"].attrs.__setitem__("hyperparameters", '{"lr": 1.0}'),
-        lambda f: f.attrs.__setitem__("metadata", '{"evil": 1}'),
+        lambda f: ck_mod._set_text(f["groups/0"], "hyperparameters", '{"lr": 1.0}'),
+        lambda f: ck_mod._set_text(f, "flatopt_version", "9.9"),
+        lambda f: f["metadata"].__setitem__((), b'{"evil": 1}'),
         lambda f: f["index/step"].__setitem__(0, 99),
-        lambda f: f["index/path"].__setitem__(0, "dec.weight"),
+        lambda f: f["index/path"].__setitem__(0, b"dec.weight"),
     ]
     for fn in edits:
         expect_corrupt(edit(data, fn, seal=False), match="digest")
@@ -406,8 +407,12 @@ def resealed_cases(data):
     def set_shape(row, shape):
         def fn(f):
             column = f["index/shape"][...]
-            column[row] = np.asarray(shape, np.int64)
+            column[row] = -1
+            column[row, :len(shape)] = shape
             f["index/shape"][...] = column
+            ndim = f["index/ndim"][...]
+            ndim[row] = len(shape)
+            f["index/ndim"][...] = ndim
         return fn
 
     return {
@@ -421,9 +426,12 @@ def resealed_cases(data):
         "negative step": (set_column("step", 2, -1), "invalid"),
         "group out of range": (set_column("group", 0, 9), "no float"),
         "negative dimension": (set_shape(0, [-4, -3]), "negative"),
-        "unknown kind": (lambda f: f.attrs.__setitem__("optimizer", "Lion"), "unknown optimizer"),
-        "bad hyperparameter": (lambda f: f["groups/0"].attrs.__setitem__(
-            "hyperparameters", json.dumps({"lr": -1})), "lr"),
+        "unknown kind": (lambda f: ck_mod._set_text(f, "optimizer", "Lion"), "unknown optimizer"),
+        "bad hyperparameter": (lambda f: ck_mod._set_text(
+            f["groups/0"], "hyperparameters", json.dumps({"lr": -1})), "lr"),
+        "variable-length string": (lambda f: f.attrs.__setitem__("optimizer", "Adam"),
+                                   "fixed-length"),
+        "ndim disagrees": (set_column("ndim", 4, 1), "ndim"),
         "length 2**62": (lambda f: f["groups/0/float32"].attrs.__setitem__("length", 2 ** 62),
                          "disagrees"),
         "state without buffers": (lambda f: f["groups/0/float32"].__delitem__("exp_avg"),
