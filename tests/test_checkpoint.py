@@ -674,3 +674,23 @@ def test_cli_entry_point_on_a_demo_checkpoint(tmp_path):
     run = subprocess.run(command + ["verify", str(path)], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0 and "OK" in run.stdout
+
+
+def test_edge_shapes_unicode_paths_and_empty_groups(tmp_path):
+    def build(seed):
+        rng = np.random.default_rng(seed)
+        return flatopt.AdamW([
+            {"params": {"zero.only": np.zeros((0, 5), np.float32)}, "label": "zero-size only"},
+            {"params": {}, "label": "empty", "lr": 0.5},
+            {"params": {"émbed.wéight/ünïcode": rng.standard_normal((2, 3)),
+                        "s": np.array(2.0), "p" * 300: rng.standard_normal(70)}},
+        ], lr=0.01)
+    opt = build(0)
+    step_with_grads(opt, 0, 3)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    other = build(1)
+    flatopt.load(tmp_path / "ck.h5", other)
+    assert state_equal(opt, other)
+    info = cli.inspect_checkpoint(tmp_path / "ck.h5")
+    assert [g["parameters"] for g in info["groups"]] == [1, 0, 3]
+    assert cli.verify_checkpoint(tmp_path / "ck.h5")["ok"]
