@@ -418,6 +418,10 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     """
     kind = _kind_of(opt)
     groups = _group_hyperparameters(opt)
+    for text in [*opt.index.paths, *(g["label"] or "" for g in groups)]:
+        if "\x00" in text:
+            raise CheckpointError(f"cannot save a path or label containing a NUL character: "
+                                  f"{text!r}")
     meta_json = _to_json(metadata, "metadata")
     sched_json = None
     if scheduler is not None:

@@ -694,3 +694,10 @@ def test_edge_shapes_unicode_paths_and_empty_groups(tmp_path):
     info = cli.inspect_checkpoint(tmp_path / "ck.h5")
     assert [g["parameters"] for g in info["groups"]] == [1, 0, 3]
     assert cli.verify_checkpoint(tmp_path / "ck.h5")["ok"]
+
+
+def test_nul_in_a_path_is_refused_at_save(tmp_path):
+    opt = flatopt.SGD({"a\x00b": np.zeros(2, np.float32)})
+    with pytest.raises(flatopt.CheckpointError, match="NUL"):
+        flatopt.save(tmp_path / "ck.h5", opt)
+    assert os.listdir(tmp_path) == []
