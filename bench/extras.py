@@ -142,10 +142,10 @@ def checkpoint_throughput(profile_name: str = "64x1M", optimizer: str = "adam",
         for r in range(repeats):
             path = tmp / f"ckpt{r}.h5"
             t0 = time.perf_counter()
-            _try_calls(flatopt.save, [(opt, path), (path, opt)])
+            _try_calls(flatopt.save, [(path, opt), (opt, path)])
             times["flatopt_save"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            _try_calls(flatopt.load, [(opt, path), (path, opt), (path,)])
+            _try_calls(flatopt.load, [(path, opt), (opt, path)])
             times["flatopt_load"].append(time.perf_counter() - t0)
             res["file_bytes"] = path.stat().st_size
             path.unlink()

@@ -395,9 +395,8 @@ class Optimizer:
         settings = self._group_settings()
         if grads is not None:
             self._stage_gradients(grads)
-        for buf in self.buffers:
-            if buf.present.any():
-                self._step_buffer(buf, settings[buf.group])
+        for buf in self.buffers:  # a buffer with no gradient present returns at once
+            self._step_buffer(buf, settings[buf.group])
 
     def _stage_gradients(self, grads: Mapping[str, Any]) -> None:
         if not isinstance(grads, Mapping):
@@ -576,6 +575,8 @@ class Optimizer:
         raise NotImplementedError
 
     def _step_buffer(self, buf: FlatBuffer, settings: dict[str, Any]) -> None:
+        """Step the parameters of ``buf`` marked present; called for every buffer at every
+        step, so it must return without any change (or allocation) when none is present."""
         raise NotImplementedError
 
     def _state_slots(self, settings: Mapping) -> dict[str, str]:
