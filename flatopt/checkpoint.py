@@ -7,14 +7,16 @@ a digest of everything is the last thing written. ``load(path, opt)`` checks the
 (structure, sizes, digests, every buffer's CRC) and compares it with the live optimizer by path
 before a single byte of the optimizer changes.
 
-File layout (format ``flatopt.checkpoint`` version 1)::
+File layout (format ``flatopt.checkpoint`` version 1); every string is fixed-length UTF-8::
 
     /                     attrs: format, format_version, flatopt_version, h5py_version,
-                                 hdf5_version, optimizer, metadata (JSON), [scheduler (JSON)],
-                                 digest (sha256 of everything below, written last)
-    /index/<column>       one 1-D dataset per column, one row per parameter in id order:
-                          id, path, shape, dtype, group, offset, size and the optimizer's
-                          per-parameter state (Adam: step; SGD: momentum_initialized)
+                                 hdf5_version, optimizer, digest (sha256 over every attribute,
+                                 the whole index and every buffer CRC; written last)
+    /metadata             user metadata as JSON text (scalar string dataset)
+    /scheduler            scheduler.state_dict() as JSON text (only when saved with one)
+    /index/<column>       one row per parameter in id order: id, path, ndim, shape (2-D, padded
+                          with -1), dtype, group, offset, size and the optimizer's per-parameter
+                          state (Adam: step; SGD: momentum_initialized)
     /groups/<g>           attrs: hyperparameters (JSON), [label]
     /groups/<g>/<dtype>   attrs: length (elements, with alignment padding)
     /groups/<g>/<dtype>/<slot>   params, exp_avg, exp_avg_sq, max_exp_avg_sq or momentum_buffer:
@@ -43,7 +45,7 @@ import numpy as np
 from . import _hyper
 from ._layout import aligned_offsets, aligned_zeros
 from .adam import Adam, AdamW
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, HyperparameterError
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from .optimizer import Optimizer
 from .sgd import SGD
 
@@ -521,21 +523,28 @@ class _Contents:
         return CheckpointCorrupt(f"checkpoint {self.name} is damaged or not a valid flatopt "
                                  f"checkpoint{where}: {message}", path=self.name, buffer=buffer)
 
-    def read(self, key: tuple[int, str], slot: str) -> np.ndarray:
-        """One buffer as a fresh aligned array, its fletcher32 chunks and CRC verified."""
+    def _raw(self, key: tuple[int, str], slot: str) -> np.ndarray:
+        """One buffer as a fresh aligned array; HDF5 verifies its fletcher32 chunk sums."""
         saved = self.buffers[key]
         ds = saved.datasets[slot]
         out = aligned_zeros(saved.length, _DTYPES[saved.dtype])
         try:
             if saved.length:
                 ds.read_direct(out)
-        except Exception as exc:  # h5py wraps a failed fletcher32 check as OSError
+        except Exception as exc:  # h5py reports a failed fletcher32 check as a bare OSError
             raise self.corrupt(f"reading failed ({type(exc).__name__}: {exc}); a fletcher32 "
-                               "checksum mismatch means the data was damaged",
-                               buffer=ds.name) from exc
+                               "checksum mismatch means the data was damaged: use another "
+                               "copy or an earlier checkpoint", buffer=ds.name) from exc
+        return out
+
+    def read(self, key: tuple[int, str], slot: str) -> np.ndarray:
+        """One buffer as a fresh aligned array, its fletcher32 chunks and CRC verified."""
+        saved = self.buffers[key]
+        out = self._raw(key, slot)
         if _crc(out) != saved.digests[slot]:
             raise self.corrupt(f"CRC mismatch: stored {saved.digests[slot]}, data {_crc(out)}; "
-                               "the data was damaged", buffer=ds.name)
+                               "the data was damaged: use another copy or an earlier checkpoint",
+                               buffer=saved.datasets[slot].name)
         return out
 
     def read_all(self, keys) -> dict[tuple[tuple[int, str], str], np.ndarray]:
@@ -546,21 +555,14 @@ class _Contents:
             for key in keys:
                 saved = self.buffers[key]
                 for slot, ds in saved.datasets.items():
-                    out = aligned_zeros(saved.length, _DTYPES[saved.dtype])
-                    try:
-                        if saved.length:
-                            ds.read_direct(out)
-                    except Exception as exc:
-                        raise self.corrupt(
-                            f"reading failed ({type(exc).__name__}: {exc}); a fletcher32 "
-                            "checksum mismatch means the data was damaged",
-                            buffer=ds.name) from exc
+                    out = self._raw(key, slot)
                     pending.append((key, slot, ds.name, out, pool.submit(_crc, out)))
             for key, slot, name, out, future in pending:
                 digest = future.result()
                 if digest != self.buffers[key].digests[slot]:
                     raise self.corrupt(f"CRC mismatch: stored {self.buffers[key].digests[slot]},"
-                                       f" data {digest}; the data was damaged", buffer=name)
+                                       f" data {digest}; the data was damaged: use another copy "
+                                       "or an earlier checkpoint", buffer=name)
                 staged[key, slot] = out
         return staged
 
@@ -687,16 +689,6 @@ def _attr(ck: _Contents, obj, name: str, kind: type, *, required: bool = True):
     if dtype.kind not in "iu" or dtype.itemsize > 8:
         raise ck.corrupt(f"attribute {name!r} of {where} should be an integer, is {dtype}")
     return int(obj.attrs[name])
-
-
-def _json_attr(ck: _Contents, obj, name: str, required: bool = True):
-    text = _attr(ck, obj, name, str, required=required)
-    if text is None:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise ck.corrupt(f"attribute {name!r} of {obj.name} is not valid JSON: {exc}") from None
 
 
 def _read_column(ck: _Contents, ds: h5py.Dataset, dtype, rows: int | None) -> list:

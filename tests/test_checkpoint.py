@@ -21,7 +21,7 @@ import pytest
 import flatopt
 from flatopt import checkpoint as ck_mod
 from flatopt import cli
-from checkpoint_helpers import (edit, grouped, make_opt, model_params, reseal, same_snapshot,
+from checkpoint_helpers import (edit, grouped, make_opt, model_params, same_snapshot,
                                 snapshot, state_equal, step_with_grads)
 
 KINDS = ["SGD", "Adam", "AdamW"]
