@@ -701,3 +701,37 @@ def test_nul_in_a_path_is_refused_at_save(tmp_path):
     with pytest.raises(flatopt.CheckpointError, match="NUL"):
         flatopt.save(tmp_path / "ck.h5", opt)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_never_closed_by_a_killed_writer_is_refused(tmp_path):
+    path = tmp_path / "crashed.h5"
+    code = ("import os, signal, h5py, numpy as np\n"
+            f"f = h5py.File({str(path)!r}, 'w', libver=('v110', 'latest'))\n"
+            "f.create_dataset('x', data=np.arange(1000.0))\n"
+            "f.flush()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    subprocess.run([sys.executable, "-c", code], timeout=120)
+    exc = expect_corrupt(str(path), match="never closed|h5clear")
+    assert exc.path == str(path)
+
+
+@pytest.mark.skipif(os.environ.get("HDF5_USE_FILE_LOCKING", "").upper() == "FALSE",
+                    reason="HDF5 file locking is turned off")
+def test_a_file_locked_by_a_writer_is_a_clean_error(tmp_path):
+    path = tmp_path / "ck.h5"
+    flatopt.save(path, make_opt("SGD"))
+    code = ("import sys, time, h5py\n"
+            f"f = h5py.File({str(path)!r}, 'a')\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        live = fresh_like("SGD")
+        before = snapshot(live)
+        with pytest.raises(flatopt.CheckpointError, match="locked"):
+            flatopt.load(path, live)
+        assert same_snapshot(before, snapshot(live))
+    finally:
+        holder.communicate("\n", timeout=60)
