@@ -237,8 +237,9 @@ def _print_diff(result: dict) -> None:
         print(f"+ {path}: only in {result['b']}")
     for item in result["params"]:
         if "max_abs_diff" in item:
-            print(f"  {item['path']}: {item['field']} differs in {item['elements_differing']} "
-                  f"elements (max abs diff {item['max_abs_diff']:.6g})")
+            count = item["elements_differing"]
+            print(f"  {item['path']}: {item['field']} differs in {count} "
+                  f"element{'s' if count != 1 else ''} (max abs diff {item['max_abs_diff']:.6g})")
         else:
             print(f"  {item['path']}: {item['field']}: {item['a']} -> {item['b']}")
 
