@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -274,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         result = diff_checkpoints(args.a, args.b)
         emit(result) if args.json else _print_diff(result)
         return 0 if result["identical"] else 1
+    except BrokenPipeError:
+        # the reader (e.g. `| head`) went away: not an error of ours; silence the final flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except CheckpointError as exc:
         if args.json:
             emit({"error": type(exc).__name__, "message": str(exc)})
