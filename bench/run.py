@@ -52,6 +52,12 @@ class Progress:
             sys.stderr.write("\n")
 
 
+# After a parallel region, Numba's and torch's OpenMP workers spin for about 5 ms before they
+# sleep (measured); on a machine with few cores a spinning pool slows whichever library runs
+# next, so the runner pauses before each sample of a different implementation.
+SWITCH_PAUSE_S = 0.015
+
+
 def time_steps(step, inner: int) -> float:
     start = time.perf_counter()
     for _ in range(inner):
@@ -85,7 +91,7 @@ def measure_case(case: Case, impl_names: list[str], rounds: int, sample_s: float
             progress.show(f"{label}: round {r + 1}/{rounds}")
             for j in range(len(impls)):
                 impl = impls[(j + r) % len(impls)]
-                time.sleep(0.002)  # let the previous library's spinning worker threads park
+                time.sleep(SWITCH_PAUSE_S)
                 samples[impl.name].append(time_steps(impl.step, inner[impl.name]))
     finally:
         if gc_was:

@@ -37,9 +37,12 @@ _sgd_rule = njit(cache=True, inline="always")(rules.sgd_rule)
 _adam_rule = njit(cache=True, inline="always")(rules.adam_rule)
 _adam_bias_correction = njit(cache=True, inline="always")(rules.adam_bias_correction)
 
-# Below this many elements a buffer is updated on the calling thread: the parallel launch costs
-# more than the update (measured on 2 to 16 cores; ``python -m bench`` reports both sides).
-PARALLEL_MIN_ELEMENTS = 1 << 15
+# Below this many elements a buffer is updated on the calling thread. In a back-to-back loop a
+# parallel launch costs a few microseconds and pays off from ~32K elements, but in a training
+# loop the forward and backward passes run between steps, the worker threads have gone to sleep
+# and waking them costs tens of microseconds (more when BLAS threads compete for the cores):
+# the demo's 74K-element buffer took 75-87 us serially against 80-650 us in parallel on 2 cores.
+PARALLEL_MIN_ELEMENTS = 1 << 17
 
 
 @njit(cache=True)
