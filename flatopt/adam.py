@@ -68,27 +68,25 @@ class Adam(Optimizer):
 
     def _step_buffer(self, buf: FlatBuffer, s: dict[str, Any]) -> None:
         beta1, beta2 = s["betas"]
-        lr, weight_decay = s["lr"], s["weight_decay"]
         p = buf.per_param
         if not cpu.adam_prepare(buf.present, p["step"], p["neg_step_size"],
-                                p["bias_correction2_sqrt"], lr, beta1, beta2):
+                                p["bias_correction2_sqrt"], s["lr"], beta1, beta2):
             return  # no gradient in this buffer: nothing changes, no state is allocated
         exp_avg = buf.state_buffer("exp_avg")
         exp_avg_sq = buf.state_buffer("exp_avg_sq")
         # Without amsgrad the kernel never touches the v_max argument.
         max_exp_avg_sq = buf.state_buffer("max_exp_avg_sq") if s["amsgrad"] else exp_avg_sq
-        # The hyperparameter array is rebuilt only when the group's settings change (an
-        # unchanged group gives the same validated dict object at every step).
-        cached = self.__dict__.setdefault("_hyper_arrays", {}).get(buf.number)
-        if cached is None or cached[0] is not s:
-            hyper = np.array([1.0 - beta1, beta2, 1.0 - beta2, s["eps"], weight_decay,
-                              1.0 - lr * weight_decay, 0.0], dtype=buf.dtype)
-            cached = self._hyper_arrays[buf.number] = (s, hyper)
         cpu.adam_step(buf.params, buf.grads, exp_avg, exp_avg_sq, max_exp_avg_sq, buf.offsets,
                       buf.sizes, buf.present, p["neg_step_size"], p["bias_correction2_sqrt"],
-                      buf.chunk_first, buf.chunk_size, cached[1], weight_decay != 0,
-                      self.decoupled_weight_decay, s["amsgrad"], s["maximize"],
-                      cpu.run_serially(buf.length))
+                      buf.chunk_first, buf.chunk_size, self._kernel_scalars(buf, s),
+                      s["weight_decay"] != 0, self.decoupled_weight_decay, s["amsgrad"],
+                      s["maximize"], cpu.run_serially(buf.length))
+
+    def _scalars(self, s: dict[str, Any]) -> list[float]:
+        beta1, beta2 = s["betas"]
+        lr, weight_decay = s["lr"], s["weight_decay"]
+        return [1.0 - beta1, beta2, 1.0 - beta2, s["eps"], weight_decay, 1.0 - lr * weight_decay,
+                0.0]
 
     def _state_slots(self, settings: Mapping) -> dict[str, str]:
         return {"step": "required", "exp_avg": "required", "exp_avg_sq": "required",

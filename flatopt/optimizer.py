@@ -231,6 +231,7 @@ class Optimizer:
         self._grad_views: dict[str, np.ndarray] = {}
         self._group_paths: list[tuple[str, ...]] = []
         self._validated: list[tuple[list, dict]] = []
+        self._scalar_cache: dict[int, tuple[dict, np.ndarray]] = {}
         self.params = ParamViews(self._param_views)
         self.grads = Gradients(self)
 
@@ -572,6 +573,19 @@ class Optimizer:
         return []
 
     def _init_buffer(self, buf: FlatBuffer) -> None:
+        raise NotImplementedError
+
+    def _kernel_scalars(self, buf: FlatBuffer, settings: dict[str, Any]) -> np.ndarray:
+        """The group's scalars for the kernel, in the buffer's dtype. Rebuilt only when the
+        group's settings change: an unchanged group yields the same validated dict object."""
+        cached = self._scalar_cache.get(buf.number)
+        if cached is None or cached[0] is not settings:
+            scalars = np.array(self._scalars(settings), dtype=buf.dtype)
+            cached = self._scalar_cache[buf.number] = (settings, scalars)
+        return cached[1]
+
+    def _scalars(self, settings: dict[str, Any]) -> list[float]:
+        """The kernel's ``hyper`` argument, as float64 values (rounded once to the dtype)."""
         raise NotImplementedError
 
     def _step_buffer(self, buf: FlatBuffer, settings: dict[str, Any]) -> None:

@@ -71,16 +71,13 @@ class SGD(Optimizer):
             return  # no gradient in this buffer: nothing changes, no state is allocated
         # Without momentum the kernel never touches the momentum argument.
         momentum_buffer = buf.state_buffer("momentum_buffer") if has_momentum else buf.grads
-        # The hyperparameter array is rebuilt only when the group's settings change (an
-        # unchanged group gives the same validated dict object at every step).
-        cached = self.__dict__.setdefault("_hyper_arrays", {}).get(buf.number)
-        if cached is None or cached[0] is not s:
-            hyper = np.array([-s["lr"], s["weight_decay"], s["momentum"],
-                              1.0 - s["dampening"]], dtype=buf.dtype)
-            cached = self._hyper_arrays[buf.number] = (s, hyper)
         cpu.sgd_step(buf.params, buf.grads, momentum_buffer, buf.offsets, buf.sizes, buf.present,
-                     first, buf.chunk_first, buf.chunk_size, cached[1], s["weight_decay"] != 0,
-                     has_momentum, s["nesterov"], s["maximize"], cpu.run_serially(buf.length))
+                     first, buf.chunk_first, buf.chunk_size, self._kernel_scalars(buf, s),
+                     s["weight_decay"] != 0, has_momentum, s["nesterov"], s["maximize"],
+                     cpu.run_serially(buf.length))
+
+    def _scalars(self, s: dict[str, Any]) -> list[float]:
+        return [-s["lr"], s["weight_decay"], s["momentum"], 1.0 - s["dampening"]]
 
     def _state_slots(self, settings: Mapping) -> dict[str, str]:
         return {"momentum_buffer": "optional"}
