@@ -23,6 +23,11 @@ class AdamParamState(NamedTuple):
     max_exp_avg_sq: np.ndarray | None = None
 
 
+def lerp_from_end(settings: Mapping) -> bool:
+    """torch's lerp(m, g, w) computes from g when the weight w = 1 - beta1 is not below 0.5."""
+    return not abs(1.0 - settings["betas"][0]) < 0.5
+
+
 class Adam(Optimizer):
     r"""Adam, with L2 weight decay, AMSGrad and maximize; AdamW when decoupled.
 
@@ -80,13 +85,15 @@ class Adam(Optimizer):
                       buf.sizes, buf.present, p["neg_step_size"], p["bias_correction2_sqrt"],
                       buf.chunk_first, buf.chunk_size, self._kernel_scalars(buf, s),
                       s["weight_decay"] != 0, self.decoupled_weight_decay, s["amsgrad"],
-                      s["maximize"], cpu.run_serially(buf.length))
+                      s["maximize"], lerp_from_end(s), cpu.run_serially(buf.length))
 
-    def _scalars(self, s: dict[str, Any]) -> list[float]:
+    def _scalars(self, s: dict[str, Any], dtype: np.dtype) -> list[float]:
         beta1, beta2 = s["betas"]
         lr, weight_decay = s["lr"], s["weight_decay"]
-        return [1.0 - beta1, beta2, 1.0 - beta2, s["eps"], weight_decay, 1.0 - lr * weight_decay,
-                0.0]
+        weight = float(dtype.type(1.0 - beta1))  # torch's lerp weight, in the tensor's dtype
+        lerp_coefficient = weight - 1.0 if lerp_from_end(s) else weight  # exact: Sterbenz
+        return [lerp_coefficient, beta2, 1.0 - beta2, s["eps"], weight_decay,
+                1.0 - lr * weight_decay]
 
     def _state_slots(self, settings: Mapping) -> dict[str, str]:
         return {"step": "required", "exp_avg": "required", "exp_avg_sq": "required",

@@ -580,11 +580,11 @@ class Optimizer:
         group's settings change: an unchanged group yields the same validated dict object."""
         cached = self._scalar_cache.get(buf.number)
         if cached is None or cached[0] is not settings:
-            scalars = np.array(self._scalars(settings), dtype=buf.dtype)
+            scalars = np.array(self._scalars(settings, buf.dtype), dtype=buf.dtype)
             cached = self._scalar_cache[buf.number] = (settings, scalars)
         return cached[1]
 
-    def _scalars(self, settings: dict[str, Any]) -> list[float]:
+    def _scalars(self, settings: dict[str, Any], dtype: np.dtype) -> list[float]:
         """The kernel's ``hyper`` argument, as float64 values (rounded once to the dtype)."""
         raise NotImplementedError
 

@@ -76,7 +76,7 @@ class SGD(Optimizer):
                      s["weight_decay"] != 0, has_momentum, s["nesterov"], s["maximize"],
                      cpu.run_serially(buf.length))
 
-    def _scalars(self, s: dict[str, Any]) -> list[float]:
+    def _scalars(self, s: dict[str, Any], dtype: np.dtype) -> list[float]:
         return [-s["lr"], s["weight_decay"], s["momentum"], 1.0 - s["dampening"]]
 
     def _state_slots(self, settings: Mapping) -> dict[str, str]:

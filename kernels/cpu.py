@@ -143,35 +143,35 @@ def sgd_step(p, g, buf, offsets, sizes, present, first, chunk_first, chunk_size,
 
 # ------------------------------------------------------------------------------------ Adam
 @njit(inline="always", error_model="numpy")
-def _adam_span(p, g, m, v, v_max, a, b, step_size, bc2, one_minus_beta1, beta2,
+def _adam_span(p, g, m, v, v_max, a, b, step_size, bc2, lerp_coefficient, beta2,
                one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-               amsgrad, maximize):
+               amsgrad, maximize, lerp_from_end):
     """Elements ``a`` to ``b`` (unsigned) of one parameter segment."""
     if amsgrad:
         for i in range(a, b):
             p[i], m[i], v[i], v_max[i] = _adam_rule(
-                p[i], g[i], m[i], v[i], v_max[i], step_size, bc2, one_minus_beta1, beta2,
+                p[i], g[i], m[i], v[i], v_max[i], step_size, bc2, lerp_coefficient, beta2,
                 one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-                True, maximize)
+                True, maximize, lerp_from_end)
     else:  # v_max is neither read nor written
         for i in range(a, b):
             p[i], m[i], v[i], _ = _adam_rule(
-                p[i], g[i], m[i], v[i], eps, step_size, bc2, one_minus_beta1, beta2,
+                p[i], g[i], m[i], v[i], eps, step_size, bc2, lerp_coefficient, beta2,
                 one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-                False, maximize)
+                False, maximize, lerp_from_end)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def adam_step(p, g, m, v, v_max, offsets, sizes, present, neg_step_size,
               bias_correction2_sqrt, chunk_first, chunk_size, hyper, has_weight_decay,
-              decoupled, amsgrad, maximize, serial=False):
+              decoupled, amsgrad, maximize, lerp_from_end, serial=False):
     """Adam/AdamW over one buffer.
 
-    ``hyper = [1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, 0]``
-    in p's dtype. ``v_max`` is only read and written when ``amsgrad``. ``serial=True`` runs on
+    ``hyper = [lerp_coefficient, beta2, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay]``
+    in p's dtype (see ``rules.adam_rule`` for the lerp). ``v_max`` is only read and written when ``amsgrad``. ``serial=True`` runs on
     the calling thread with no parallel launch (see ``PARALLEL_MIN_ELEMENTS``).
     """
-    one_minus_beta1 = hyper[0]
+    lerp_coefficient = hyper[0]
     beta2 = hyper[1]
     one_minus_beta2 = hyper[2]
     eps = hyper[3]
@@ -185,9 +185,9 @@ def adam_step(p, g, m, v, v_max, offsets, sizes, present, neg_step_size,
                 a = uint64(offsets[k])
                 b = uint64(offsets[k] + sizes[k])
                 _adam_span(p, g, m, v, v_max, a, b, neg_step_size[k],
-                           bias_correction2_sqrt[k], one_minus_beta1, beta2, one_minus_beta2,
+                           bias_correction2_sqrt[k], lerp_coefficient, beta2, one_minus_beta2,
                            eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-                           amsgrad, maximize)
+                           amsgrad, maximize, lerp_from_end)
         return
     for c in prange(chunk_first.size):
         lo = c * chunk_size
@@ -198,9 +198,9 @@ def adam_step(p, g, m, v, v_max, offsets, sizes, present, neg_step_size,
                 a = uint64(max(lo, offsets[k]))
                 b = uint64(min(hi, offsets[k] + sizes[k]))
                 _adam_span(p, g, m, v, v_max, a, b, neg_step_size[k],
-                           bias_correction2_sqrt[k], one_minus_beta1, beta2, one_minus_beta2,
+                           bias_correction2_sqrt[k], lerp_coefficient, beta2, one_minus_beta2,
                            eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-                           amsgrad, maximize)
+                           amsgrad, maximize, lerp_from_end)
             k += 1
 
 

@@ -70,8 +70,8 @@ def _sgd_step(p, g, buf, offsets, sizes, present, first, chunk_first, chunk_size
 @cuda.jit
 def _adam_step(p, g, m, v, v_max, offsets, sizes, present, neg_step_size,
                bias_correction2_sqrt, chunk_first, chunk_size, hyper, has_weight_decay,
-               decoupled, amsgrad, maximize):
-    one_minus_beta1 = hyper[0]
+               decoupled, amsgrad, maximize, lerp_from_end):
+    lerp_coefficient = hyper[0]
     beta2 = hyper[1]
     one_minus_beta2 = hyper[2]
     eps = hyper[3]
@@ -90,9 +90,9 @@ def _adam_step(p, g, m, v, v_max, offsets, sizes, present, neg_step_size,
                 bc2 = bias_correction2_sqrt[k]
                 for i in range(a + cuda.threadIdx.x, b, cuda.blockDim.x):
                     new_p, new_m, new_v, new_v_max = _adam_rule(
-                        p[i], g[i], m[i], v[i], v_max[i], step_size, bc2, one_minus_beta1,
+                        p[i], g[i], m[i], v[i], v_max[i], step_size, bc2, lerp_coefficient,
                         beta2, one_minus_beta2, eps, weight_decay, decay_factor,
-                        has_weight_decay, decoupled, amsgrad, maximize)
+                        has_weight_decay, decoupled, amsgrad, maximize, lerp_from_end)
                     p[i] = new_p
                     m[i] = new_m
                     v[i] = new_v
@@ -133,9 +133,10 @@ def sgd_step(p, g, buf, offsets, sizes, present, first, chunk_first, chunk_size,
 
 def adam_step(p, g, m, v, v_max, offsets, sizes, present, neg_step_size, bias_correction2_sqrt,
               chunk_first, chunk_size, hyper, has_weight_decay, decoupled, amsgrad, maximize,
-              threads=THREADS_PER_BLOCK):
+              lerp_from_end, threads=THREADS_PER_BLOCK):
     """CUDA twin of ``kernels.cpu.adam_step`` (same arguments)."""
     if chunk_first.size:
         _adam_step[_grid(chunk_first.size, threads)](
             p, g, m, v, v_max, offsets, sizes, present, neg_step_size, bias_correction2_sqrt,
-            chunk_first, chunk_size, hyper, has_weight_decay, decoupled, amsgrad, maximize)
+            chunk_first, chunk_size, hyper, has_weight_decay, decoupled, amsgrad, maximize,
+            lerp_from_end)

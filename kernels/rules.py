@@ -44,9 +44,9 @@ def sgd_rule(p, g, buf, first, neg_lr, weight_decay, momentum, one_minus_dampeni
     return p, buf
 
 
-def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, one_minus_beta1,
+def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coefficient,
               beta2, one_minus_beta2, eps, weight_decay, decoupled_decay_factor,
-              has_weight_decay, decoupled, amsgrad, maximize):
+              has_weight_decay, decoupled, amsgrad, maximize, lerp_from_end):
     """One Adam/AdamW element update; returns ``(p, m, v, v_max)``.
 
     AdamW is this rule with ``decoupled=True``. With ``t`` the parameter's own step count::
@@ -54,11 +54,16 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, one_minus
         g = -g                                         if maximize
         p = p * (1 - lr * weight_decay)                if weight_decay != 0 and decoupled (AdamW)
         g = g + weight_decay * p                       if weight_decay != 0 and not decoupled (Adam)
-        m = m + (1 - beta1) * (g - m)                  (torch's lerp)
+        m = lerp(m, g, 1 - beta1)                      (torch's lerp, see below)
         v = beta2 * v + (1 - beta2) * g * g
         v_max = max(v_max, v)                          if amsgrad (raw, uncorrected v)
         denom = sqrt(v_max or v) / sqrt(1 - beta2**t) + eps
         p = p - (lr / (1 - beta1**t)) * m / denom
+
+    The lerp is computed as torch's kernel does, from the nearer end: with ``w = 1 - beta1``,
+    ``m + w * (g - m)`` when ``w < 0.5``, else ``g + (w - 1) * (g - m)`` (``lerp_from_end``);
+    ``lerp_coefficient`` is ``w`` or ``w - 1`` accordingly. (With beta1 = 0 the moment is
+    then exactly the gradient, as in torch.)
     """
     if maximize:
         g = -g
@@ -67,7 +72,10 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, one_minus
             p = p * decoupled_decay_factor
         else:
             g = g + weight_decay * p
-    m = m + one_minus_beta1 * (g - m)
+    if lerp_from_end:
+        m = g + lerp_coefficient * (g - m)
+    else:
+        m = m + lerp_coefficient * (g - m)
     v = v * beta2 + (one_minus_beta2 * g) * g
     if amsgrad:
         # torch.maximum propagates NaN; "not (v_max >= v)" keeps that.

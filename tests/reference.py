@@ -66,7 +66,10 @@ class ReferenceOptimizer:
                 p = p * t(1 - lr * wd)
             else:
                 g = g + t(wd) * p
-        m = state["exp_avg"] = state["exp_avg"] + t(1 - beta1) * (g - state["exp_avg"])
+        weight, m = t(1 - beta1), state["exp_avg"]
+        # torch's lerp works from the nearer end: m + w(g - m), or g + (w - 1)(g - m) for w >= .5
+        m = state["exp_avg"] = (m + weight * (g - m) if abs(weight) < 0.5
+                                else g + (weight - t(1)) * (g - m))
         v = state["exp_avg_sq"] = state["exp_avg_sq"] * t(beta2) + t(1 - beta2) * g * g
         step = float(state["step"])
         step_size = lr / (1 - beta1 ** step)

@@ -31,7 +31,8 @@ def random_hyperparameters(rng: np.random.Generator, kind: str) -> dict:
                     weight_decay=float(rng.choice([0.0, 0.05])), nesterov=nesterov,
                     maximize=bool(rng.random() < 0.3))
     return dict(lr=float(rng.choice([1e-3, 1e-2])),
-                betas=(float(rng.choice([0.9, 0.8, 0.3])), float(rng.choice([0.999, 0.99]))),
+                betas=(float(rng.choice([0.9, 0.8, 0.5, 0.3, 0.0])),
+                       float(rng.choice([0.999, 0.99]))),
                 eps=float(rng.choice([1e-8, 1e-6])),
                 weight_decay=float(rng.choice([0.0, 0.1])),
                 amsgrad=bool(rng.random() < 0.4), maximize=bool(rng.random() < 0.3))
@@ -167,3 +168,24 @@ def test_matches_torch_optim(kind, dtype, seed):
                                                atol=atol, err_msg=f"{where} {name}")
         if float32:
             force_torch_state(torch_opt, tensors, opt)
+
+
+@pytest.mark.parametrize("beta1", [0.0, 0.3, 0.5])
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_first_moment_follows_torchs_lerp_for_small_beta1(kind, beta1):
+    """torch's lerp works from the gradient's end when 1 - beta1 >= 0.5: with beta1 = 0 the
+    moment is exactly the gradient even after a huge one (m + 1*(g - m) would lose it)."""
+    torch = _torch()
+    opt = getattr(flatopt, kind)({"w": np.zeros(3, np.float32)}, lr=0.1, betas=(beta1, 0.99))
+    t = torch.zeros(3, requires_grad=True)
+    torch_opt = getattr(torch.optim, kind)([t], lr=0.1, betas=(beta1, 0.99))
+    for value in (1e10, 1.0, 3.0):
+        grad = np.full(3, value, np.float32)
+        opt.step({"w": grad})
+        t.grad = torch.from_numpy(grad.copy())
+        torch_opt.step()
+        np.testing.assert_array_equal(opt.state_of("w").exp_avg,
+                                      torch_opt.state[t]["exp_avg"].numpy())
+        np.testing.assert_allclose(opt.params["w"], t.detach().numpy(), rtol=1e-6)
+    if beta1 == 0.0:
+        np.testing.assert_array_equal(opt.state_of("w").exp_avg, 3.0)

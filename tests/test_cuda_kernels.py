@@ -8,6 +8,7 @@ import pytest
 
 import flatopt
 from flatopt._layout import chunk_table
+from flatopt.adam import lerp_from_end
 
 cuda = pytest.importorskip("numba.cuda")
 from flatopt.kernels import cuda as cuda_kernels  # noqa: E402
@@ -43,13 +44,12 @@ def test_cuda_adam_matches_cpu(cls, flags, dtype):
         opt.step(grads)
         s = opt.param_groups[0]
         beta1, beta2 = s["betas"]
-        hyper = np.array([1 - beta1, beta2, 1 - beta2, s["eps"], s["weight_decay"],
-                          1 - s["lr"] * s["weight_decay"], 0], dtype=dtype)
+        hyper = opt._kernel_scalars(buf, opt._group_settings()[0])
         cuda_kernels.adam_prepare(buf.present, steps, neg_step_size, bc2, s["lr"], beta1, beta2)
         cuda_kernels.adam_step(p, buf.grads, m, v, v_max, buf.offsets, buf.sizes, buf.present,
                                neg_step_size, bc2, chunks, SMALL_CHUNK, hyper,
                                s["weight_decay"] != 0, cls.decoupled_weight_decay,
-                               s["amsgrad"], s["maximize"], threads=32)
+                               s["amsgrad"], s["maximize"], lerp_from_end(s), threads=32)
         np.testing.assert_array_equal(steps, buf.per_param["step"])
         np.testing.assert_allclose(p, buf.params, **tol)
         np.testing.assert_allclose(m, buf.state["exp_avg"], **tol)
@@ -82,8 +82,7 @@ def test_cuda_sgd_matches_cpu(hp, dtype):
         opt.step(grads)
         s = opt.param_groups[0]
         has_momentum = s["momentum"] != 0
-        hyper = np.array([-s["lr"], s["weight_decay"], s["momentum"], 1 - s["dampening"]],
-                         dtype=dtype)
+        hyper = opt._kernel_scalars(buf, opt._group_settings()[0])
         cuda_kernels.sgd_prepare(buf.present, initialized, first, has_momentum)
         cuda_kernels.sgd_step(p, buf.grads, momentum_buffer, buf.offsets, buf.sizes, buf.present,
                               first, chunks, SMALL_CHUNK, hyper, s["weight_decay"] != 0,
