@@ -19,6 +19,7 @@ from .errors import GradientError, HyperparameterError, ParamError, StateDictErr
 
 STATE_DICT_FORMAT = "flatopt.state_dict"
 STATE_DICT_VERSION = 1
+_MAX_STEP = int(np.iinfo(np.int64).max)  # step counts are stored as int64
 
 
 def _near(word: str, choices: Iterable[str]) -> str:
@@ -89,17 +90,35 @@ def _tied_problems(arrays: list[tuple[str, np.ndarray]]) -> list[str]:
             bounded.append((low, high, path, array))
     bounded.sort(key=lambda item: item[0])
     problems = []
-    reach = None  # (high, path, array) of the interval reaching furthest so far
+    open_intervals: list[tuple[int, str, np.ndarray]] = []  # (high, path, array) reaching on
     for low, high, path, array in bounded:
-        if reach is not None and low < reach[0] and np.shares_memory(array, reach[2]):
-            kind = "the same array" if array is reach[2] else "arrays sharing memory"
-            problems.append(
-                f"parameters {reach[1]!r} and {path!r} are {kind} (tied weights); flatopt "
-                "copies each parameter into its own buffer, so pass a tied weight once, under "
-                "one path, and add up its gradient contributions before step()")
-        if reach is None or high > reach[0]:
-            reach = (high, path, array)
+        open_intervals = [item for item in open_intervals if item[0] > low]
+        for _, other_path, other in open_intervals:
+            if np.shares_memory(array, other):
+                kind = "the same array" if array is other else "arrays sharing memory"
+                problems.append(
+                    f"parameters {other_path!r} and {path!r} are {kind} (tied weights); "
+                    "flatopt copies each parameter into its own buffer, so pass a tied weight "
+                    "once, under one path, and add up its gradient contributions before step()")
+        open_intervals.append((high, path, array))
     return problems
+
+
+def _frozen(value: Any) -> Any:
+    """A type-exact, immutable copy of a group value, to tell whether it changed since the
+    last validation (a list mutated in place, or 0 replacing False, counts as a change)."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return (kind, value)
+    if kind in (tuple, list):
+        return (kind, tuple(_frozen(item) for item in value))
+    return (kind, id(value), repr(value))
+
+
+def _group_snapshot(group: Mapping[str, Any]) -> tuple:
+    # "params" is compared by identity: it must stay the tuple the optimizer made.
+    return tuple((key, id(value) if key == "params" else _frozen(value))
+                 for key, value in group.items())
 
 
 class ParamViews(Mapping):
@@ -230,7 +249,7 @@ class Optimizer:
         self._param_views: dict[str, np.ndarray] = {}
         self._grad_views: dict[str, np.ndarray] = {}
         self._group_paths: list[tuple[str, ...]] = []
-        self._validated: list[tuple[list, dict]] = []
+        self._validated: list[tuple[tuple, dict]] = []
         self._scalar_cache: dict[int, tuple[dict, np.ndarray]] = {}
         self.params = ParamViews(self._param_views)
         self.grads = Gradients(self)
@@ -252,7 +271,7 @@ class Optimizer:
         """Validate every group completely, then build their buffers (all or nothing)."""
         param_problems: list[str] = []
         hyper_problems: list[str] = []
-        seen: dict[str, str] = {path: "an existing group" for path in self.index.paths}
+        seen: dict[str, str] = {}  # new paths -> where; existing ones are in self.index
         staged = []
         all_arrays: list[tuple[str, np.ndarray]] = []
         for number, group in enumerate(groups, start=len(self.param_groups)):
@@ -282,9 +301,10 @@ class Optimizer:
                     param_problems.append(f"{where}: parameter path {path!r} must be a "
                                           "non-empty string")
                     continue
-                if path in seen:
+                if path in seen or path in self.index:
+                    also = seen.get(path, "an existing group")
                     param_problems.append(f"{where}: path {path!r} appears more than once "
-                                          f"(also in {seen[path]}); every path must be unique")
+                                          f"(also in {also}); every path must be unique")
                     continue
                 seen[path] = where
                 if isinstance(array, np.generic):
@@ -332,10 +352,7 @@ class Optimizer:
                                  [a.shape for _, a in members])
                 self._init_buffer(buf)
                 for slot, (path, array) in enumerate(members):
-                    view = buf.view(buf.params, slot)
-                    view[...] = array
-                    self._param_views[path] = view
-                    self._grad_views[path] = buf.view(buf.grads, slot)
+                    buf.view(buf.params, slot)[...] = array
                     infos.append(ParamInfo(ids[path], path, array.shape, array.dtype, number,
                                            buf.number, slot, int(buf.offsets[slot]),
                                            int(buf.sizes[slot])))
@@ -348,14 +365,14 @@ class Optimizer:
                     entry[key] = group[key]
             self.param_groups.append(entry)
             self._group_paths.append(paths)
-            self._validated.append(([], {}))
+            self._validated.append(((), {}))
+        # Views are handed out in id order, as the user gave them; new ids come last.
         infos.sort(key=lambda info: info.id)
         self.index._extend(infos)
-        # Views are handed out in id order, as the user gave them.
-        for mapping in (self._param_views, self._grad_views):
-            ordered = {info.path: mapping[info.path] for info in self.index}
-            mapping.clear()
-            mapping.update(ordered)
+        for info in infos:
+            buf = self.buffers[info.buffer]
+            self._param_views[info.path] = buf.view(buf.params, info.slot)
+            self._grad_views[info.path] = buf.view(buf.grads, info.slot)
 
     # ----------------------------------------------------------------- stepping
     def _group_settings(self) -> list[dict[str, Any]]:
@@ -363,9 +380,9 @@ class Optimizer:
         settings = []
         problems: list[str] = []
         for number, group in enumerate(self.param_groups):
-            items = list(group.items())
-            cached_items, cached_values = self._validated[number]
-            if items == cached_items:
+            snapshot = _group_snapshot(group)
+            cached_snapshot, cached_values = self._validated[number]
+            if snapshot == cached_snapshot:
                 settings.append(cached_values)
                 continue
             where = _hyper.describe_group(number, group)
@@ -381,7 +398,7 @@ class Optimizer:
             problems += value_problems
             settings.append(values)
             if not problems:
-                self._validated[number] = (items, values)
+                self._validated[number] = (snapshot, values)
         _hyper.raise_problems(problems)
         return settings
 
@@ -428,14 +445,14 @@ class Optimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``set_to_none=True`` marks every gradient missing (the buffer's contents are left as
-        they are and ignored until marked present again); ``False`` zeroes every gradient and
-        marks it present, so the next step is a real step with a zero gradient."""
+        they are and ignored until marked present again); ``False`` zeroes the gradient buffer
+        and leaves presence as it is, like torch, which zeroes existing gradients and leaves a
+        missing (None) one missing: a present gradient then makes a real step with zeros."""
         for buf in self.buffers:
             if set_to_none:
                 buf.present[:] = 0
             else:
                 buf.grads.fill(0)
-                buf.present[:] = 1
 
     # ----------------------------------------------------------------- state
     def state_of(self, path: str):
@@ -492,11 +509,23 @@ class Optimizer:
         if state_dict["optimizer"] != type(self).__name__:
             problems.append(f"state dict is from {state_dict['optimizer']}, this optimizer is "
                             f"{type(self).__name__}")
+        saved_groups, state = state_dict["param_groups"], state_dict["state"]
+        if not isinstance(state, Mapping):
+            problems.append(f"state dict 'state' must be a dict {{path: {{...}}}}, got "
+                            f"{type(state).__name__}")
+            state = {}
+        if not isinstance(saved_groups, (list, tuple)) or not all(
+                isinstance(group, Mapping) and isinstance(group.get("params"), (list, tuple))
+                and all(isinstance(path, str) for path in group["params"])
+                for group in saved_groups):
+            problems.append("state dict 'param_groups' must be a list of dicts, each with a "
+                            "'params' list of paths")
+            saved_groups = []
 
         new_settings: list[dict[str, Any] | None] = [None] * len(self.param_groups)
         if hyperparameters == "saved":
             saved_by_paths = {}
-            for number, group in enumerate(state_dict["param_groups"]):
+            for number, group in enumerate(saved_groups):
                 saved_by_paths[frozenset(group.get("params", ()))] = (number, group)
             for number, paths in enumerate(self._group_paths):
                 where = _hyper.describe_group(number, self.param_groups[number])
@@ -513,9 +542,9 @@ class Optimizer:
                     {**self.param_groups[number], **match[1]}, self.hyperparameters,
                     saved_where, self._cross_check)
                 problems += value_problems
-                new_settings[number] = values
+                new_settings[number] = {**values, **{key: match[1][key] for key in
+                                                     ("label", "initial_lr") if key in match[1]}}
 
-        state = state_dict["state"]
         for path, entry in state.items():
             info = self.index.get(path) if isinstance(path, str) else None
             if info is None:
@@ -553,10 +582,10 @@ class Optimizer:
                     problems.append(f"state for {info.path!r} lacks {key!r}")
                 continue
             if key == "step":
-                if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-                        or value < 0:
-                    problems.append(f"state for {info.path!r}: step must be an integer >= 0, "
-                                    f"got {value!r}")
+                if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+                        or not 0 <= value <= _MAX_STEP):
+                    problems.append(f"state for {info.path!r}: step must be an integer in "
+                                    f"[0, {_MAX_STEP}], got {value!r}")
                 continue
             if not isinstance(value, np.ndarray):
                 problems.append(f"state for {info.path!r}: {key} is a {type(value).__name__}, "

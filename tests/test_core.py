@@ -157,6 +157,13 @@ def test_tied_weights_are_refused_with_both_paths():
         opt.add_param_group({"params": {"again": opt.params["w"]}})
 
 
+def test_memory_sharing_is_found_between_any_two_parameters():
+    x = np.zeros(10)
+    with pytest.raises(ParamError, match="'even' and 'one'"):
+        flatopt.SGD({"even": x[0::2], "odd": x[1::2], "one": x[2:3]})
+    flatopt.SGD({"even": x[0::2], "odd": x[1::2]})  # interleaved, yet disjoint: accepted
+
+
 def test_every_problem_is_listed_in_one_error():
     with pytest.raises(ParamError) as info:
         flatopt.SGD({"a": np.arange(3), "b": np.zeros(2, np.float16), "c": f32(2)})
@@ -228,6 +235,23 @@ def test_an_invalid_value_set_mid_run_raises_at_step_and_changes_nothing():
     assert after["state"]["a"]["step"] == 1
 
 
+def test_values_changed_in_place_or_retyped_are_seen_and_validated_at_the_next_step():
+    opt = flatopt.Adam({"a": np.ones(3)}, lr=0.1)
+    opt.param_groups[0]["betas"] = [0.9, 0.999]  # as a scheduler might set it
+    opt.step({"a": np.ones(3)})
+    opt.param_groups[0]["betas"][0] = 0.0  # a list mutated in place
+    opt.step({"a": np.full(3, 5.0)})
+    np.testing.assert_array_equal(opt.state_of("a").exp_avg, 5.0)  # beta1 = 0: m = g
+    opt.param_groups[0]["betas"][0] = 5.0
+    with pytest.raises(HyperparameterError, match="beta1"):
+        opt.step({"a": np.ones(3)})
+    opt.param_groups[0]["betas"] = np.array([0.9, 0.999])  # arrays are fine, and checked
+    opt.step({"a": np.ones(3)})
+    opt.param_groups[0]["amsgrad"] = 0  # equal to False, but not a bool
+    with pytest.raises(HyperparameterError, match="amsgrad"):
+        opt.step({"a": np.ones(3)})
+
+
 def test_replacing_a_groups_params_is_refused():
     opt = flatopt.SGD({"a": f32(2)})
     opt.param_groups[0]["params"] = ["a", "b"]
@@ -280,18 +304,20 @@ def test_zero_copy_gradients_with_explicit_presence():
     assert g.is_present("a")
 
 
-def test_zero_grad_set_to_none_marks_missing_and_false_zeroes():
-    opt = flatopt.SGD({"a": np.ones(3)}, lr=0.5, weight_decay=1.0)
+def test_zero_grad_set_to_none_marks_missing_and_false_zeroes_existing_gradients():
+    opt = flatopt.SGD({"a": np.ones(3), "b": np.ones(2)}, lr=0.5, weight_decay=1.0)
     opt.grads["a"] = np.ones(3)
     opt.zero_grad()
     assert not opt.grads.is_present("a")
     opt.step()
     np.testing.assert_array_equal(opt.params["a"], 1.0)
-    opt.zero_grad(set_to_none=False)
-    assert opt.grads.is_present("a")
+    opt.grads["a"] = np.ones(3)
+    opt.zero_grad(set_to_none=False)  # torch: existing gradients zeroed, None stays None
+    assert opt.grads.present_paths() == ["a"]
     np.testing.assert_array_equal(opt.grads["a"], 0.0)
-    opt.step()  # a real step: weight decay acts on a zero gradient
+    opt.step()  # a real step for a: weight decay acts on a zero gradient; b is skipped
     np.testing.assert_array_equal(opt.params["a"], 0.5)
+    np.testing.assert_array_equal(opt.params["b"], 1.0)
 
 
 @pytest.mark.parametrize("grads, words", [
@@ -384,6 +410,35 @@ def test_load_state_dict_saved_hyperparameters_win_unless_live_is_chosen():
     assert b.param_groups[0]["lr"] == 0.5 and b.state_of("x") is not None
     b.load_state_dict(a.state_dict())
     assert b.param_groups[0]["lr"] == 0.1
+
+
+def test_load_state_dict_restores_the_saved_label_and_initial_lr():
+    a = flatopt.SGD([{"params": {"x": np.ones(2)}, "label": "saved", "initial_lr": 0.1}], lr=0.1)
+    b = flatopt.SGD([{"params": {"x": np.ones(2)}, "label": "live"}], lr=0.5)
+    b.load_state_dict(a.state_dict())
+    assert b.param_groups[0]["label"] == "saved" and b.param_groups[0]["initial_lr"] == 0.1
+
+
+@pytest.mark.parametrize("mangle, words", [
+    (lambda sd: sd["state"]["x"].update(step=2 ** 63), "step must be an integer"),
+    (lambda sd: sd["state"]["x"].update(step=np.uint64(2 ** 64 - 1)), "step must be an integer"),
+    (lambda sd: sd.update(state=[1]), "'state' must be a dict"),
+    (lambda sd: sd.update(param_groups=[3]), "'param_groups' must be a list of dicts"),
+    (lambda sd: sd["param_groups"][0].update(params=5), "'param_groups' must be a list"),
+])
+def test_malformed_state_dicts_raise_state_dict_error_and_change_nothing(mangle, words):
+    a = flatopt.Adam({"x": f32(2), "y": f32(2)}, lr=0.1)
+    a.step({"x": f32(2), "y": f32(2)})
+    snapshot = a.state_dict()
+    mangle(snapshot)
+    b = flatopt.Adam({"x": f32(2), "y": f32(2)}, lr=0.5)
+    b.step({"x": f32(2, seed=3), "y": f32(2, seed=3)})
+    before = b.state_dict()
+    with pytest.raises(StateDictError, match=words):
+        b.load_state_dict(snapshot)
+    after = b.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert {p: s["step"] for p, s in after["state"].items()} == {"x": 1, "y": 1}
 
 
 def test_loading_state_without_an_entry_resets_that_parameter():
