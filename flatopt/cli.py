@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -156,12 +157,14 @@ def diff_checkpoints(a, b) -> dict:
                                    "b": vb is not None, "note": "present"})
                     continue
                 if not np.array_equal(va, vb, equal_nan=True):
+                    both_nan = np.isnan(va) & np.isnan(vb)
                     delta = np.abs(va.astype(np.float64) - vb.astype(np.float64))
+                    delta[both_nan] = 0.0
+                    # NaN against a number: the difference is unbounded (null in --json)
                     params.append({"path": ea.path, "field": slot,
-                                   "max_abs_diff": float(np.nanmax(delta)) if delta.size
-                                   else 0.0,
+                                   "max_abs_diff": float(np.max(delta)),
                                    "elements_differing": int(np.count_nonzero(
-                                       ~((va == vb) | (np.isnan(va) & np.isnan(vb)))))})
+                                       ~((va == vb) | both_nan)))})
         identical = not (header or groups or only_a or only_b or params)
         return {"a": ca.name, "b": cb.name, "identical": identical, "header": header,
                 "groups": groups, "only_in_a": only_a, "only_in_b": only_b, "params": params}
@@ -245,6 +248,17 @@ def _print_diff(result: dict) -> None:
             print(f"  {item['path']}: {item['field']}: {item['a']} -> {item['b']}")
 
 
+def _strict_json(value):
+    """NaN and infinities become null (JSON has no such numbers); containers are walked."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(item) for item in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flatopt", description="Inspect, compare and verify "
                                      "flatopt HDF5 checkpoints.")
@@ -261,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def emit(obj) -> None:
-        print(json.dumps(obj, indent=2, default=str, allow_nan=True))
+        print(json.dumps(_strict_json(obj), indent=2, default=str, allow_nan=False))
 
     try:
         if args.command == "verify":
