@@ -416,6 +416,14 @@ class Optimizer:
         for buf in self.buffers:  # a buffer with no gradient present returns at once
             self._step_buffer(buf, settings[buf.group])
 
+    def _known(self, path: Any, what: str, problems: list[str]) -> ParamInfo | None:
+        """The index record of ``path``, or None after adding a message naming it."""
+        info = self.index.get(path) if isinstance(path, str) else None
+        if info is None:
+            problems.append(f"{what} unknown parameter {path!r}"
+                            f"{_near(str(path), self.index.paths)}")
+        return info
+
     def _stage_gradients(self, grads: Mapping[str, Any]) -> None:
         if not isinstance(grads, Mapping):
             raise GradientError(f"step(grads) takes a dict {{path: array}}, got "
@@ -423,10 +431,8 @@ class Optimizer:
         problems = []
         staged = []
         for path, value in grads.items():
-            info = self.index.get(path) if isinstance(path, str) else None
+            info = self._known(path, "gradient given for", problems)
             if info is None:
-                problems.append(f"gradient given for unknown parameter {path!r}"
-                                f"{_near(str(path), self.index.paths)}")
                 continue
             if value is None:
                 continue
@@ -546,10 +552,8 @@ class Optimizer:
                                                      ("label", "initial_lr") if key in match[1]}}
 
         for path, entry in state.items():
-            info = self.index.get(path) if isinstance(path, str) else None
+            info = self._known(path, "state given for", problems)
             if info is None:
-                problems.append(f"state for {path!r}: no such parameter in this optimizer"
-                                f"{_near(str(path), self.index.paths)}")
                 continue
             settings = new_settings[info.group] or self.param_groups[info.group]
             problems += self._state_problems(info, entry, settings)

@@ -17,6 +17,12 @@ from flatopt.kernels import cpu  # noqa: E402
 SMALL_CHUNK = 64  # several chunks per parameter, and chunks spanning parameters
 
 
+def random_grads(rng, shapes, dtype):
+    """Gradients for about 70% of the parameters; the rest are missing."""
+    return {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()
+            if rng.random() < 0.7}
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("flags", [
     dict(amsgrad=False, maximize=False, weight_decay=0.0),
@@ -39,9 +45,7 @@ def test_cuda_adam_matches_cpu(cls, flags, dtype):
     bc2 = np.zeros(len(buf), dtype)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-13, atol=1e-15)
     for _ in range(4):
-        grads = {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()
-                 if rng.random() < 0.7}
-        opt.step(grads)
+        opt.step(random_grads(rng, shapes, dtype))
         s = opt.param_groups[0]
         beta1, beta2 = s["betas"]
         hyper = opt._kernel_scalars(buf, opt._group_settings()[0])
@@ -77,9 +81,7 @@ def test_cuda_sgd_matches_cpu(hp, dtype):
     first = np.zeros(len(buf), np.uint8)
     tol = dict(rtol=1e-6, atol=1e-7) if dtype == np.float32 else dict(rtol=1e-14, atol=1e-15)
     for _ in range(4):
-        grads = {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()
-                 if rng.random() < 0.7}
-        opt.step(grads)
+        opt.step(random_grads(rng, shapes, dtype))
         s = opt.param_groups[0]
         has_momentum = s["momentum"] != 0
         hyper = opt._kernel_scalars(buf, opt._group_settings()[0])
