@@ -1,18 +1,21 @@
 """flatopt: fast, exact, resumable optimizer steps for NumPy training code.
 
 Parameters live in contiguous per-(group, dtype) buffers; fused Numba kernels update whole
-buffers in one parallel call, following torch.optim's semantics exactly.
+buffers in one parallel call, following torch.optim's semantics exactly. Every optimizer is
+declared by a schema and found through :mod:`flatopt.registry`.
 """
 
+from . import registry
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
-from .adam import Adam, AdamParamState, AdamW
+from ._views import Gradients, ParamViews
 from .checkpoint import Difference, LoadResult, load, save
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ParamError,
                      StateDictError)
 from .grouping import group_by_pattern
-from .optimizer import Gradients, Optimizer, ParamViews
-from .sgd import SGD, SGDParamState
+from .optimizer import BufferState, Optimizer
+from .optimizers import SGD, Adam, AdamParamState, AdamW, SGDParamState
+from .schema import Column, Hyperparameter, Schema, Slot
 
 __version__ = "0.1.0"
 
@@ -21,6 +24,7 @@ __all__ = [
     "group_by_pattern",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
     "SGDParamState", "AdamParamState",
+    "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError",
     "save", "load", "LoadResult", "Difference",

@@ -115,11 +115,15 @@ class FlatBuffer:
     (``state[name]``) is another such array, allocated when first needed. Parameter ``slot``
     occupies ``[offsets[slot], offsets[slot] + sizes[slot])`` in all of them.
     ``present[slot]`` marks whether that parameter has a gradient for the next step;
-    ``per_param`` holds the optimizer's per-parameter arrays (step counts, flags).
+    ``columns`` holds the rule's per-parameter arrays (step counts, flags, bias corrections),
+    ``kernel_columns`` the same arrays in the order the rule's kernels take them.
+
+    Treat every array as read-only outside the optimizer: it changes them in place.
     """
 
     def __init__(self, number: int, group: int, dtype: np.dtype, ids: Sequence[int],
-                 paths: Sequence[str], shapes: Sequence[tuple[int, ...]]):
+                 paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                 columns: dict[str, np.dtype] | None = None):
         self.number = number
         self.group = group
         self.dtype = np.dtype(dtype)
@@ -135,7 +139,10 @@ class FlatBuffer:
         self.grads = aligned_zeros(self.length, self.dtype)
         self.present = np.zeros(len(self.paths), dtype=np.uint8)
         self.state: dict[str, np.ndarray] = {}
-        self.per_param: dict[str, np.ndarray] = {}
+        self.columns: dict[str, np.ndarray] = {
+            name: np.zeros(len(self.paths), dtype=column_dtype)
+            for name, column_dtype in (columns or {}).items()}
+        self.kernel_columns = tuple(self.columns.values())
 
     def __len__(self) -> int:
         return len(self.paths)

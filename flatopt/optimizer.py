@@ -1,107 +1,31 @@
-"""The stateful optimizer base class: packing, groups, gradients, state dicts.
+"""The stateful optimizer base class: packing, groups, stepping, state, state dicts.
 
-Subclasses (``SGD``, ``Adam``, ``AdamW``) declare their hyperparameters and implement four
-small hooks; the arithmetic itself lives in the stateless kernels of ``flatopt.kernels``.
+A subclass declares a :class:`~flatopt.schema.Schema` (hyperparameters, per-parameter columns,
+state slots, its kernel rule) and three small methods that turn a group's settings into its
+kernel arguments (:meth:`Optimizer.kernel_scalars`, :meth:`Optimizer.kernel_flags`,
+:meth:`Optimizer.prepare_scalars`). Everything else is here, written once from the schema: state
+get/set/reset, ``state_dict``/``load_state_dict``, and the contract checkpoints use
+(:meth:`Optimizer.settings`, ``opt.buffers`` and :meth:`Optimizer.restore`).
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 from collections.abc import Mapping
-from typing import Any, ClassVar, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _hyper
-from ._layout import SUPPORTED_DTYPES, FlatBuffer, ParamIndex, ParamInfo
+from . import _params
+from ._layout import FlatBuffer, ParamIndex, ParamInfo
+from ._views import Gradients, ParamViews, gradient_problem
 from .errors import GradientError, HyperparameterError, ParamError, StateDictError
+from .kernels import backend as kernel_backend
+from .schema import Schema, array_problem, describe_group, near
 
 STATE_DICT_FORMAT = "flatopt.state_dict"
 STATE_DICT_VERSION = 1
-_MAX_STEP = int(np.iinfo(np.int64).max)  # step counts are stored as int64
-
-
-def _near(word: str, choices: Iterable[str]) -> str:
-    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {near[0]!r}?)" if near else ""
-
-
-def _describe_value(value: Any) -> str:
-    if isinstance(value, np.ndarray):
-        return f"array of shape {value.shape} and dtype {value.dtype}"
-    return f"{type(value).__name__}"
-
-
-def _as_pairs(params: Any, where: str, problems: list[str]) -> list[tuple[Any, Any]]:
-    """A group's parameters as (path, array) pairs, from a mapping or a list of pairs."""
-    if isinstance(params, (set, frozenset)):
-        problems.append(f"{where}: parameters were given as a set, whose order changes between "
-                        "runs; give a dict {path: array} or a list of (path, array) pairs")
-        return []
-    if isinstance(params, np.ndarray):
-        problems.append(f"{where}: parameters were given as one bare array; give a dict "
-                        "{path: array} so every parameter has a path")
-        return []
-    if isinstance(params, Mapping):
-        return list(params.items())
-    try:
-        pairs = list(params)
-    except TypeError:
-        problems.append(f"{where}: parameters must be a dict {{path: array}}, got "
-                        f"{type(params).__name__}")
-        return []
-    for item in pairs:
-        if not (isinstance(item, tuple) and len(item) == 2):
-            problems.append(f"{where}: parameters must be a dict {{path: array}} or a list of "
-                            f"(path, array) pairs; found an element of type {type(item).__name__}")
-            return []
-    return pairs
-
-
-def _split_groups(params: Any, problems: list[str]) -> list[dict]:
-    """The constructor's ``params`` as a list of group dicts (each with a ``params`` pair list)."""
-    if isinstance(params, Mapping):
-        if "params" in params and not isinstance(params["params"], np.ndarray):
-            problems.append("params looks like one group dict; pass a list of groups "
-                            "[{'params': {...}, ...}] or a plain dict {path: array}")
-            return []
-        return [{"params": params}]
-    if isinstance(params, (set, frozenset, np.ndarray)) or not isinstance(params, Iterable):
-        return [{"params": params}]  # _as_pairs words the error
-    items = list(params)
-    if items and all(isinstance(item, Mapping) for item in items):
-        return items
-    return [{"params": items}]
-
-
-try:  # numpy >= 2
-    _byte_bounds = np.lib.array_utils.byte_bounds
-except AttributeError:  # numpy 1.x
-    _byte_bounds = np.byte_bounds
-
-
-def _tied_problems(arrays: list[tuple[str, np.ndarray]]) -> list[str]:
-    """Messages for arrays given twice or sharing memory (tied weights), found by a sweep."""
-    bounded = []
-    for path, array in arrays:
-        if array.size:
-            low, high = _byte_bounds(array)
-            bounded.append((low, high, path, array))
-    bounded.sort(key=lambda item: item[0])
-    problems = []
-    open_intervals: list[tuple[int, str, np.ndarray]] = []  # (high, path, array) reaching on
-    for low, high, path, array in bounded:
-        open_intervals = [item for item in open_intervals if item[0] > low]
-        for _, other_path, other in open_intervals:
-            if np.shares_memory(array, other):
-                kind = "the same array" if array is other else "arrays sharing memory"
-                problems.append(
-                    f"parameters {other_path!r} and {path!r} are {kind} (tied weights); "
-                    "flatopt copies each parameter into its own buffer, so pass a tied weight "
-                    "once, under one path, and add up its gradient contributions before step()")
-        open_intervals.append((high, path, array))
-    return problems
 
 
 def _frozen(value: Any) -> Any:
@@ -121,127 +45,51 @@ def _group_snapshot(group: Mapping[str, Any]) -> tuple:
                  for key, value in group.items())
 
 
-class ParamViews(Mapping):
-    """``opt.params``: path -> writable view into the flat parameter buffer."""
-
-    def __init__(self, views: dict[str, np.ndarray]):
-        self._views = views
-
-    def __getitem__(self, path: str) -> np.ndarray:
-        try:
-            return self._views[path]
-        except KeyError:
-            raise KeyError(f"no parameter {path!r}{_near(path, self._views)}") from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._views)
-
-    def __len__(self) -> int:
-        return len(self._views)
+def _raise(problems: list[str], error: type[Exception]) -> None:
+    if problems:
+        raise error("\n".join(problems))
 
 
-class Gradients(Mapping):
-    """``opt.grads``: the flat gradient buffers, seen per path, with explicit presence.
+class _Plan:
+    """A buffer's kernel arguments for one validated settings dict (rebuilt when it changes)."""
 
-    ``opt.grads[path]`` is a writable view (write into it with ``out=`` or ``[...] =``);
-    reading or writing it does not change presence. Mark which gradients exist with
-    :meth:`mark_present` / :meth:`mark_missing`; ``opt.grads[path] = value`` copies and marks
-    present in one go. ``opt.step()`` steps exactly the parameters marked present.
-    """
+    __slots__ = ("settings", "scalars", "prepare_scalars", "flags", "used", "arrays")
 
-    def __init__(self, optimizer: "Optimizer"):
-        self._opt = optimizer
-
-    def _locate(self, path: str) -> ParamInfo:
-        info = self._opt.index.get(path)
-        if info is None:
-            raise GradientError(f"no parameter {path!r}{_near(path, self._opt.index.paths)}")
-        return info
-
-    def __getitem__(self, path: str) -> np.ndarray:
-        return self._opt._grad_views[self._locate(path).path]
-
-    def __setitem__(self, path: str, value: np.ndarray) -> None:
-        info = self._locate(path)
-        problem = _gradient_problem(info, value)
-        if problem:
-            raise GradientError(problem)
-        self._opt._grad_views[path][...] = value
-        self._opt.buffers[info.buffer].present[info.slot] = 1
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._opt.index.paths)
-
-    def __len__(self) -> int:
-        return len(self._opt.index)
-
-    def _slots(self, paths):
-        for path in paths:
-            info = self._locate(path)
-            yield self._opt.buffers[info.buffer], info.slot
-
-    def mark_present(self, paths: Iterable[str] | None = None) -> None:
-        """Mark gradients as present (all of them when ``paths`` is None)."""
-        self._mark(paths, 1)
-
-    def mark_missing(self, paths: Iterable[str] | None = None) -> None:
-        """Mark gradients as missing: those parameters are skipped entirely by step()."""
-        self._mark(paths, 0)
-
-    def _mark(self, paths, value: int) -> None:
-        if paths is None:
-            for buf in self._opt.buffers:
-                buf.present[:] = value
-            return
-        if isinstance(paths, str):
-            paths = [paths]
-        located = list(self._slots(paths))  # every path is checked before any flag changes
-        for buf, slot in located:
-            buf.present[slot] = value
-
-    def is_present(self, path: str) -> bool:
-        info = self._locate(path)
-        return bool(self._opt.buffers[info.buffer].present[info.slot])
-
-    def present_paths(self) -> list[str]:
-        return [info.path for info in self._opt.index
-                if self._opt.buffers[info.buffer].present[info.slot]]
+    def __init__(self, settings, scalars, prepare_scalars, flags, used):
+        self.settings = settings
+        self.scalars = scalars
+        self.prepare_scalars = prepare_scalars
+        self.flags = flags
+        self.used = used
+        self.arrays = None  # (params, grads, *slots), once the used slots are allocated
 
 
-def _gradient_problem(info: ParamInfo, value: Any) -> str | None:
-    if isinstance(value, np.generic):
-        value = np.asarray(value)
-    if not isinstance(value, np.ndarray):
-        return (f"gradient for {info.path!r} is a {type(value).__name__}; give a numpy array "
-                f"of shape {info.shape} and dtype {info.dtype}")
-    if value.shape != info.shape:
-        return (f"gradient for {info.path!r} has shape {value.shape}, but the parameter has "
-                f"shape {info.shape}")
-    if value.dtype != info.dtype:
-        return (f"gradient for {info.path!r} has dtype {value.dtype}, but the parameter is "
-                f"{info.dtype}; cast it with .astype(np.{info.dtype})")
-    return None
+@dataclass
+class BufferState:
+    """Whole-buffer contents for :meth:`Optimizer.restore` when a saved buffer has exactly
+    the live buffer's layout: ``params`` and each ``state`` slot flat (the buffer's length),
+    ``columns`` one value per parameter for each persisted column of the schema."""
+
+    params: np.ndarray
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+    columns: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class Optimizer:
     """Base class: parameters packed into flat per-(group, dtype) buffers.
 
-    Subclasses set ``hyperparameters`` (name -> (default, checker)) and implement
-    ``_cross_check``, ``_init_buffer``, ``_step_buffer``, ``_param_state``,
-    ``_set_param_state`` and ``_clear_param_state``.
+    Subclasses set ``schema`` and implement ``kernel_scalars``, ``kernel_flags`` and (when
+    the rule's prepare step takes scalars) ``prepare_scalars``; register them with
+    :func:`flatopt.registry.register` so checkpoints and tools find them.
     """
 
-    hyperparameters: ClassVar[_hyper.Spec] = {}
-    state_record: ClassVar[type]
+    schema: ClassVar[Schema]
 
     def __init__(self, params: Any, **defaults: Any):
         name = f"{type(self).__name__}()"
-        problems = _hyper.unknown_key_problems(defaults, self.hyperparameters, name, allowed=())
-        initial = {key: default for key, (default, _) in self.hyperparameters.items()}
-        values, value_problems = _hyper.check_values({**initial, **defaults},
-                                                     self.hyperparameters, name,
-                                                     self._cross_check)
-        _hyper.raise_problems(problems + value_problems)
+        values, problems = self.schema.check_group(self.schema.defaults(**defaults), name,
+                                                   extras=())
+        _raise(problems, HyperparameterError)
         self.defaults: dict[str, Any] = values
         self.param_groups: list[dict[str, Any]] = []
         self.buffers: list[FlatBuffer] = []
@@ -250,120 +98,86 @@ class Optimizer:
         self._grad_views: dict[str, np.ndarray] = {}
         self._group_paths: list[tuple[str, ...]] = []
         self._validated: list[tuple[tuple, dict]] = []
-        self._scalar_cache: dict[int, tuple[dict, np.ndarray]] = {}
+        self._plans: list[_Plan | None] = []
+        self._backend = kernel_backend("cpu")
+        self._kernels = self._backend.compile(self.schema.rule)
         self.params = ParamViews(self._param_views)
-        self.grads = Gradients(self)
-
+        self.grads = Gradients(self, self._grad_views)
         structure: list[str] = []
-        groups = _split_groups(params, structure)
-        if structure:
-            raise ParamError("\n".join(structure))
+        groups = _params.split_groups(params, structure)
+        _raise(structure, ParamError)
         self._add_groups(groups, require_params=True)
+
+    def _set_backend(self, name: str) -> None:
+        """Run the kernels of backend ``name`` ("cpu" or "cuda") from the next step on. The
+        buffers stay where they are: the CUDA backend needs device-resident buffers, which
+        only the simulator stands in for so far (tests use this)."""
+        self._backend = kernel_backend(name)
+        self._kernels = self._backend.compile(self.schema.rule)
+        self._plans = [None] * len(self.buffers)
 
     # ----------------------------------------------------------------- construction
     def add_param_group(self, group: Mapping[str, Any]) -> None:
         """Add a group (e.g. an unfrozen layer): new buffers; existing ones are untouched."""
         if not isinstance(group, Mapping):
             raise ParamError(f"param_group must be a dict, got {type(group).__name__}")
+        self.settings()  # the existing groups must be intact before more are added
         self._add_groups([group])
 
-    def _add_groups(self, groups: list[Mapping[str, Any]], require_params: bool = False) -> None:
+    def _check_entries(self, group: Mapping, where: str, seen: dict[str, str],
+                       problems: list[str]) -> list[tuple[str, np.ndarray]]:
+        entries = []
+        for path, array in _params.as_pairs(group["params"], where, problems):
+            problem = _params.path_problem(path)
+            if problem is None and (path in seen or path in self.index):
+                problem = (f"path {path!r} appears more than once (also in "
+                           f"{seen.get(path, 'an existing group')}); every path must be unique")
+            if problem is None:
+                seen[path] = where
+                array = np.asarray(array) if isinstance(array, np.generic) else array
+                problem = _params.array_problem(path, array)
+            if problem is None and any(np.shares_memory(array, buf.params)
+                                       for buf in self.buffers):
+                problem = (f"parameter {path!r} is a view of this optimizer's own buffer (it "
+                           "is already optimized under another path)")
+            if problem is None:
+                entries.append((path, array))
+            else:
+                problems.append(f"{where}: {problem}")
+        return entries
+
+    def _add_groups(self, groups: list, require_params: bool = False) -> None:
         """Validate every group completely, then build their buffers (all or nothing)."""
         param_problems: list[str] = []
         hyper_problems: list[str] = []
-        seen: dict[str, str] = {}  # new paths -> where; existing ones are in self.index
+        seen: dict[str, str] = {}
         staged = []
-        all_arrays: list[tuple[str, np.ndarray]] = []
         for number, group in enumerate(groups, start=len(self.param_groups)):
-            if not isinstance(group, Mapping):
-                param_problems.append(f"param group {number} must be a dict, got "
-                                      f"{type(group).__name__}")
+            if not isinstance(group, Mapping) or "params" not in group:
+                what = "has no 'params' entry" if isinstance(group, Mapping) else \
+                    f"must be a dict, got {type(group).__name__}"
+                param_problems.append(f"param group {number} {what}")
                 continue
-            where = _hyper.describe_group(number, group)
-            if "params" not in group:
-                param_problems.append(f"{where}: has no 'params' entry")
-                continue
+            where = describe_group(number, group)
             overrides = {k: v for k, v in group.items() if k != "params"}
-            hyper_problems += _hyper.unknown_key_problems(overrides, self.hyperparameters, where)
-            try:
-                group_label = _hyper.label(overrides.get("label"))
-            except _hyper.Invalid as exc:
-                hyper_problems.append(f"{where}: label {exc}")
-                group_label = None
-            known = {k: v for k, v in overrides.items() if k in self.hyperparameters}
-            values, problems = _hyper.check_values({**self.defaults, **known},
-                                                   self.hyperparameters, where,
-                                                   self._cross_check)
+            values, problems = self.schema.check_group({**self.defaults, **overrides}, where)
             hyper_problems += problems
-            entries = []
-            for path, array in _as_pairs(group["params"], where, param_problems):
-                if not isinstance(path, str) or not path:
-                    param_problems.append(f"{where}: parameter path {path!r} must be a "
-                                          "non-empty string")
-                    continue
-                if path in seen or path in self.index:
-                    also = seen.get(path, "an existing group")
-                    param_problems.append(f"{where}: path {path!r} appears more than once "
-                                          f"(also in {also}); every path must be unique")
-                    continue
-                seen[path] = where
-                if isinstance(array, np.generic):
-                    array = np.asarray(array)
-                if not isinstance(array, np.ndarray):
-                    param_problems.append(f"{where}: parameter {path!r} is a "
-                                          f"{type(array).__name__}; give a numpy array")
-                    continue
-                if array.dtype not in SUPPORTED_DTYPES:
-                    hint = (" (float16 is not supported yet)" if array.dtype == np.float16
-                            else "")
-                    param_problems.append(
-                        f"{where}: parameter {path!r} has dtype {array.dtype}{hint}; flatopt "
-                        "optimizes float32 and float64 arrays: cast with .astype(np.float32)")
-                    continue
-                for buf in self.buffers:
-                    if np.shares_memory(array, buf.params):
-                        param_problems.append(
-                            f"{where}: parameter {path!r} is a view of this optimizer's own "
-                            "buffer (it is already optimized under another path)")
-                        break
-                entries.append((path, array))
-                all_arrays.append((path, array))
-            staged.append((group, values, group_label, entries))
-        param_problems += _tied_problems(all_arrays)
+            staged.append((values, self._check_entries(group, where, seen, param_problems)))
+        all_arrays = [entry for _, entries in staged for entry in entries]
+        param_problems += _params.tied_problems(all_arrays)
         if require_params and not all_arrays and not param_problems:
             param_problems.append("optimizer got an empty parameter list; give a dict "
                                   "{path: array} with at least one parameter")
-        if param_problems:
-            raise ParamError("\n".join(param_problems))
-        _hyper.raise_problems(hyper_problems)
-
+        _raise(param_problems, ParamError)
+        _raise(hyper_problems, HyperparameterError)
         infos: list[ParamInfo] = []
         next_id = len(self.index)
-        for group, values, group_label, entries in staged:
-            number = len(self.param_groups)
-            paths = tuple(path for path, _ in entries)
+        for values, entries in staged:
             ids = {path: next_id + k for k, (path, _) in enumerate(entries)}
             next_id += len(entries)
-            dtypes = list(dict.fromkeys(array.dtype for _, array in entries))
-            for dtype in dtypes:
-                members = [(path, array) for path, array in entries if array.dtype == dtype]
-                buf = FlatBuffer(len(self.buffers), number, dtype,
-                                 [ids[p] for p, _ in members], [p for p, _ in members],
-                                 [a.shape for _, a in members])
-                self._init_buffer(buf)
-                for slot, (path, array) in enumerate(members):
-                    buf.view(buf.params, slot)[...] = array
-                    infos.append(ParamInfo(ids[path], path, array.shape, array.dtype, number,
-                                           buf.number, slot, int(buf.offsets[slot]),
-                                           int(buf.sizes[slot])))
-                self.buffers.append(buf)
-            entry = {"params": paths, **values}
-            if group_label is not None:
-                entry["label"] = group_label
-            for key in ("initial_lr",):
-                if key in group:
-                    entry[key] = group[key]
-            self.param_groups.append(entry)
+            infos += self._build_buffers(len(self.param_groups), entries, ids)
+            paths = tuple(path for path, _ in entries)
+            self.param_groups.append({"params": paths, **values})
             self._group_paths.append(paths)
             self._validated.append(((), {}))
         # Views are handed out in id order, as the user gave them; new ids come last.
@@ -374,33 +188,101 @@ class Optimizer:
             self._param_views[info.path] = buf.view(buf.params, info.slot)
             self._grad_views[info.path] = buf.view(buf.grads, info.slot)
 
-    # ----------------------------------------------------------------- stepping
-    def _group_settings(self) -> list[dict[str, Any]]:
-        """Every group's hyperparameters, read and validated now (torch reads them each step)."""
+    def _build_buffers(self, group: int, entries: list, ids: dict) -> list[ParamInfo]:
+        """One buffer per dtype of the group's entries, filled with their values."""
+        rule = self.schema.rule
+        infos = []
+        for dtype in dict.fromkeys(array.dtype for _, array in entries):
+            members = [(path, array) for path, array in entries if array.dtype == dtype]
+            columns = {name: rule.column_dtype(name, dtype) for name in rule.columns}
+            buf = FlatBuffer(len(self.buffers), group, dtype, [ids[p] for p, _ in members],
+                             [p for p, _ in members], [a.shape for _, a in members], columns)
+            for slot, (path, array) in enumerate(members):
+                buf.view(buf.params, slot)[...] = array
+                infos.append(ParamInfo(ids[path], path, array.shape, array.dtype, group,
+                                       buf.number, slot, int(buf.offsets[slot]),
+                                       int(buf.sizes[slot])))
+            self.buffers.append(buf)
+            self._plans.append(None)
+        return infos
+
+    # ----------------------------------------------------------------- settings
+    def settings(self) -> list[dict[str, Any]]:
+        """Every group's values (hyperparameters, and label and initial_lr when set), read
+        from ``param_groups`` and validated now, as torch reads them at every step. Raises
+        :class:`HyperparameterError` naming every problem; the returned dicts are shared,
+        never modify them."""
+        groups = self.param_groups
+        if not isinstance(groups, list) or len(groups) != len(self._group_paths):
+            count = len(groups) if isinstance(groups, list) else type(groups).__name__
+            raise HyperparameterError(
+                f"param_groups was changed from {len(self._group_paths)} groups to {count}; "
+                "groups cannot be removed or replaced: use add_param_group() to add one, and "
+                "set a group's lr to 0 (or leave its gradients missing) to freeze it")
         settings = []
         problems: list[str] = []
-        for number, group in enumerate(self.param_groups):
+        for number, group in enumerate(groups):
+            if not isinstance(group, dict):
+                problems.append(f"param group {number} was replaced by a "
+                                f"{type(group).__name__}; change values inside the group dict")
+                continue
             snapshot = _group_snapshot(group)
             cached_snapshot, cached_values = self._validated[number]
             if snapshot == cached_snapshot:
                 settings.append(cached_values)
                 continue
-            where = _hyper.describe_group(number, group)
+            where = describe_group(number, group)
             if group.get("params") is not self._group_paths[number]:
-                problems.append(f"{where}: 'params' cannot be changed after construction; "
-                                "use add_param_group() to add parameters")
-            problems += _hyper.unknown_key_problems(group, self.hyperparameters, where)
-            missing = [key for key in self.hyperparameters if key not in group]
-            if missing:
-                problems.append(f"{where}: hyperparameters {missing} were removed from the group")
-            values, value_problems = _hyper.check_values(group, self.hyperparameters, where,
-                                                         self._cross_check)
+                problems.append(f"{where}: 'params' was changed or the groups were reordered; "
+                                "groups keep their parameters: use add_param_group() to add "
+                                "parameters")
+            values, value_problems = self.schema.check_group(group, where)
             problems += value_problems
             settings.append(values)
-            if not problems:
+            if not value_problems:
                 self._validated[number] = (snapshot, values)
-        _hyper.raise_problems(problems)
+        _raise(problems, HyperparameterError)
         return settings
+
+    # ----------------------------------------------------------------- stepping
+    def kernel_scalars(self, settings: Mapping[str, Any], dtype: np.dtype):
+        """The rule's ``Scalars`` for a group (float64 values, rounded once to ``dtype``)."""
+        return self.schema.rule.scalars()
+
+    def kernel_flags(self, settings: Mapping[str, Any]):
+        """The rule's ``Flags`` for a group."""
+        return self.schema.rule.flags()
+
+    def prepare_scalars(self, settings: Mapping[str, Any]):
+        """The rule's ``PrepareScalars`` for a group (float64)."""
+        return self.schema.rule.prepare_scalars()
+
+    def _plan(self, buf: FlatBuffer, settings: dict) -> _Plan:
+        rule = self.schema.rule
+        layouts = ((self.kernel_scalars(settings, buf.dtype), rule.scalars),
+                   (self.prepare_scalars(settings), rule.prepare_scalars),
+                   (self.kernel_flags(settings), rule.flags))
+        for value, layout in layouts:
+            if type(value) is not layout:
+                raise TypeError(f"{type(self).__name__} gave a {type(value).__name__} where "
+                                f"rule {rule.name!r} takes its {layout.__name__}")
+        scalars, prepare, flags = (value for value, _ in layouts)
+        plan = _Plan(settings, np.array(scalars, dtype=buf.dtype),
+                     np.array(prepare, dtype=np.float64), tuple(bool(f) for f in flags),
+                     self.schema.used_slots(settings))
+        self._plans[buf.number] = plan
+        return plan
+
+    def _arrays(self, buf: FlatBuffer, plan: _Plan) -> tuple:
+        """The kernel's arrays, allocating the slots the settings use; unused slots are
+        stood in for by the gradient buffer, which the kernel then never touches as a slot."""
+        for name in plan.used:
+            if name not in buf.state:
+                buf.state[name] = self._backend.zeros(buf.length, buf.dtype)
+        plan.arrays = (buf.params, buf.grads,
+                       *(buf.state[name] if name in plan.used else buf.grads
+                         for name in self.schema.rule.slots))
+        return plan.arrays
 
     def step(self, grads: Mapping[str, np.ndarray | None] | None = None) -> None:
         """Take one optimization step.
@@ -410,18 +292,28 @@ class Optimizer:
         arrays are copied in first and define presence: an absent path, or ``None``, is a
         missing gradient. Nothing changes if any gradient or hyperparameter is invalid.
         """
-        settings = self._group_settings()
+        settings = self.settings()
         if grads is not None:
             self._stage_gradients(grads)
-        for buf in self.buffers:  # a buffer with no gradient present returns at once
-            self._step_buffer(buf, settings[buf.group])
+        kernels = self._kernels
+        for buf in self.buffers:
+            plan = self._plans[buf.number]
+            if plan is None or plan.settings is not settings[buf.group]:
+                plan = self._plan(buf, settings[buf.group])
+            arrays = plan.arrays
+            if arrays is None:
+                if not buf.present.any():
+                    continue  # nothing to step: no state is allocated
+                arrays = self._arrays(buf, plan)
+            if kernels.prepare(buf.present, buf.kernel_columns, plan.prepare_scalars,
+                               plan.flags):
+                kernels.step(arrays, plan.scalars, buf.kernel_columns, plan.flags, buf)
 
     def _known(self, path: Any, what: str, problems: list[str]) -> ParamInfo | None:
         """The index record of ``path``, or None after adding a message naming it."""
         info = self.index.get(path) if isinstance(path, str) else None
         if info is None:
-            problems.append(f"{what} unknown parameter {path!r}"
-                            f"{_near(str(path), self.index.paths)}")
+            problems.append(f"{what} unknown parameter {path!r}{near(path, self.index.paths)}")
         return info
 
     def _stage_gradients(self, grads: Mapping[str, Any]) -> None:
@@ -432,17 +324,19 @@ class Optimizer:
         staged = []
         for path, value in grads.items():
             info = self._known(path, "gradient given for", problems)
-            if info is None:
+            if info is None or value is None:
                 continue
-            if value is None:
-                continue
-            problem = _gradient_problem(info, value)
+            problem = gradient_problem(info, value)
             if problem:
                 problems.append(problem)
             else:
                 staged.append((info, value))
-        if problems:
-            raise GradientError("\n".join(problems))
+        _raise(problems, GradientError)
+        # A value that is a view of the gradient buffer (opt.grads[other]) is read before
+        # any gradient is written, so copying one gradient cannot change another.
+        staged = [(info, value.copy() if any(np.may_share_memory(value, buf.grads)
+                                             for buf in self.buffers) else value)
+                  for info, value in staged]
         for buf in self.buffers:
             buf.present[:] = 0
         for info, value in staged:
@@ -461,13 +355,29 @@ class Optimizer:
                 buf.grads.fill(0)
 
     # ----------------------------------------------------------------- state
+    def _param_state(self, buf: FlatBuffer, slot: int, copy: bool) -> dict | None:
+        if not buf.columns[self.schema.marker][slot]:
+            return None
+        entry: dict[str, Any] = {name: int(buf.columns[name][slot])
+                                 for name in self.schema.state_dict_columns}
+        for name in self.schema.slots:
+            flat = buf.state.get(name)
+            if flat is not None:
+                view = buf.view(flat, slot)
+                entry[name] = view.copy() if copy else view
+        return entry
+
+    def _info(self, path: Any) -> ParamInfo:
+        info = self.index.get(path) if isinstance(path, str) else None
+        if info is None:
+            raise KeyError(f"no parameter {path!r}{near(path, self.index.paths)}")
+        return info
+
     def state_of(self, path: str):
         """The live state of one parameter as a typed record of views, or None if it has none."""
-        info = self.index.get(path)
-        if info is None:
-            raise KeyError(f"no parameter {path!r}{_near(path, self.index.paths)}")
+        info = self._info(path)
         entry = self._param_state(self.buffers[info.buffer], info.slot, copy=False)
-        return None if entry is None else self.state_record(**entry)
+        return None if entry is None else self.schema.record(**entry)
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot keyed by path: hyperparameters per group and per-parameter state (copies)."""
@@ -482,162 +392,212 @@ class Optimizer:
             saved["params"] = list(group["params"])
             groups.append(saved)
         return {"format": STATE_DICT_FORMAT, "version": STATE_DICT_VERSION,
-                "optimizer": type(self).__name__, "param_groups": groups, "state": state}
+                "optimizer": self.schema.name, "param_groups": groups, "state": state}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *,
                         hyperparameters: str = "saved") -> None:
         """Load a :meth:`state_dict` snapshot, matched by path, never by position.
 
-        Every difference (kind, paths, shapes, dtypes, state slots, grouping) is collected into
-        one :class:`StateDictError` before anything changes. ``hyperparameters="saved"``
-        (torch's behaviour) takes each group's hyperparameters from the snapshot, which then
-        needs the same grouping; ``"live"`` keeps the optimizer's own and loads state only.
-        Data is copied: the snapshot and the optimizer never share memory.
+        Every difference (kind, paths, shapes, dtypes, state slots and values, grouping) is
+        collected into one :class:`StateDictError` before anything changes.
+        ``hyperparameters="saved"`` (torch's behaviour) takes each group's hyperparameters from
+        the snapshot, which then needs the same grouping; ``"live"`` keeps the optimizer's own
+        and loads state only. Data is copied: the snapshot and the optimizer never share memory.
         """
         if hyperparameters not in ("saved", "live"):
             raise ValueError("hyperparameters must be 'saved' or 'live', got "
                              f"{hyperparameters!r}")
-        problems = []
         if not isinstance(state_dict, Mapping):
             raise StateDictError(f"state dict must be a dict, got {type(state_dict).__name__}")
-        for key in ("format", "version", "optimizer", "param_groups", "state"):
-            if key not in state_dict:
-                problems.append(f"state dict has no {key!r} entry; was it made by "
-                                "flatopt's state_dict()?")
-        if problems:
-            raise StateDictError("\n".join(problems))
+        problems = [f"state dict has no {key!r} entry; was it made by flatopt's state_dict()?"
+                    for key in ("format", "version", "optimizer", "param_groups", "state")
+                    if key not in state_dict]
+        _raise(problems, StateDictError)
         version = state_dict["version"]
-        if (state_dict["format"] != STATE_DICT_FORMAT or not isinstance(version, int)
-                or version > STATE_DICT_VERSION):
+        if (state_dict["format"] != STATE_DICT_FORMAT or type(version) is not int
+                or not 1 <= version <= STATE_DICT_VERSION):
             raise StateDictError(
-                f"state dict format {state_dict['format']!r} version {state_dict['version']} "
-                f"is not {STATE_DICT_FORMAT!r} version <= {STATE_DICT_VERSION}; upgrade flatopt")
-        if state_dict["optimizer"] != type(self).__name__:
+                f"state dict format {state_dict['format']!r} version {version!r} is not "
+                f"{STATE_DICT_FORMAT!r} version 1..{STATE_DICT_VERSION}; a newer version needs "
+                "a newer flatopt")
+        if state_dict["optimizer"] != self.schema.name:
             problems.append(f"state dict is from {state_dict['optimizer']}, this optimizer is "
-                            f"{type(self).__name__}")
+                            f"{self.schema.name}")
         saved_groups, state = state_dict["param_groups"], state_dict["state"]
         if not isinstance(state, Mapping):
             problems.append(f"state dict 'state' must be a dict {{path: {{...}}}}, got "
                             f"{type(state).__name__}")
             state = {}
+        settings = None
+        if hyperparameters == "saved":
+            settings = self._saved_settings(saved_groups, problems)
+        problems += self._restore_problems(state, settings, None, None)
+        _raise(problems, StateDictError)
+        self._apply(state, settings, None, None)
+
+    def _saved_settings(self, saved_groups: Any, problems: list[str]) -> list[dict | None]:
+        """Each live group's values from the saved group holding exactly its parameters."""
         if not isinstance(saved_groups, (list, tuple)) or not all(
                 isinstance(group, Mapping) and isinstance(group.get("params"), (list, tuple))
                 and all(isinstance(path, str) for path in group["params"])
                 for group in saved_groups):
             problems.append("state dict 'param_groups' must be a list of dicts, each with a "
                             "'params' list of paths")
-            saved_groups = []
+            return [None] * len(self.param_groups)
+        by_paths = {frozenset(group["params"]): (number, group)
+                    for number, group in enumerate(saved_groups)}
+        settings: list[dict | None] = []
+        for number, paths in enumerate(self._group_paths):
+            match = by_paths.get(frozenset(paths))
+            if match is None:
+                where = describe_group(number, self.param_groups[number])
+                problems.append(f"{where}: no saved group holds exactly its parameters; the "
+                                "grouping changed, load with hyperparameters='live' to keep "
+                                "this optimizer's hyperparameters and load state by path")
+                settings.append(None)
+                continue
+            merged = {**self.param_groups[number], **match[1]}
+            values, more = self.schema.check_group(
+                merged, f"saved {describe_group(match[0], match[1])}")
+            problems += more
+            settings.append(values)
+        return settings
 
-        new_settings: list[dict[str, Any] | None] = [None] * len(self.param_groups)
-        if hyperparameters == "saved":
-            saved_by_paths = {}
-            for number, group in enumerate(saved_groups):
-                saved_by_paths[frozenset(group.get("params", ()))] = (number, group)
-            for number, paths in enumerate(self._group_paths):
-                where = _hyper.describe_group(number, self.param_groups[number])
-                match = saved_by_paths.get(frozenset(paths))
-                if match is None:
-                    problems.append(f"{where}: no saved group holds exactly its parameters; the "
-                                    "grouping changed, load with hyperparameters='live' to keep "
-                                    "this optimizer's hyperparameters and load state by path")
-                    continue
-                saved_where = f"saved {_hyper.describe_group(match[0], match[1])}"
-                problems += _hyper.unknown_key_problems(match[1], self.hyperparameters,
-                                                        saved_where)
-                values, value_problems = _hyper.check_values(
-                    {**self.param_groups[number], **match[1]}, self.hyperparameters,
-                    saved_where, self._cross_check)
-                problems += value_problems
-                new_settings[number] = {**values, **{key: match[1][key] for key in
-                                                     ("label", "initial_lr") if key in match[1]}}
-
+    # ----------------------------------------------------------------- restore (load contract)
+    def _restore_problems(self, state, settings, params, buffers) -> list[str]:
+        """Every reason :meth:`restore` would refuse these values (empty: it will not)."""
+        problems: list[str] = []
+        live = self.settings()
+        if settings is not None and len(settings) != len(live):
+            problems.append(f"{len(settings)} group settings for {len(live)} groups")
+            settings = None
+        effective = [new if new is not None else old
+                     for new, old in zip(settings or [None] * len(live), live)]
         for path, entry in state.items():
             info = self._known(path, "state given for", problems)
-            if info is None:
-                continue
-            settings = new_settings[info.group] or self.param_groups[info.group]
-            problems += self._state_problems(info, entry, settings)
-        if problems:
-            raise StateDictError("\n".join(problems))
-
-        for number, values in enumerate(new_settings):
-            if values is not None:
-                self.param_groups[number].update(values)
-        for buf in self.buffers:
-            self._clear_param_state(buf)
-        for path, entry in state.items():
-            info = self.index[path]
-            self._set_param_state(self.buffers[info.buffer], info.slot, entry)
-
-    def _state_problems(self, info: ParamInfo, entry: Any, settings: Mapping) -> list[str]:
-        """Problems with one parameter's saved state: slot names, shapes, dtypes."""
-        if not isinstance(entry, Mapping):
-            return [f"state for {info.path!r} must be a dict, got {type(entry).__name__}"]
-        expected = self._state_slots(settings)
-        problems = []
-        for key in entry:
-            if key not in expected:
-                problems.append(f"state for {info.path!r} has unexpected entry {key!r} "
-                                f"(a {type(self).__name__} expects {sorted(expected)})")
-        for key, kind in expected.items():
-            value = entry.get(key)
-            if value is None:
-                if kind == "required":
-                    problems.append(f"state for {info.path!r} lacks {key!r}")
-                continue
-            if key == "step":
-                if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
-                        or not 0 <= value <= _MAX_STEP):
-                    problems.append(f"state for {info.path!r}: step must be an integer in "
-                                    f"[0, {_MAX_STEP}], got {value!r}")
-                continue
-            if not isinstance(value, np.ndarray):
-                problems.append(f"state for {info.path!r}: {key} is a {type(value).__name__}, "
-                                "not a numpy array")
-            elif value.shape != info.shape or value.dtype != info.dtype:
-                problems.append(f"state for {info.path!r}: {key} has shape {value.shape} and "
-                                f"dtype {value.dtype}, the parameter has shape {info.shape} "
-                                f"and dtype {info.dtype}")
+            if info is not None and not _all_none(entry):
+                problems += self.schema.state_problems(info.path, entry, info.shape, info.dtype,
+                                                       effective[info.group])
+        for path, value in (params or {}).items():
+            info = self._known(path, "values given for", problems)
+            if info is not None:
+                problem = gradient_problem(info, value)
+                if problem:
+                    problems.append(problem.replace("gradient", "parameter value", 1))
+        for number, contents in (buffers or {}).items():
+            problems += self._buffer_problems(number, contents, effective)
         return problems
 
-    # ----------------------------------------------------------------- hooks
-    @staticmethod
-    def _cross_check(values: dict[str, Any]) -> list[str]:
-        return []
+    def _buffer_problems(self, number: int, contents: BufferState, settings) -> list[str]:
+        if not 0 <= number < len(self.buffers):
+            return [f"no buffer {number}"]
+        buf = self.buffers[number]
+        where = f"buffer {number} (group {buf.group}, {buf.dtype})"
+        problems = []
+        for name, flat in (("params", contents.params), *contents.state.items()):
+            slot = self.schema.slots.get(name)
+            if name != "params" and slot is None:
+                problems.append(f"{where}: unknown state slot {name!r}")
+                continue
+            problem = array_problem(flat, (buf.length,), buf.dtype,
+                                    nonnegative=slot is not None and slot.nonnegative)
+            if problem:
+                problems.append(f"{where}: {name} {problem}")
+        for name, column in self.schema.columns.items():
+            values = contents.columns.get(name)
+            if (not isinstance(values, np.ndarray) or values.shape != (len(buf),)
+                    or values.dtype.kind not in "iu"
+                    or (values.size and (values.min() < 0 or values.max() > column.high))):
+                problems.append(f"{where}: column {name} must hold {len(buf)} integers in "
+                                f"[0, {column.high}]")
+        marker = contents.columns.get(self.schema.marker)
+        if problems or marker is None:
+            return problems
+        for slot in np.flatnonzero(marker == 0):  # a parameter without state has zero state
+            for name, flat in contents.state.items():
+                if buf.view(flat, slot).any():
+                    problems.append(f"{where}: {buf.paths[slot]!r} has no state (its "
+                                    f"{self.schema.marker} is 0) but non-zero {name}")
+        return problems
 
-    def _init_buffer(self, buf: FlatBuffer) -> None:
-        raise NotImplementedError
+    def prepare_restore(self, state: Mapping[str, Any] | None = None, *,
+                        settings: list[dict | None] | None = None,
+                        params: Mapping[str, np.ndarray] | None = None,
+                        buffers: Mapping[int, BufferState] | None = None) -> "PendingRestore":
+        """Validate a :meth:`restore` without changing anything; ``.apply()`` on the result
+        makes it (so a caller can do more between the two, such as loading a scheduler).
+        Raises :class:`StateDictError` naming every problem."""
+        state = state or {}
+        _raise(self._restore_problems(state, settings, params, buffers), StateDictError)
+        return PendingRestore(self, state, settings, params, buffers)
 
-    def _kernel_scalars(self, buf: FlatBuffer, settings: dict[str, Any]) -> np.ndarray:
-        """The group's scalars for the kernel, in the buffer's dtype. Rebuilt only when the
-        group's settings change: an unchanged group yields the same validated dict object."""
-        cached = self._scalar_cache.get(buf.number)
-        if cached is None or cached[0] is not settings:
-            scalars = np.array(self._scalars(settings, buf.dtype), dtype=buf.dtype)
-            cached = self._scalar_cache[buf.number] = (settings, scalars)
-        return cached[1]
+    def restore(self, state: Mapping[str, Any] | None = None, *,
+                settings: list[dict | None] | None = None,
+                params: Mapping[str, np.ndarray] | None = None,
+                buffers: Mapping[int, BufferState] | None = None) -> None:
+        """Replace this optimizer's state (the one path every load takes).
 
-    def _scalars(self, settings: dict[str, Any], dtype: np.dtype) -> list[float]:
-        """The kernel's ``hyper`` argument, as float64 values (rounded once to the dtype)."""
-        raise NotImplementedError
+        ``state``: path -> entry as in :meth:`state_dict` (an entry means the parameter has
+        state; parameters without one get fresh state). ``settings``: per group, new values
+        (normalised dicts from :meth:`Schema.check_group`) or None to keep them. ``params``:
+        path -> new parameter values. ``buffers``: buffer number -> :class:`BufferState`, whole
+        buffers with the live layout (their state replaces that buffer's entirely).
+        Everything is validated first; on any problem a :class:`StateDictError` names them
+        all and nothing changes. Data is copied.
+        """
+        self.prepare_restore(state, settings=settings, params=params, buffers=buffers).apply()
 
-    def _step_buffer(self, buf: FlatBuffer, settings: dict[str, Any]) -> None:
-        """Step the parameters of ``buf`` marked present; called for every buffer at every
-        step, so it must return without any change (or allocation) when none is present."""
-        raise NotImplementedError
+    def _apply(self, state, settings, params, buffers) -> None:
+        """Copy validated values in. Memory is allocated (and sources that alias this
+        optimizer's own buffers copied) before the first change."""
+        owned = [flat for buf in self.buffers for flat in (buf.params, *buf.state.values())]
 
-    def _state_slots(self, settings: Mapping) -> dict[str, str]:
-        """Names of per-parameter state entries -> "required" or "optional"."""
-        raise NotImplementedError
-
-    def _param_state(self, buf: FlatBuffer, slot: int, copy: bool) -> dict | None:
-        raise NotImplementedError
-
-    def _set_param_state(self, buf: FlatBuffer, slot: int, entry: Mapping) -> None:
-        raise NotImplementedError
-
-    def _clear_param_state(self, buf: FlatBuffer) -> None:
-        raise NotImplementedError
+        def detached(value):
+            return value.copy() if any(np.may_share_memory(value, flat)
+                                       for flat in owned) else value
+        state = {path: {key: detached(value) if isinstance(value, np.ndarray) else value
+                        for key, value in entry.items()}
+                 for path, entry in state.items() if not _all_none(entry)}
+        params = {path: detached(value) for path, value in (params or {}).items()}
+        buffers = {number: BufferState(detached(c.params),
+                                       {k: detached(v) for k, v in c.state.items()},
+                                       dict(c.columns))
+                   for number, c in (buffers or {}).items()}
+        needed = {(self.index[path].buffer, key) for path, entry in state.items()
+                  for key in entry if key in self.schema.slots}
+        needed |= {(number, key) for number, c in buffers.items() for key in c.state}
+        allocated = {key: self._backend.zeros(self.buffers[key[0]].length,
+                                              self.buffers[key[0]].dtype)
+                     for key in needed if key[1] not in self.buffers[key[0]].state}
+        for number, values in enumerate(settings or ()):
+            if values is not None:
+                self.param_groups[number].update(values)
+        for (number, name), flat in allocated.items():
+            self.buffers[number].state[name] = flat
+        for buf in self.buffers:
+            self._plans[buf.number] = None
+            contents = buffers.get(buf.number)
+            for name, column in buf.columns.items():
+                column[...] = contents.columns[name] if contents and \
+                    name in contents.columns else 0
+            for name, flat in buf.state.items():
+                if contents and name in contents.state:
+                    np.copyto(flat, contents.state[name])
+                else:
+                    flat.fill(0)  # a parameter without state starts from zeros
+            if contents is not None:
+                np.copyto(buf.params, contents.params)
+        for path, entry in state.items():
+            info = self.index[path]
+            buf = self.buffers[info.buffer]
+            buf.columns[self.schema.marker][info.slot] = 1
+            for key, value in entry.items():
+                if key in buf.columns:
+                    buf.columns[key][info.slot] = value
+                else:
+                    buf.view(buf.state[key], info.slot)[...] = value
+        for path, value in params.items():
+            self._param_views[path][...] = value
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ({len(self.index)} parameters, "
@@ -647,3 +607,22 @@ class Optimizer:
             for key in sorted(k for k in group if k != "params"):
                 lines.append(f"    {key}: {group[key]}")
         return "\n".join(lines)
+
+
+class PendingRestore:
+    """A validated :meth:`Optimizer.restore`, made by :meth:`apply` (once)."""
+
+    def __init__(self, optimizer: Optimizer, state, settings, params, buffers):
+        self._args = (optimizer, state, settings, params, buffers)
+
+    def apply(self) -> None:
+        if self._args is None:
+            raise RuntimeError("this restore was applied already")
+        optimizer, state, settings, params, buffers = self._args
+        self._args = None
+        optimizer._apply(state, settings, params, buffers)
+
+
+def _all_none(entry: Any) -> bool:
+    """torch < 2.3 saved ``{"momentum_buffer": None}`` for SGD without momentum: no state."""
+    return isinstance(entry, Mapping) and all(value is None for value in entry.values())

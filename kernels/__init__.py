@@ -1,5 +1,21 @@
 """Stateless kernels behind flatopt's optimizers (installed as ``flatopt.kernels``).
 
-``rules`` holds one element-wise rule body per algorithm; ``cpu`` compiles them into fused,
-parallel Numba kernels over whole flat buffers; ``cuda`` compiles the same bodies for numba-cuda.
+``rules/`` holds one module per update rule (its element-wise body, span and prepare
+functions, and the layouts of their arguments, see :class:`rule.Rule`); ``cpu`` and ``cuda``
+are the backends, each compiling every rule into kernels over whole flat buffers with one chunk
+walk. :func:`backend` is the dispatch point the optimizers call.
 """
+
+from __future__ import annotations
+
+
+def backend(name: str = "cpu"):
+    """The backend called ``name``: ``"cpu"`` (Numba, host memory) or ``"cuda"`` (numba-cuda,
+    imported only when asked for)."""
+    if name == "cpu":
+        from .cpu import CpuBackend
+        return CpuBackend()
+    if name == "cuda":
+        from .cuda import CudaBackend
+        return CudaBackend()
+    raise ValueError(f"unknown kernel backend {name!r}: 'cpu' or 'cuda'")

@@ -27,7 +27,7 @@ def fill(opt: flatopt.Adam, i: int) -> None:
         buf.params[...] = i
         for name in ("exp_avg", "exp_avg_sq"):
             buf.state_buffer(name)[...] = i
-        buf.per_param["step"][...] = i
+        buf.columns["step"][...] = i
 
 
 def main(path: str) -> int:

@@ -1,21 +1,25 @@
 """Helper for test_checkpoint_resume.py: train, save and resume in separate processes.
 
-    python checkpoint_resume_script.py first DIR    train SPLIT steps per optimizer, save DIR/<kind>.h5
-    python checkpoint_resume_script.py resume DIR   load DIR/<kind>.h5 into a fresh optimizer, train
-                                                    to TOTAL, write DIR/<kind>-resumed.npz
+    python checkpoint_resume_script.py first DIR KIND...   train SPLIT steps, save DIR/<kind>.h5
+    python checkpoint_resume_script.py resume DIR KIND...  load DIR/<kind>.h5 into a fresh
+                                    optimizer, train to TOTAL, write DIR/<kind>-resumed.npz
+
+Every registered optimizer works (``--plugin MODULE`` imports a module that registers more);
+each group's hyperparameters are drawn from the schema's examples.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import flatopt
+from optimizers import random_settings, rich_settings
 
 SPLIT, TOTAL = 5, 11
-KINDS = ("SGD", "Adam", "AdamW")
 
 
 def build(kind: str) -> flatopt.Optimizer:
@@ -29,17 +33,12 @@ def build(kind: str) -> flatopt.Optimizer:
         "frozen.bias": rng.standard_normal(3).astype(np.float32),           # never a gradient
         "scale": np.array(0.5, dtype=np.float32),                           # 0-d
     }
-    rules = [{"match": ["*.bias", "scale"], "weight_decay": 0.0, "label": "no_decay"},
-             {"match": "late.*", "lr": 0.05, "label": "late"}]
-    if kind == "SGD":
-        rules[1].update(nesterov=True, dampening=0.0)
-        rules[0]["dampening"] = 0.3
-        groups = flatopt.group_by_pattern(params, rules, rest={"label": "decay"})
-        return flatopt.SGD(groups, lr=0.02, momentum=0.9, weight_decay=1e-3)
-    rules[1]["amsgrad"] = True
-    groups = flatopt.group_by_pattern(params, rules, rest={"label": "decay"})
-    cls = flatopt.Adam if kind == "Adam" else flatopt.AdamW
-    return cls(groups, lr=0.01, betas=(0.8, 0.99), weight_decay=0.05)
+    rules = [{"match": ["*.bias", "scale"], "label": "no_decay",
+              **random_settings(kind, np.random.default_rng(1))},
+             {"match": "late.*", "label": "late", **rich_settings(kind, seed=2)}]
+    groups = flatopt.group_by_pattern(params, rules,
+                                      rest={"label": "decay", **rich_settings(kind, seed=3)})
+    return flatopt.registry.lookup(kind)(groups)
 
 
 def gradients(opt: flatopt.Optimizer, t: int) -> dict[str, np.ndarray]:
@@ -74,8 +73,11 @@ def dump(opt: flatopt.Optimizer) -> dict[str, np.ndarray]:
 
 
 def main(argv: list[str]) -> int:
-    mode, directory = argv[0], Path(argv[1])
-    for kind in KINDS:
+    while argv[0] == "--plugin":
+        importlib.import_module(argv[1])
+        argv = argv[2:]
+    mode, directory, kinds = argv[0], Path(argv[1]), argv[2:]
+    for kind in kinds:
         opt = build(kind)
         if mode == "first":
             run(opt, 0, SPLIT)

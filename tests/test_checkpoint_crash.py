@@ -32,7 +32,7 @@ def check_consistent(opt) -> int:
         assert np.all(buf.params == i)
         for name in ("exp_avg", "exp_avg_sq"):
             assert np.all(buf.state[name] == i)
-        assert np.all(buf.per_param["step"] == i)
+        assert np.all(buf.columns["step"] == i)
     return int(i)
 
 

@@ -1,0 +1,120 @@
+"""``opt.params`` and ``opt.grads``: per-path views into the flat buffers, and presence."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._layout import ParamInfo
+from .errors import GradientError
+from .schema import near
+
+if TYPE_CHECKING:
+    from .optimizer import Optimizer
+
+
+class ParamViews(Mapping):
+    """``opt.params``: path -> writable view into the flat parameter buffer."""
+
+    def __init__(self, views: dict[str, np.ndarray]):
+        self._views = views
+
+    def __getitem__(self, path: str) -> np.ndarray:
+        try:
+            return self._views[path]
+        except (KeyError, TypeError):
+            raise KeyError(f"no parameter {path!r}{near(path, self._views)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+
+def gradient_problem(info: ParamInfo, value: Any) -> str | None:
+    """Why ``value`` cannot be the gradient of ``info``, or None."""
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if not isinstance(value, np.ndarray):
+        return (f"gradient for {info.path!r} is a {type(value).__name__}; give a numpy array "
+                f"of shape {info.shape} and dtype {info.dtype}")
+    if isinstance(value, np.ma.MaskedArray):
+        return (f"gradient for {info.path!r} is a masked array, whose mask flatopt would "
+                "ignore; pass value.filled(0) (or the values you mean)")
+    if value.shape != info.shape:
+        return (f"gradient for {info.path!r} has shape {value.shape}, but the parameter has "
+                f"shape {info.shape}")
+    if value.dtype != info.dtype:
+        return (f"gradient for {info.path!r} has dtype {value.dtype}, but the parameter is "
+                f"{info.dtype}; cast it with .astype(np.{info.dtype})")
+    return None
+
+
+class Gradients(Mapping):
+    """``opt.grads``: the flat gradient buffers, seen per path, with explicit presence.
+
+    ``opt.grads[path]`` is a writable view (write into it with ``out=`` or ``[...] =``);
+    reading or writing it does not change presence. Mark which gradients exist with
+    :meth:`mark_present` / :meth:`mark_missing`; ``opt.grads[path] = value`` copies and marks
+    present in one go. ``opt.step()`` steps exactly the parameters marked present.
+    """
+
+    def __init__(self, optimizer: "Optimizer", views: dict[str, np.ndarray]):
+        self._opt = optimizer
+        self._views = views
+
+    def _locate(self, path: Any) -> ParamInfo:
+        info = self._opt.index.get(path) if isinstance(path, str) else None
+        if info is None:
+            raise GradientError(f"no parameter {path!r}{near(path, self._opt.index.paths)}")
+        return info
+
+    def __getitem__(self, path: str) -> np.ndarray:
+        return self._views[self._locate(path).path]
+
+    def __setitem__(self, path: str, value: np.ndarray) -> None:
+        info = self._locate(path)
+        problem = gradient_problem(info, value)
+        if problem:
+            raise GradientError(problem)
+        self._views[path][...] = value
+        self._opt.buffers[info.buffer].present[info.slot] = 1
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._opt.index.paths)
+
+    def __len__(self) -> int:
+        return len(self._opt.index)
+
+    def mark_present(self, paths: Iterable[str] | None = None) -> None:
+        """Mark gradients as present (all of them when ``paths`` is None)."""
+        self._mark(paths, 1)
+
+    def mark_missing(self, paths: Iterable[str] | None = None) -> None:
+        """Mark gradients as missing: those parameters are skipped entirely by step()."""
+        self._mark(paths, 0)
+
+    def _mark(self, paths, value: int) -> None:
+        if paths is None:
+            for buf in self._opt.buffers:
+                buf.present[:] = value
+            return
+        if isinstance(paths, str):
+            paths = [paths]
+        elif not isinstance(paths, Iterable):
+            raise GradientError(f"paths must be a path or a list of paths, got "
+                                f"{type(paths).__name__} {paths!r}")
+        located = [self._locate(path) for path in paths]  # all checked before any flag changes
+        for info in located:
+            self._opt.buffers[info.buffer].present[info.slot] = value
+
+    def is_present(self, path: str) -> bool:
+        info = self._locate(path)
+        return bool(self._opt.buffers[info.buffer].present[info.slot])
+
+    def present_paths(self) -> list[str]:
+        return [info.path for info in self._opt.index
+                if self._opt.buffers[info.buffer].present[info.slot]]

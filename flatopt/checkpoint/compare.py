@@ -1,0 +1,228 @@
+"""Comparing a checkpoint with a live optimizer by path, and the policy of which load option
+accepts which difference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..optimizer import Optimizer
+from ..schema import describe_group
+from .format import jsonable
+from .reader import Contents, SavedParam
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One way a checkpoint differs from the optimizer it is loaded into."""
+
+    kind: str
+    """format, optimizer, missing, unexpected, shape, dtype, id, group, groups, hyperparameter,
+    flag, rename, scheduler"""
+    where: str
+    """The parameter path, the group, or "file"."""
+    saved: Any = None
+    live: Any = None
+    relaxed_by: str | None = None
+    """The load option that accepts this difference, or None if nothing does."""
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "where": self.where, "saved": jsonable(self.saved),
+                "live": jsonable(self.live), "relaxed_by": self.relaxed_by, "note": self.note}
+
+    def __str__(self) -> str:
+        text = f"{self.kind:<14} {self.where}: "
+        if self.kind == "missing":
+            text += "in the optimizer, not in the checkpoint"
+        elif self.kind == "unexpected":
+            text += "in the checkpoint, not in the optimizer"
+        else:
+            text += f"saved {_show(self.saved)}, live {_show(self.live)}"
+        if self.note:
+            text += f" ({self.note})"
+        if self.relaxed_by:
+            text += f"  [{self.relaxed_by}]"
+        return text
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple) and all(isinstance(v, (int, np.integer)) for v in value):
+        return str(tuple(int(v) for v in value))
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+PATH_MATCHING = "path matching"   # reported for information, never blocking
+PARTIAL = "strict=False"
+REGROUP = "regroup=True"
+HYPER = "hyperparameters='saved' or 'live'"
+
+
+@dataclass
+class Comparison:
+    """The differences found, and what a load would do: the matched (live, saved) pairs, the
+    saved paths nothing uses, and each live group's values from the file (or None)."""
+
+    differences: list[Difference] = field(default_factory=list)
+    matches: list[tuple[Any, SavedParam]] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+    new_settings: list[dict | None] = field(default_factory=list)
+
+
+def _renamed(ck: Contents, rename, diffs: list[Difference]) -> dict[str, SavedParam]:
+    """Saved parameters under the paths ``rename`` gives them."""
+    mapped: dict[str, SavedParam] = {}
+    used_keys = set()
+    for entry in ck.params:
+        new = entry.path
+        if rename is not None:
+            if callable(rename):
+                new = rename(entry.path)
+            elif entry.path in rename:
+                new = rename[entry.path]
+                used_keys.add(entry.path)
+            if new is None:
+                continue  # dropped on purpose
+            if not isinstance(new, str) or not new:
+                diffs.append(Difference("rename", entry.path, entry.path, new,
+                                        note="rename must give a non-empty string or None"))
+                continue
+        if new in mapped:
+            diffs.append(Difference("rename", new, [mapped[new].path, entry.path], new,
+                                    note="two saved paths map to the same path"))
+            continue
+        mapped[new] = entry
+    if rename is not None and not callable(rename):
+        for key in rename:
+            if key not in used_keys:
+                diffs.append(Difference("rename", str(key), None, rename[key],
+                                        note="this rename entry matches no saved path"))
+    return mapped
+
+
+def _match_paths(mapped: dict[str, SavedParam], opt: Optimizer, result: Comparison) -> None:
+    diffs = result.differences
+    for info in opt.index:
+        entry = mapped.get(info.path)
+        if entry is None:
+            diffs.append(Difference("missing", info.path, None, info.shape, relaxed_by=PARTIAL))
+            continue
+        bad = False
+        if entry.shape != info.shape:
+            diffs.append(Difference("shape", info.path, entry.shape, info.shape))
+            bad = True
+        if entry.dtype != info.dtype.name:
+            diffs.append(Difference("dtype", info.path, entry.dtype, info.dtype.name))
+            bad = True
+        if entry.group != info.group:
+            diffs.append(Difference("group", info.path, entry.group, info.group,
+                                    note="the parameter moved group", relaxed_by=REGROUP))
+        elif entry.id != info.id:
+            diffs.append(Difference("id", info.path, entry.id, info.id,
+                                    note="built in a different order or a parameter was added "
+                                         "or removed; state follows the path",
+                                    relaxed_by=PATH_MATCHING))
+        if not bad:
+            result.matches.append((info, entry))
+    live_paths = set(opt.index.paths)
+    result.unused = [path for path in mapped if path not in live_paths]
+    for path in result.unused:
+        diffs.append(Difference("unexpected", path, mapped[path].shape, None,
+                                relaxed_by=PARTIAL))
+
+
+def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperparameters,
+                    regroup: bool) -> None:
+    """Hyperparameters per live group, against every saved group its parameters came from."""
+    diffs = result.differences
+    if len(ck.groups) != len(opt.param_groups):
+        diffs.append(Difference("groups", "file", len(ck.groups), len(opt.param_groups),
+                                note="number of param groups", relaxed_by=REGROUP))
+    contributors: list[set[int]] = [set() for _ in opt.param_groups]
+    for info, entry in result.matches:
+        contributors[info.group].add(entry.group)
+    if not regroup:
+        for number in range(min(len(ck.groups), len(opt.param_groups))):
+            contributors[number].add(number)
+    schema = opt.schema
+    same_kind = ck.schema is schema
+    for number, values in enumerate(opt.settings()):
+        where = describe_group(number, values)
+        live = {k: v for k, v in values.items() if k != "label"}
+        chosen: dict[str, Any] = {}
+        for saved_number in sorted(contributors[number]):
+            saved = ck.groups[saved_number]["hyperparameters"]
+            label = (f" (saved group {saved_number})"
+                     if saved_number != number or regroup else "")
+            for key in sorted(set(saved) | set(live)):
+                if not same_kind and key not in schema.hyperparameters:
+                    continue
+                s, l = saved.get(key), live.get(key)
+                if s != l:
+                    hyper = schema.hyperparameters.get(key)
+                    diffs.append(Difference("flag" if hyper and hyper.is_flag
+                                            else "hyperparameter", f"{where} {key}{label}", s, l,
+                                            relaxed_by=HYPER))
+                if hyperparameters == "saved" and key in saved:
+                    if key in chosen and chosen[key] != s:
+                        diffs.append(Difference(
+                            "hyperparameter", f"{where} {key}", chosen[key], s,
+                            note="its parameters come from saved groups that disagree; use "
+                                 "hyperparameters='live'"))
+                    chosen[key] = s
+        result.new_settings.append(chosen if hyperparameters == "saved" and chosen else None)
+
+
+def compare(ck: Contents, opt: Optimizer, *, rename, hyperparameters: str | None,
+            regroup: bool, scheduler) -> Comparison:
+    """Every difference between ``ck`` and ``opt``, and the load plan."""
+    result = Comparison()
+    if ck.schema is not opt.schema:
+        result.differences.append(Difference(
+            "optimizer", "file", ck.schema.name, opt.schema.name,
+            note="state of one optimizer kind cannot be loaded into another"))
+    _match_paths(_renamed(ck, rename, result.differences), opt, result)
+    _compare_groups(ck, opt, result, hyperparameters=hyperparameters, regroup=regroup)
+    if scheduler is not None and ck.scheduler_state is None:
+        result.differences.append(Difference("scheduler", "file", None,
+                                             type(scheduler).__name__,
+                                             note="the checkpoint holds no scheduler state",
+                                             relaxed_by=PARTIAL))
+    return result
+
+
+def is_relaxed(diff: Difference, *, strict: bool, hyperparameters, regroup: bool) -> bool:
+    """Whether the options given accept ``diff``. ``strict`` governs only missing and
+    unexpected parameters and scheduler state; a changed id never blocks (state follows the
+    path) and is listed in ``LoadResult.differences``."""
+    if diff.relaxed_by == PATH_MATCHING:
+        return True
+    if diff.relaxed_by == PARTIAL:
+        return not strict
+    if diff.relaxed_by == REGROUP:
+        return regroup
+    if diff.relaxed_by == HYPER:
+        return hyperparameters in ("saved", "live")
+    return False
+
+
+def mismatch_message(name: str, opt: Optimizer, blocking: list, relaxed: list) -> str:
+    lines = [f"checkpoint {name} does not match this {type(opt).__name__} optimizer: "
+             f"{len(blocking)} difference{'s' if len(blocking) != 1 else ''}; nothing was "
+             "loaded, the optimizer is unchanged"]
+    limit = 200
+    for diff in blocking[:limit]:
+        lines.append(f"  {diff}")
+    if len(blocking) > limit:
+        lines.append(f"  ... and {len(blocking) - limit} more (see .differences)")
+    if relaxed:
+        lines.append(f"accepted by the options given: {len(relaxed)} more")
+    hints = sorted({d.relaxed_by for d in blocking
+                    if d.relaxed_by and d.relaxed_by != PATH_MATCHING})
+    if any(d.kind in ("missing", "unexpected") for d in blocking):
+        hints.append("rename={old: new} (or a function) maps refactored paths")
+    if hints:
+        lines.append("options that accept some of these: " + "; ".join(hints))
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""Library functions behind ``flatopt inspect``, ``verify`` and ``diff`` (the CLI only prints
+what these return)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError
+from .format import FORMAT
+from .loader import open_checkpoint
+from .validate import check_data
+
+
+def _state_summary(schema, members) -> dict:
+    """How many parameters have state, and the range of the marker column when it counts
+    (Adam's step) rather than flags (SGD's momentum_initialized)."""
+    marks = [e.columns[schema.marker] for e in members]
+    counts = schema.columns[schema.marker].high > 1
+    return {"step_min": min(marks) if counts and marks else None,
+            "step_max": max(marks) if counts and marks else None,
+            "with_state": sum(1 for m in marks if m)}
+
+
+def _plain(value):
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def inspect_checkpoint(source, *, tensors: bool = False) -> dict:
+    """A summary of a checkpoint (structure and digest checked; buffer data not read). With
+    ``tensors``, one row per parameter: path, shape, dtype, group and persisted columns."""
+    with open_checkpoint(source) as ck:
+        schema = ck.schema
+        groups = []
+        total_bytes = 0
+        for number, group in enumerate(ck.groups):
+            members = [e for e in ck.params if e.group == number]
+            buffers = [b for key, b in ck.buffers.items() if key[0] == number]
+            nbytes = sum(b.length * np.dtype(b.dtype).itemsize * len(b.datasets)
+                         for b in buffers)
+            total_bytes += nbytes
+            groups.append({
+                "group": number, "label": group["label"],
+                "hyperparameters": {k: _plain(v) for k, v in group["hyperparameters"].items()},
+                "parameters": len(members), "elements": sum(e.size for e in members),
+                "dtypes": sorted({b.dtype for b in buffers}),
+                "slots": sorted({slot for b in buffers for slot in b.datasets}),
+                "bytes": nbytes, **_state_summary(schema, members)})
+        info = {"path": ck.name, "format": FORMAT,
+                "format_version": ck.header["format_version"],
+                "flatopt_version": ck.header["flatopt_version"],
+                "h5py_version": ck.header["h5py_version"],
+                "hdf5_version": ck.header["hdf5_version"],
+                "optimizer": schema.name, "parameters": len(ck.params),
+                "elements": sum(e.size for e in ck.params), "buffer_bytes": total_bytes,
+                "file_bytes": ck.size, **_state_summary(schema, ck.params), "groups": groups,
+                "metadata": ck.metadata, "scheduler_state": ck.scheduler_state}
+        if tensors:
+            info["tensors"] = [{"id": e.id, "path": e.path, "shape": list(e.shape),
+                                "dtype": e.dtype, "group": e.group, **e.columns}
+                               for e in ck.params]
+        return info
+
+
+def verify_checkpoint(source) -> dict:
+    """Check structure, digest, every buffer's checksums and the state's values; ``ok`` only
+    when all are sound. This is exactly what ``load`` verifies before it changes anything."""
+    result: dict[str, Any] = {"path": str(source) if not hasattr(source, "read") else
+                              getattr(source, "name", "<in-memory checkpoint>"),
+                              "ok": False, "problems": [], "buffers": []}
+    try:
+        with open_checkpoint(source) as ck:
+            result.update(path=ck.name, optimizer=ck.schema.name,
+                          format_version=ck.header["format_version"],
+                          parameters=len(ck.params))
+            staged = {}
+            for key, saved in ck.buffers.items():
+                for slot in saved.datasets:
+                    entry = {"buffer": saved.datasets[slot].name,
+                             "elements": saved.length, "digest": saved.digests[slot]}
+                    try:
+                        staged[key, slot] = ck.read(key, slot)
+                        entry["ok"] = True
+                    except CheckpointError as exc:
+                        entry["ok"] = False
+                        result["problems"].append(str(exc))
+                    result["buffers"].append(entry)
+            if not result["problems"]:
+                check_data(ck, staged)
+    except CheckpointError as exc:
+        result["problems"].append(str(exc))
+    result["ok"] = not result["problems"]
+    return result
+
+
+def _header_differences(ca, cb) -> list[dict]:
+    keys = ("format_version", "optimizer", "flatopt_version", "h5py_version", "hdf5_version",
+            "metadata", "scheduler")
+    return [{"field": key, "a": ca.header.get(key), "b": cb.header.get(key)}
+            for key in keys if ca.header.get(key) != cb.header.get(key)]
+
+
+def _group_differences(ca, cb) -> list[dict]:
+    out = []
+    for number in range(max(len(ca.groups), len(cb.groups))):
+        ga = ca.groups[number] if number < len(ca.groups) else None
+        gb = cb.groups[number] if number < len(cb.groups) else None
+        if ga is None or gb is None:
+            out.append({"group": number, "field": "exists", "a": ga is not None,
+                        "b": gb is not None})
+            continue
+        if ga["label"] != gb["label"]:
+            out.append({"group": number, "field": "label", "a": ga["label"], "b": gb["label"]})
+        ha, hb = ga["hyperparameters"], gb["hyperparameters"]
+        for key in sorted(set(ha) | set(hb)):
+            if ha.get(key) != hb.get(key):
+                out.append({"group": number, "field": key, "a": _plain(ha.get(key)),
+                            "b": _plain(hb.get(key))})
+    return out
+
+
+def _values(staged, entry, slot):
+    key = (entry.group, entry.dtype)
+    if (key, slot) not in staged:
+        return None
+    return staged[key, slot][entry.offset:entry.offset + entry.size]
+
+
+def _slot_difference(path: str, slot: str, va, vb) -> dict | None:
+    if va is None and vb is None:
+        return None
+    if va is None or vb is None:
+        return {"path": path, "field": slot, "a": va is not None, "b": vb is not None,
+                "note": "present"}
+    if np.array_equal(va, vb, equal_nan=True):
+        return None
+    both_nan = np.isnan(va) & np.isnan(vb)
+    delta = np.abs(va.astype(np.float64) - vb.astype(np.float64))
+    delta[both_nan] = 0.0
+    # NaN against a number: the difference is unbounded (null in --json)
+    return {"path": path, "field": slot, "max_abs_diff": float(np.max(delta)),
+            "elements_differing": int(np.count_nonzero(~((va == vb) | both_nan)))}
+
+
+def diff_checkpoints(a, b) -> dict:
+    """Every difference between two checkpoints: header, groups, and per path."""
+    with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
+        only_a = [e.path for e in ca.params if e.path not in cb.by_path]
+        only_b = [e.path for e in cb.params if e.path not in ca.by_path]
+        staged_a, staged_b = ca.read_all(), cb.read_all()
+        slots = sorted({s for buf in (*ca.buffers.values(), *cb.buffers.values())
+                        for s in buf.datasets})
+        params = []
+        for ea in ca.params:
+            eb = cb.by_path.get(ea.path)
+            if eb is None:
+                continue
+            for name in ("id", "shape", "dtype", "group"):
+                if getattr(ea, name) != getattr(eb, name):
+                    params.append({"path": ea.path, "field": name,
+                                   "a": _plain(getattr(ea, name)),
+                                   "b": _plain(getattr(eb, name))})
+            for name in sorted(set(ea.columns) | set(eb.columns)):
+                if ea.columns.get(name) != eb.columns.get(name):
+                    params.append({"path": ea.path, "field": name,
+                                   "a": ea.columns.get(name), "b": eb.columns.get(name)})
+            if ea.shape != eb.shape:
+                continue
+            for slot in slots:
+                found = _slot_difference(ea.path, slot, _values(staged_a, ea, slot),
+                                         _values(staged_b, eb, slot))
+                if found:
+                    params.append(found)
+        header, groups = _header_differences(ca, cb), _group_differences(ca, cb)
+        identical = not (header or groups or only_a or only_b or params)
+        return {"a": ca.name, "b": cb.name, "identical": identical, "header": header,
+                "groups": groups, "only_in_a": only_a, "only_in_b": only_b, "params": params}

@@ -1,0 +1,158 @@
+"""What a structurally sound checkpoint means, checked against the optimizer's schema: its
+groups, index rows, packing and state, before any buffer data is read; then the data itself
+(second moments finite and >= 0, no state where a parameter has none)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from .._layout import aligned_offsets
+from .format import DTYPES, schema_named
+from .reader import Contents, SavedParam
+
+
+def interpret(ck: Contents) -> None:
+    """Fill ``ck.schema``, ``ck.groups``, ``ck.params`` and buffer members, or raise
+    ``CheckpointCorrupt`` (damaged) or ``CheckpointMismatch`` (sound but newer)."""
+    name = ck.header["optimizer"]
+    schema = schema_named(name)
+    if schema is None:
+        raise ck.newer(f"optimizer {name!r}")
+    version = ck.header.get("schema_version", 1)
+    if version > schema.version:
+        raise ck.newer(f"{name} state of schema version {version} (this flatopt reads up to "
+                       f"{schema.version})")
+    if version < 1:
+        raise ck.corrupt(f"schema_version {version} is not a valid version")
+    ck.schema = schema
+    unknown = sorted(set(ck.raw_columns) - {"id", "path", "ndim", "shape", "dtype", "group",
+                                            "offset", "size", *schema.columns})
+    if unknown:
+        raise ck.newer(f"{name} per-parameter columns {unknown}")
+    missing = sorted(set(schema.columns) - set(ck.raw_columns))
+    if missing:
+        raise ck.corrupt(f"index columns {missing} of a {name} checkpoint are missing")
+    for buffer in ck.buffers.values():
+        extra = sorted(set(buffer.datasets) - {"params", *schema.slots})
+        if extra:
+            raise ck.newer(f"{name} state slots {extra}")
+    _groups(ck)
+    _json_texts(ck)
+    _rows(ck)
+    _packing_and_state(ck)
+
+
+def _groups(ck: Contents) -> None:
+    schema = ck.schema
+    for number, raw in enumerate(ck.raw_groups):
+        try:
+            values = json.loads(raw["hyperparameters"])
+        except ValueError as exc:
+            raise ck.corrupt(f"group {number} hyperparameters are not JSON: {exc}") from None
+        if not isinstance(values, dict) or "label" in values or "params" in values:
+            raise ck.corrupt(f"group {number} hyperparameters are not a dict of values")
+        if raw["label"] is not None:
+            values["label"] = raw["label"]
+        normal, problems = schema.check_group(values, f"saved param group {number}")
+        if problems:
+            raise ck.corrupt("; ".join(problems))
+        ck.groups.append({"hyperparameters": {k: v for k, v in normal.items() if k != "label"},
+                          "label": raw["label"]})
+
+
+def _json_texts(ck: Contents) -> None:
+    for key, attribute in (("metadata", "metadata"), ("scheduler", "scheduler_state")):
+        if key in ck.header:
+            try:
+                setattr(ck, attribute, json.loads(ck.header[key]))
+            except (ValueError, RecursionError) as exc:
+                raise ck.corrupt(f"{key} is not valid JSON: {exc}") from None
+
+
+def _rows(ck: Contents) -> None:
+    columns = ck.raw_columns
+    schema = ck.schema
+    ids = set()
+    for row in range(len(columns["id"])):
+        path = columns["path"][row]
+        shape, size = columns["shape"][row], columns["size"][row]
+        entry = SavedParam(row, columns["id"][row], path, shape, columns["dtype"][row],
+                           columns["group"][row], columns["offset"][row], size,
+                           {name: columns[name][row] for name in schema.columns})
+        what = f"index row {row} ({path!r})"
+        if not path or "\x00" in path:
+            raise ck.corrupt(f"index row {row} has an empty path or one with a NUL")
+        if path in ck.by_path:
+            raise ck.corrupt(f"path {path!r} appears twice in the index")
+        if entry.id < 0 or entry.id in ids:
+            raise ck.corrupt(f"{what}: id {entry.id} is negative or duplicated")
+        ids.add(entry.id)
+        if any(d < 0 for d in shape):
+            raise ck.corrupt(f"{what}: shape {shape} has a negative dimension")
+        if math.prod(shape) != size:
+            raise ck.corrupt(f"{what}: size {size} is not the product of shape {shape}")
+        if entry.dtype not in DTYPES:
+            raise ck.corrupt(f"{what}: dtype {entry.dtype!r} is not float32 or float64")
+        buffer = ck.buffers.get((entry.group, entry.dtype))
+        if buffer is None:
+            raise ck.corrupt(f"{what}: group {entry.group} has no {entry.dtype} buffer")
+        if entry.offset < 0 or entry.offset + size > buffer.length:
+            raise ck.corrupt(f"{what}: elements [{entry.offset}, {entry.offset + size}) lie "
+                             f"outside its buffer of {buffer.length}")
+        for name, column in schema.columns.items():
+            if not 0 <= entry.columns[name] <= column.high:
+                raise ck.corrupt(f"{what}: {name} = {entry.columns[name]} is outside "
+                                 f"[0, {column.high}]")
+        ck.params.append(entry)
+        ck.by_path[path] = entry
+        buffer.members.append(entry)
+
+
+def _packing_and_state(ck: Contents) -> None:
+    schema = ck.schema
+    for key, buffer in ck.buffers.items():
+        if not buffer.members:
+            raise ck.corrupt(f"group {key[0]} has a {key[1]} buffer that no index entry uses")
+        buffer.members.sort(key=lambda e: (e.offset, e.size))
+        end = 0
+        for entry in buffer.members:
+            if entry.offset < end:
+                raise ck.corrupt(f"{entry.path!r} overlaps the previous parameter in its buffer")
+            end = entry.offset + entry.size
+        # flatopt's packing is canonical: aligned, in order, no gaps, nothing after the end
+        offsets, length = aligned_offsets([e.size for e in buffer.members], DTYPES[key[1]])
+        if length != buffer.length or any(int(o) != e.offset
+                                           for o, e in zip(offsets, buffer.members)):
+            raise ck.corrupt(f"group {key[0]} {key[1]}: offsets or length do not follow "
+                             "flatopt's aligned packing (gaps or a wrong length)")
+        if any(e.columns[schema.marker] for e in buffer.members):
+            settings = ck.groups[key[0]]["hyperparameters"]
+            lacking = [slot for slot in schema.used_slots(settings)
+                       if slot not in buffer.datasets]
+            if lacking:
+                raise ck.corrupt(f"group {key[0]} {key[1]}: parameters have state but the "
+                                 f"buffers {lacking} are missing")
+
+
+def check_data(ck: Contents, staged: dict) -> None:
+    """Data that no honest save writes: a second moment negative, NaN or infinite, or state
+    values where a parameter has no state (its step count or flag says so)."""
+    schema = ck.schema
+    stateless = {key: [e for e in buffer.members if not e.columns[schema.marker]]
+                 for key, buffer in ck.buffers.items()}
+    for (key, slot), flat in staged.items():
+        if slot == "params":
+            continue
+        buffer = ck.buffers[key]
+        name = buffer.datasets[slot].name
+        if schema.slots[slot].nonnegative and flat.size and not (
+                np.all(flat >= 0) and np.all(np.isfinite(flat))):
+            raise ck.corrupt(f"{slot} holds negative, NaN or infinite values; a second moment "
+                             "is finite and >= 0", buffer=name)
+        for entry in stateless[key]:
+            if flat[entry.offset:entry.offset + entry.size].any():
+                raise ck.corrupt(f"{entry.path!r} has no state ({schema.marker} is 0) but "
+                                 f"non-zero {slot}", buffer=name)

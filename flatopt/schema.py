@@ -1,0 +1,294 @@
+"""An optimizer's schema: everything flatopt needs to know about it besides its kernels.
+
+One :class:`Schema` per optimizer declares its hyperparameters (defaults, checks, example
+values for tests), the per-parameter columns that persist (such as Adam's ``step``), its state
+slots (flat buffers parallel to the parameters) and when each is needed, and the update rule
+that steps it. The base class, state dicts, checkpoints, the CLI, the tests and the benchmark
+all read the schema; nothing else describes an optimizer's state.
+
+:meth:`Schema.check_group` is the one validation of a parameter group, used at construction,
+at every step, by ``load_state_dict`` and by checkpoint ``load`` and ``save``; and
+:meth:`Schema.state_problems` the one validation of a parameter's saved state.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .kernels.rule import Rule
+
+MAX_STEP = 1 << 53
+"""Largest step count accepted: float64 represents every count up to it exactly (so bias
+corrections such as ``beta ** t`` are exact in ``t``), and an int64 count cannot overflow."""
+
+GROUP_EXTRAS = ("params", "label", "initial_lr")
+"""Keys a group may hold besides hyperparameters: its parameters, a free-form label, and the
+``initial_lr`` that learning-rate schedulers record (as in torch)."""
+
+
+class Invalid(Exception):
+    """Raised by a checker with the reason a value is refused."""
+
+
+# ----------------------------------------------------------------------------- checkers
+def _real(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise Invalid(f"must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise Invalid(f"is too large for a float64: {value!r}") from None
+    if math.isnan(number):
+        raise Invalid("must not be NaN")
+    return number
+
+
+def non_negative(value: Any) -> float:
+    """A finite number >= 0."""
+    number = _real(value)
+    if number < 0 or math.isinf(number):
+        raise Invalid(f"must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def unit_fraction(value: Any) -> float:
+    """A number in [0, 1]."""
+    number = _real(value)
+    if not 0.0 <= number <= 1.0:
+        raise Invalid(f"must be in [0, 1], got {value!r}")
+    return number
+
+
+def flag(value: Any) -> bool:
+    """True or False (not 0 or 1: a typo such as ``amsgrad=0.9`` should not pass)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise Invalid(f"must be True or False, got {value!r}")
+    return bool(value)
+
+
+def betas(value: Any) -> tuple[float, float]:
+    """A pair (beta1, beta2), each in [0, 1)."""
+    if not isinstance(value, (tuple, list, np.ndarray)) or len(value) != 2:
+        raise Invalid(f"must be a pair (beta1, beta2), got {value!r}")
+    pair = []
+    for position, beta in enumerate(value):
+        try:
+            number = _real(beta)
+        except Invalid as exc:
+            raise Invalid(f"beta{position + 1} {exc}") from None
+        if not 0.0 <= number < 1.0:
+            raise Invalid(f"beta{position + 1} must be in [0, 1), got {beta!r}")
+        pair.append(number)
+    return (pair[0], pair[1])
+
+
+def text(value: Any, what: str) -> str:
+    """A string a checkpoint can store: no NUL character, encodable as UTF-8."""
+    if not isinstance(value, str):
+        raise Invalid(f"{what} must be a string, got {type(value).__name__} {value!r}")
+    if "\x00" in value:
+        raise Invalid(f"{what} {value!r} contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Invalid(f"{what} {value!r} is not valid Unicode (a lone surrogate?)") from None
+    return value
+
+
+def near(word: Any, choices) -> str:
+    """' (did you mean 'x'?)' for the closest choice, or ''."""
+    found = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {found[0]!r}?)" if found else ""
+
+
+def describe_group(number: int | None, group: Mapping[str, Any] | None = None) -> str:
+    if number is None:
+        return "constructor arguments"
+    name = group.get("label") if isinstance(group, Mapping) else None
+    return f"param group {number}" + (f" ({name!r})" if isinstance(name, str) and name else "")
+
+
+# ----------------------------------------------------------------------------- declarations
+@dataclass(frozen=True)
+class Hyperparameter:
+    """One hyperparameter: its default, the check that normalises it, and values that random
+    test configurations draw from (the defaults' neighbourhood where a user would go)."""
+
+    default: Any
+    check: Callable[[Any], Any]
+    examples: tuple = ()
+
+    @property
+    def is_flag(self) -> bool:
+        return self.check is flag
+
+
+@dataclass(frozen=True)
+class Column:
+    """A per-parameter value that persists (saved in state dicts and checkpoints).
+
+    ``marker=True`` marks the column that is non-zero exactly when the parameter has state;
+    ``in_state_dict=False`` leaves it out of state-dict entries, where an entry's presence
+    says the same (SGD's ``momentum_initialized``). Values lie in ``[0, high]``.
+    """
+
+    dtype: str
+    high: int
+    marker: bool = False
+    in_state_dict: bool = True
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A state buffer parallel to the parameters. ``when(settings)`` says whether a group's
+    settings use it (allocated at the first step that needs it, required in saved state);
+    ``nonnegative`` slots (second moments) must hold finite values >= 0."""
+
+    when: Callable[[Mapping[str, Any]], bool] | None = None
+    nonnegative: bool = False
+
+    def used(self, settings: Mapping[str, Any]) -> bool:
+        return self.when is None or bool(self.when(settings))
+
+
+def _no_cross_check(values: Mapping[str, Any]) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Everything about one optimizer but its kernel arithmetic (see the module docstring)."""
+
+    name: str
+    """The registry name, stored in checkpoints and state dicts."""
+    rule: Rule
+    hyperparameters: dict[str, Hyperparameter]
+    columns: dict[str, Column]
+    slots: dict[str, Slot]
+    record: type
+    """The typed record ``state_of(path)`` returns: in-state-dict columns and slots."""
+    cross_check: Callable[[Mapping[str, Any]], list[str]] = _no_cross_check
+    """Problems with a complete set of values that no single check sees (messages)."""
+    version: int = 1
+    """The schema's version: a checkpoint written with a newer one is refused as newer."""
+    torch_name: str | None = None
+    """The torch.optim class with the same semantics, for conformance tests and benchmarks."""
+    marker: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        markers = [name for name, column in self.columns.items() if column.marker]
+        if len(markers) != 1:
+            raise TypeError(f"schema {self.name!r}: exactly one column must be the state marker, "
+                            f"found {markers}")
+        object.__setattr__(self, "marker", markers[0])
+
+    # ------------------------------------------------------------------ groups
+    def defaults(self, **overrides: Any) -> dict[str, Any]:
+        return {**{key: h.default for key, h in self.hyperparameters.items()}, **overrides}
+
+    def check_group(self, values: Mapping[str, Any], where: str, *,
+                    extras: tuple[str, ...] = GROUP_EXTRAS,
+                    complete: bool = True) -> tuple[dict[str, Any], list[str]]:
+        """Normalise one group's values; return (normalised, problems).
+
+        Every key must be a hyperparameter or one of ``extras``; with ``complete`` every
+        hyperparameter must be present. ``label`` and ``initial_lr`` are checked too, and the
+        schema's cross-check runs when every value passed its own check.
+        """
+        problems: list[str] = []
+        normalised: dict[str, Any] = {}
+        known = [*self.hyperparameters, *extras]
+        for key in values:
+            if key not in self.hyperparameters and key not in extras:
+                problems.append(f"{where}: unknown hyperparameter {key!r}{near(key, known)}; "
+                                f"known: {', '.join(self.hyperparameters)}")
+        for key, hyper in self.hyperparameters.items():
+            if key not in values:
+                continue
+            try:
+                normalised[key] = hyper.check(values[key])
+            except Invalid as exc:
+                problems.append(f"{where}: {key}={values[key]!r} is invalid: {exc}")
+        missing = [key for key in self.hyperparameters if key not in values]
+        if complete and missing:
+            problems.append(f"{where}: hyperparameters {missing} are missing")
+        if "label" in values and values["label"] is not None:
+            try:
+                normalised["label"] = text(values["label"], "label")
+            except Invalid as exc:
+                problems.append(f"{where}: {exc}")
+        if "initial_lr" in values:
+            try:
+                normalised["initial_lr"] = non_negative(values["initial_lr"])
+            except Invalid as exc:
+                problems.append(f"{where}: initial_lr={values['initial_lr']!r} is invalid: {exc}")
+        if not problems and not missing:
+            problems += [f"{where}: {message}" for message in self.cross_check(normalised)]
+        return normalised, problems
+
+    def settings_of(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Only the hyperparameters of a normalised group (no label, no initial_lr)."""
+        return {key: values[key] for key in self.hyperparameters}
+
+    # ------------------------------------------------------------------ state
+    def used_slots(self, settings: Mapping[str, Any]) -> tuple[str, ...]:
+        return tuple(name for name, slot in self.slots.items() if slot.used(settings))
+
+    def bytes_per_element(self, settings: Mapping[str, Any], itemsize: int) -> int:
+        """Bytes one step moves per element: params read and written, grads read, each used
+        slot read and written (Adam float32: 28; SGD with momentum: 20)."""
+        return itemsize * (3 + 2 * len(self.used_slots(settings)))
+
+    @property
+    def state_dict_columns(self) -> tuple[str, ...]:
+        return tuple(name for name, column in self.columns.items() if column.in_state_dict)
+
+    def state_problems(self, path: str, entry: Any, shape: tuple, dtype: np.dtype,
+                       settings: Mapping[str, Any]) -> list[str]:
+        """Problems with one parameter's saved state ``{column: int, slot: array}`` (an entry
+        means the parameter has state): names, required slots, shapes, dtypes, ranges, and
+        second moments finite and >= 0."""
+        if not isinstance(entry, Mapping):
+            return [f"state for {path!r} must be a dict, got {type(entry).__name__}"]
+        allowed = (*self.state_dict_columns, *self.slots)
+        problems = [f"state for {path!r} has unexpected entry {key!r}{near(key, allowed)} "
+                    f"(a {self.name} expects {sorted(allowed)})"
+                    for key in entry if key not in allowed]
+        for name in self.state_dict_columns:
+            value = entry.get(name)
+            column = self.columns[name]
+            low = 1 if column.marker else 0
+            if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+                    or not low <= value <= column.high):
+                problems.append(f"state for {path!r}: {name} must be an integer in "
+                                f"[{low}, {column.high}], got {value!r}")
+        for name, slot in self.slots.items():
+            value = entry.get(name)
+            if value is None:
+                if slot.used(settings):
+                    problems.append(f"state for {path!r} lacks {name!r}")
+                continue
+            problem = array_problem(value, shape, dtype, nonnegative=slot.nonnegative)
+            if problem:
+                problems.append(f"state for {path!r}: {name} {problem}")
+        return problems
+
+
+def array_problem(value: Any, shape: tuple, dtype: np.dtype, *,
+                  nonnegative: bool = False) -> str | None:
+    """Why ``value`` cannot be a state array of this shape and dtype, or None."""
+    if not isinstance(value, np.ndarray) or isinstance(value, np.ma.MaskedArray):
+        return f"is a {type(value).__name__}, not a numpy array"
+    if value.shape != tuple(shape) or value.dtype != dtype:
+        return (f"has shape {value.shape} and dtype {value.dtype}, the parameter has shape "
+                f"{tuple(shape)} and dtype {np.dtype(dtype)}")
+    if nonnegative and value.size and not bool(np.all(value >= 0) and np.all(np.isfinite(value))):
+        return ("holds negative, NaN or infinite values; a second moment is finite and >= 0 "
+                "(was the state damaged or written by hand?)")
+    return None

@@ -1,0 +1,84 @@
+"""What a backend needs to know about one update rule, declared once in the rule's module.
+
+An update rule is a few plain Python functions (``kernels/rules/<name>.py``):
+
+- ``span(arrays, scalars, columns, flags, k, start, stop, stride)``: updates elements
+  ``start, start + stride, ... < stop`` of parameter ``k``. ``arrays`` is
+  ``(params, grads, *slots)`` in the order of ``Rule.slots``; ``scalars`` is a 1-D array in the
+  buffer's dtype laid out as ``Rule.scalars``; ``columns`` holds the per-parameter arrays of
+  ``Rule.columns``; ``flags`` is a tuple of booleans laid out as ``Rule.flags``.
+- ``prepare(k, present, columns, scalars, flags, sequential)``: the per-parameter bookkeeping
+  of a parameter that has a gradient this step (step counts, bias corrections, first-step
+  flags), run once per parameter before ``span``. ``scalars`` are float64, laid out as
+  ``Rule.prepare_scalars``. ``sequential`` is True when parameters are prepared in order on
+  one thread, so parameter ``k`` may reuse what ``k - 1`` computed.
+- helpers they call (the element-wise rule body itself, shared by every backend).
+
+Backends (``kernels.cpu``, ``kernels.cuda``) compile those functions for their target and plug
+``span`` and ``prepare`` into their one chunk walk. The layouts are NamedTuple classes: the
+optimizer builds values by name, the kernel reads them by name through :func:`positions`, and no
+code anywhere unpacks them by position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import types
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+
+def positions(layout: type[NamedTuple]) -> types.ModuleType:
+    """The layout's fields as constant positions for kernels: ``scalars[S.beta2]``,
+    ``columns[C.step]``. A module object, because Numba folds a module attribute into a
+    constant index, which a tuple of mixed array types needs."""
+    holder = types.ModuleType(f"{layout.__name__}Positions")
+    for position, name in enumerate(layout._fields):
+        setattr(holder, name, position)
+    return holder
+
+
+class NoScalars(NamedTuple):
+    """The layout of a rule that needs no scalars (an empty array)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One update rule's kernel interface: its functions and the layouts of its arguments."""
+
+    name: str
+    span: Callable
+    prepare: Callable
+    helpers: tuple[Callable, ...]
+    """Functions ``span`` and ``prepare`` call by their global names; compiled alongside."""
+    slots: tuple[str, ...]
+    """State arrays after params and grads in ``arrays``, in this order."""
+    columns: dict[str, str]
+    """Per-parameter arrays in ``columns`` order -> dtype: a NumPy dtype name, or "param" for
+    the buffer's own dtype."""
+    scalars: type = NoScalars
+    prepare_scalars: type = NoScalars
+    flags: type = NoScalars
+    fingerprint: str = field(init=False)
+    """A digest of the rule's source: compiled kernels are cached under it, so editing a
+    rule can never load a stale kernel from Numba's on-disk cache."""
+
+    def __post_init__(self) -> None:
+        digest = hashlib.sha256()
+        for function in self.functions:
+            digest.update(inspect.getsource(function).encode())
+        for layout in (self.scalars, self.prepare_scalars, self.flags):
+            digest.update(repr(layout._fields).encode())
+        digest.update(repr((self.slots, sorted(self.columns.items()))).encode())
+        object.__setattr__(self, "fingerprint", digest.hexdigest()[:16])
+
+    @property
+    def functions(self) -> tuple[Callable, ...]:
+        return (self.span, self.prepare, *self.helpers)
+
+    def column_dtype(self, name: str, param_dtype: np.dtype) -> np.dtype:
+        kind = self.columns[name]
+        return np.dtype(param_dtype) if kind == "param" else np.dtype(kind)

@@ -1,0 +1,92 @@
+"""SGD with momentum, dampening, Nesterov, weight decay and maximize (torch.optim.SGD)."""
+
+from typing import NamedTuple
+
+from ..rule import Rule, positions
+
+
+class Scalars(NamedTuple):
+    neg_lr: float
+    weight_decay: float
+    momentum: float
+    one_minus_dampening: float
+
+
+class Flags(NamedTuple):
+    has_weight_decay: bool
+    has_momentum: bool
+    nesterov: bool
+    maximize: bool
+
+
+class Columns(NamedTuple):
+    momentum_initialized: int
+    first: int
+
+
+S, F, C = positions(Scalars), positions(Flags), positions(Columns)
+
+
+def sgd_rule(p, g, buf, first, neg_lr, weight_decay, momentum, one_minus_dampening,
+             has_weight_decay, has_momentum, nesterov, maximize):
+    """One SGD element update; returns ``(p, buf)``.
+
+    ::
+
+        g = -g                               if maximize
+        g = g + weight_decay * p             if weight_decay != 0
+        buf = g                              if momentum != 0 and first step with a gradient
+        buf = momentum * buf + (1 - dampening) * g          otherwise (momentum != 0)
+        g = g + momentum * buf  if nesterov else buf        (momentum != 0)
+        p = p - lr * g
+    """
+    if maximize:
+        g = -g
+    if has_weight_decay:
+        g = g + weight_decay * p
+    if has_momentum:
+        if first:
+            buf = g
+        else:
+            buf = buf * momentum + one_minus_dampening * g
+        if nesterov:
+            g = g + momentum * buf
+        else:
+            g = buf
+    p = p + neg_lr * g
+    return p, buf
+
+
+def sgd_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    p, g, buf = arrays
+    neg_lr = scalars[S.neg_lr]
+    weight_decay = scalars[S.weight_decay]
+    momentum = scalars[S.momentum]
+    one_minus_dampening = scalars[S.one_minus_dampening]
+    first = columns[C.first][k] != 0
+    has_weight_decay = flags[F.has_weight_decay]
+    maximize = flags[F.maximize]
+    if flags[F.has_momentum]:
+        nesterov = flags[F.nesterov]
+        for i in range(start, stop, stride):
+            p[i], buf[i] = sgd_rule(p[i], g[i], buf[i], first, neg_lr, weight_decay, momentum,
+                                    one_minus_dampening, has_weight_decay, True, nesterov,
+                                    maximize)
+    else:  # the momentum buffer is neither read nor written
+        for i in range(start, stop, stride):
+            p[i], _ = sgd_rule(p[i], g[i], neg_lr, False, neg_lr, weight_decay, momentum,
+                               one_minus_dampening, has_weight_decay, False, False, maximize)
+
+
+def sgd_prepare(k, present, columns, scalars, flags, sequential):
+    """The momentum buffer is seeded (not decayed) the first step a parameter has a gradient."""
+    initialized = columns[C.momentum_initialized]
+    columns[C.first][k] = initialized[k] == 0
+    if flags[F.has_momentum]:
+        initialized[k] = 1
+
+
+RULE = Rule(name="sgd", span=sgd_span, prepare=sgd_prepare, helpers=(sgd_rule,),
+            slots=("momentum_buffer",),
+            columns={"momentum_initialized": "uint8", "first": "uint8"},
+            scalars=Scalars, flags=Flags)
