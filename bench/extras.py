@@ -15,18 +15,16 @@ import numpy as np
 
 import flatopt
 
-from .impls import Case, HYPER, make_impl, max_threads, set_threads
+from .impls import Case, make_impl, max_threads, schema_of, set_threads
 from .profiles import PROFILES
-
-MIN_STATE_ARRAYS = {"sgd": 1, "adam": 2, "adamw": 2}
 
 
 def memory_overhead(case: Case) -> dict:
-    """State bytes per element against the minimum (momentum: 1 array, Adam: 2 arrays)."""
+    """State bytes per element against the minimum: one element per used state slot."""
     opt = case.opt
     n = case.profile.n_elements
     state = sum(b.nbytes for buf in opt.buffers for b in buf.state.values())
-    per_param = sum(a.nbytes for buf in opt.buffers for a in buf.per_param.values())
+    per_param = sum(a.nbytes for buf in opt.buffers for a in buf.columns.values())
     layout = sum(buf.offsets.nbytes + buf.sizes.nbytes + buf.chunk_first.nbytes
                  + buf.present.nbytes for buf in opt.buffers)
     total = sum(buf.nbytes for buf in opt.buffers) + per_param + layout
@@ -34,8 +32,8 @@ def memory_overhead(case: Case) -> dict:
             "dtype": str(case.dtype), "n_elements": n,
             "padded_elements": sum(buf.length for buf in opt.buffers),
             "state_bytes_per_element": (state + per_param) / n,
-            "minimum_state_bytes_per_element": MIN_STATE_ARRAYS[case.optimizer]
-            * case.dtype.itemsize,
+            "minimum_state_bytes_per_element":
+                len(schema_of(case.optimizer).used_slots(case.settings)) * case.dtype.itemsize,
             "total_bytes_per_element": total / n}
 
 
@@ -44,15 +42,14 @@ import json, sys, time
 t0 = time.perf_counter()
 import numpy as np
 import flatopt
-from flatopt.kernels import cpu
 t_import = time.perf_counter() - t0
 out = {"import_s": t_import}
 dtype = np.dtype(sys.argv[1])
-for name, cls, kw in [("sgd", flatopt.SGD, dict(momentum=0.9)), ("adam", flatopt.Adam, {}),
-                      ("adamw", flatopt.AdamW, {})]:
+for name in flatopt.registry.names():
+    cls = flatopt.registry.lookup(name)
     params = {"a": np.ones((64, 32), dtype), "b": np.ones(32, dtype)}
     t0 = time.perf_counter()
-    opt = cls(params, lr=1e-3, **kw)
+    opt = cls(params, **cls.schema.benchmark)
     opt.grads.mark_present()
     opt.step()
     first = time.perf_counter() - t0
@@ -114,21 +111,9 @@ def latency(profile_name: str = "1000x100", optimizer: str = "adam", dtype="floa
     return out
 
 
-def _try_calls(fn, variants):
-    last = None
-    for args in variants:
-        try:
-            return fn(*args)
-        except TypeError as exc:
-            last = exc
-    raise last
-
-
 def checkpoint_throughput(profile_name: str = "64x1M", optimizer: str = "adam",
                           dtype="float32", repeats: int = 3) -> dict:
     """flatopt.save / flatopt.load against np.save / np.load of the same flat buffers."""
-    if not (hasattr(flatopt, "save") and hasattr(flatopt, "load")):
-        return {"skipped": "flatopt.save / flatopt.load do not exist in this checkout"}
     case = Case(PROFILES[profile_name], optimizer, dtype)
     opt = case.opt
     opt.step()
@@ -142,10 +127,10 @@ def checkpoint_throughput(profile_name: str = "64x1M", optimizer: str = "adam",
         for r in range(repeats):
             path = tmp / f"ckpt{r}.h5"
             t0 = time.perf_counter()
-            _try_calls(flatopt.save, [(path, opt), (opt, path)])
+            flatopt.save(path, opt)
             times["flatopt_save"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            _try_calls(flatopt.load, [(path, opt), (opt, path)])
+            flatopt.load(path, opt)
             times["flatopt_load"].append(time.perf_counter() - t0)
             res["file_bytes"] = path.stat().st_size
             path.unlink()
@@ -183,17 +168,17 @@ def run_all(quick: bool, dtype: str, progress) -> dict:
 
 def print_extras(extras: dict) -> None:
     c = extras.get("compile", {})
-    print("\nFirst step in a fresh process (construct + step, float kernels for SGD/Adam/AdamW):")
+    print("\nFirst step in a fresh process (construct + step, every registered optimizer):")
     for which in ("cold", "warm"):
         r = c.get(which, {})
         if "error" in r or not r:
             print(f"  {which}: {r.get('error', 'not run')[:300]}")
             continue
+        names = [k for k in r if isinstance(r[k], dict)]
         print(f"  {which} cache: import {r['import_s']:.2f} s; first step "
-              + ", ".join(f"{k} {r[k]['first_step_s']:.2f} s" for k in ("sgd", "adam", "adamw"))
+              + ", ".join(f"{k} {r[k]['first_step_s']:.2f} s" for k in names)
               + "; second step "
-              + ", ".join(f"{k} {r[k]['second_step_s'] * 1e6:.0f} us"
-                          for k in ("sgd", "adam", "adamw")))
+              + ", ".join(f"{k} {r[k]['second_step_s'] * 1e6:.0f} us" for k in names))
     lat = extras.get("latency", {})
     print(f"\nPer-step latency, {lat.get('profile')} {lat.get('optimizer')} (each step timed "
           "alone):")

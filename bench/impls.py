@@ -1,6 +1,7 @@
 """The implementations measured side by side: flatopt, a naive NumPy loop, torch.optim
-(for-loop, foreach, fused) and the roofline kernel. All of them read the same gradients
-(views into flatopt's flat gradient buffer); each has its own parameters and state."""
+(for-loop, foreach, fused) and the roofline kernel, for every optimizer in flatopt's registry.
+All of them read the same gradients (views into flatopt's flat gradient buffer); each has its
+own parameters and state."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 import flatopt
+from flatopt import registry
 
 from .profiles import Profile
 from .roofline import Roofline
@@ -19,14 +21,27 @@ try:  # torch is optional: without it the torch baselines are skipped
 except ImportError:  # pragma: no cover - depends on the environment
     torch = None
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-HYPER = {
-    "sgd": dict(lr=1e-3, momentum=0.9),
-    "adam": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8),
-    "adamw": dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2),
-}
+OPTIMIZERS = {name.lower(): name for name in registry.names()}
+"""Command-line name (lower case) -> registry name."""
 TORCH_IMPLS = ("torch-forloop", "torch-foreach", "torch-fused")
 ALL_IMPLS = ("flatopt", "numpy-loop") + TORCH_IMPLS + ("roofline",)
+
+
+def schema_of(optimizer: str) -> flatopt.Schema:
+    return registry.lookup(OPTIMIZERS[optimizer]).schema
+
+
+def settings_of(optimizer: str) -> dict:
+    """The hyperparameters every implementation runs with: defaults plus the schema's
+    benchmark values."""
+    schema = schema_of(optimizer)
+    return schema.defaults(**schema.benchmark)
+
+
+def bytes_per_element(optimizer: str, dtype) -> int:
+    """Bytes one step must move per element (reads plus writes), from the schema."""
+    return schema_of(optimizer).bytes_per_element(settings_of(optimizer),
+                                                  np.dtype(dtype).itemsize)
 
 
 class Case:
@@ -36,14 +51,15 @@ class Case:
         self.profile = profile
         self.optimizer = optimizer
         self.dtype = np.dtype(dtype)
+        self.settings = settings_of(optimizer)
         rng = np.random.default_rng(seed)
-        cls = {"sgd": flatopt.SGD, "adam": flatopt.Adam, "adamw": flatopt.AdamW}[optimizer]
+        cls = registry.lookup(OPTIMIZERS[optimizer])
 
         def params():
             for path, shape in profile.shapes:
                 yield path, np.zeros(shape, self.dtype)
 
-        self.opt = cls(list(params()), **HYPER[optimizer])
+        self.opt = cls(list(params()), **self.settings)
         for path, view in self.opt.params.items():  # filled in place: no second copy
             view[...] = rng.standard_normal(view.shape, dtype=np.float32)
         for path, view in self.opt.grads.items():
@@ -66,51 +82,61 @@ class FlatoptImpl:
         pass
 
 
-class NumpyLoopImpl:
-    """What a careful user writes without flatopt: NumPy in-place ops, one parameter at a time."""
+def _sgd_loop(h, params, grads, state, t):
+    lr, mu = h["lr"], h["momentum"]
+    for path, p in params.items():
+        g = grads[path]
+        buf = state.setdefault(path, [np.zeros_like(p)])[0]
+        if t == 1:
+            buf[...] = g
+        else:
+            buf *= mu
+            buf += g
+        p -= lr * buf
 
+
+def _adam_loop(h, params, grads, state, t, decoupled=False):
+    lr, (b1, b2), eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
+    step_size = lr / (1 - b1 ** t)
+    bc2 = math.sqrt(1 - b2 ** t)
+    for path, p in params.items():
+        g = grads[path]
+        m, v = state.setdefault(path, [np.zeros_like(p), np.zeros_like(p)])
+        if wd and decoupled:
+            p *= 1 - lr * wd
+        elif wd:
+            g = g + wd * p
+        m += (1 - b1) * (g - m)
+        v *= b2
+        v += (1 - b2) * g * g
+        denom = np.sqrt(v) / bc2 + eps
+        p -= step_size * m / denom
+
+
+NUMPY_LOOPS: dict[str, Callable] = {
+    "SGD": _sgd_loop, "Adam": _adam_loop,
+    "AdamW": lambda *args: _adam_loop(*args, decoupled=True),
+}
+"""What a careful user writes without flatopt, per registry name: NumPy in-place ops, one
+parameter at a time (optimizers without one here are benchmarked without this baseline)."""
+
+
+class NumpyLoopImpl:
     name = "numpy-loop"
 
     def __init__(self, case: Case):
-        self.kind = case.optimizer
-        self.h = HYPER[case.optimizer]
+        loop = NUMPY_LOOPS.get(OPTIMIZERS[case.optimizer])
+        if loop is None:
+            raise RuntimeError(f"no NumPy loop for {OPTIMIZERS[case.optimizer]}")
+        self.loop, self.h = loop, case.settings
         self.params = case.params_copy()
         self.grads = case.grads
-        self.state = {path: [np.zeros_like(p) for _ in range(1 if self.kind == "sgd" else 2)]
-                      for path, p in self.params.items()}
+        self.state: dict = {}
         self.t = 0
-        self.step = self._sgd if self.kind == "sgd" else self._adam
 
-    def _sgd(self) -> None:
-        lr, mu = self.h["lr"], self.h["momentum"]
-        first = self.t == 0
+    def step(self) -> None:
         self.t += 1
-        for path, p in self.params.items():
-            g = self.grads[path]
-            (buf,) = self.state[path]
-            if first:
-                buf[...] = g
-            else:
-                buf *= mu
-                buf += g
-            p -= lr * buf
-
-    def _adam(self) -> None:
-        lr, (b1, b2), eps = self.h["lr"], self.h["betas"], self.h["eps"]
-        wd = self.h.get("weight_decay", 0.0)
-        self.t += 1
-        step_size = lr / (1 - b1 ** self.t)
-        bc2 = math.sqrt(1 - b2 ** self.t)
-        for path, p in self.params.items():
-            g = self.grads[path]
-            m, v = self.state[path]
-            if wd:
-                p *= 1 - lr * wd
-            m += (1 - b1) * (g - m)
-            v *= b2
-            v += (1 - b2) * g * g
-            denom = np.sqrt(v) / bc2 + eps
-            p -= step_size * m / denom
+        self.loop(self.h, self.params, self.grads, self.state, self.t)
 
     def close(self) -> None:
         self.params = self.state = None
@@ -121,8 +147,10 @@ class TorchImpl:
 
     def __init__(self, case: Case, mode: str):
         self.name = f"torch-{mode}"
-        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
-               "adamw": torch.optim.AdamW}[case.optimizer]
+        torch_name = schema_of(case.optimizer).torch_name
+        if torch_name is None:
+            raise RuntimeError(f"torch.optim has no {OPTIMIZERS[case.optimizer]}")
+        cls = getattr(torch.optim, torch_name)
         flags = {"forloop": dict(foreach=False), "foreach": dict(foreach=True),
                  "fused": dict(fused=True)}[mode]
         self.params = []
@@ -130,7 +158,7 @@ class TorchImpl:
             t = torch.from_numpy(view.copy()).requires_grad_(True)
             t.grad = torch.from_numpy(case.grads[path])
             self.params.append(t)
-        self.opt = cls(self.params, **HYPER[case.optimizer], **flags)
+        self.opt = cls(self.params, **case.settings, **flags)
         self.step = self._step
 
     @torch.no_grad() if torch is not None else (lambda f: f)
@@ -145,7 +173,8 @@ class RooflineImpl:
     name = "roofline"
 
     def __init__(self, case: Case):
-        self.kernel = Roofline(case.optimizer, case.buffer.grads)
+        slots = schema_of(case.optimizer).used_slots(case.settings)
+        self.kernel = Roofline(case.buffer, len(slots))
         self.step = self.kernel.step
 
     def close(self) -> None:
@@ -160,6 +189,7 @@ def available_impls() -> list[str]:
 
 
 def make_impl(name: str, case: Case):
+    """An implementation's runner; RuntimeError when it does not exist for this case."""
     if name == "flatopt":
         return FlatoptImpl(case)
     if name == "numpy-loop":

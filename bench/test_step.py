@@ -9,7 +9,7 @@ import gc
 
 import pytest
 
-from bench.impls import Case, available_impls, make_impl, max_threads, set_threads
+from bench.impls import OPTIMIZERS, Case, available_impls, make_impl, max_threads, set_threads
 from bench.profiles import PROFILES
 
 LARGE = {"1x64M", "64x1M", "gpt2"}
@@ -42,7 +42,7 @@ def _case(cases, profile, optimizer):
 
 
 @pytest.mark.parametrize("impl", available_impls())
-@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("profile", PROFILE_PARAMS)
 def test_step(benchmark, cases, profile, optimizer, impl):
     if impl == "numpy-loop" and profile in LARGE:

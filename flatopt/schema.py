@@ -179,6 +179,9 @@ class Schema:
     """The schema's version: a checkpoint written with a newer one is refused as newer."""
     torch_name: str | None = None
     """The torch.optim class with the same semantics, for conformance tests and benchmarks."""
+    benchmark: dict[str, Any] = field(default_factory=dict)
+    """Hyperparameters the benchmark sets besides the defaults, so that the rule does its
+    usual work (SGD: momentum)."""
     marker: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -49,7 +49,8 @@ def _prepare_walk(present, columns, scalars, flags):
     for k in range(present.size):
         if present[k] != 0:
             n_present += 1
-            prepare(k, present, columns, scalars, flags, True)  # noqa: F821 (bound per rule)
+    if n_present:
+        prepare(present, columns, scalars, flags, 0, present.size, 1)  # noqa: F821 (bound)
     return n_present
 
 

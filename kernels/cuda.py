@@ -24,8 +24,8 @@ MAX_BLOCKS = 65_535
 
 def _prepare_walk(present, columns, scalars, flags):
     k = cuda.grid(1)
-    if k < present.size and present[k] != 0:
-        prepare(k, present, columns, scalars, flags, False)  # noqa: F821 (bound per rule)
+    if k < present.size:
+        prepare(present, columns, scalars, flags, k, k + 1, 1)  # noqa: F821 (bound per rule)
 
 
 def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_first,

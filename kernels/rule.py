@@ -7,11 +7,11 @@ An update rule is a few plain Python functions (``kernels/rules/<name>.py``):
   ``(params, grads, *slots)`` in the order of ``Rule.slots``; ``scalars`` is a 1-D array in the
   buffer's dtype laid out as ``Rule.scalars``; ``columns`` holds the per-parameter arrays of
   ``Rule.columns``; ``flags`` is a tuple of booleans laid out as ``Rule.flags``.
-- ``prepare(k, present, columns, scalars, flags, sequential)``: the per-parameter bookkeeping
-  of a parameter that has a gradient this step (step counts, bias corrections, first-step
-  flags), run once per parameter before ``span``. ``scalars`` are float64, laid out as
-  ``Rule.prepare_scalars``. ``sequential`` is True when parameters are prepared in order on
-  one thread, so parameter ``k`` may reuse what ``k - 1`` computed.
+- ``prepare(present, columns, scalars, flags, start, stop, stride)``: the per-parameter
+  bookkeeping (step counts, bias corrections, first-step flags) of parameters ``start,
+  start + stride, ... < stop`` that have a gradient this step (``present[k] != 0``), run before
+  ``span``: the CPU hands it every parameter in one call, CUDA one parameter per thread.
+  ``scalars`` are float64, laid out as ``Rule.prepare_scalars``.
 - helpers they call (the element-wise rule body itself, shared by every backend).
 
 Backends (``kernels.cpu``, ``kernels.cuda``) compile those functions for their target and plug

@@ -57,8 +57,11 @@ def signum_span(arrays, scalars, columns, flags, k, start, stop, stride):
                                  flags[F.has_weight_decay])
 
 
-def signum_prepare(k, present, columns, scalars, flags, sequential):
-    columns[C.step][k] += 1
+def signum_prepare(present, columns, scalars, flags, start, stop, stride):
+    steps = columns[C.step]
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            steps[k] += 1
 
 
 RULE = Rule(name="signum_test", span=signum_span, prepare=signum_prepare,

@@ -27,6 +27,7 @@ def _nesterov_needs_momentum(values: Mapping[str, Any]) -> list[str]:
 
 SCHEMA = Schema(
     name="SGD", rule=rule.RULE, torch_name="SGD", record=SGDParamState,
+    benchmark={"momentum": 0.9},
     hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (0.01, 0.1)),
         "momentum": Hyperparameter(0.0, non_negative, (0.0, 0.5, 0.9)),

@@ -113,24 +113,29 @@ def adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
                 False, maximize, lerp_from_end)
 
 
-def adam_prepare(k, present, columns, scalars, flags, sequential):
-    """Advance the parameter's own step count; its bias corrections, formed in float64 as
-    torch does in Python, then stored in the buffer's dtype:
+def adam_prepare(present, columns, scalars, flags, start, stop, stride):
+    """Advance each present parameter's own step count; its bias corrections, formed in
+    float64 as torch does in Python, then stored in the buffer's dtype:
     ``neg_step_size = -lr / (1 - beta1**t)``, ``bias_correction2_sqrt = sqrt(1 - beta2**t)``.
-    Parameters usually share a step count, so in order the powers are reused from the
-    previous parameter (the same value, not an approximation)."""
+    Parameters usually share a step count, so the powers are computed once per distinct
+    count in a run (the same value, not an approximation)."""
     steps = columns[C.step]
     neg_step_size = columns[C.neg_step_size]
     bias_correction2_sqrt = columns[C.bias_correction2_sqrt]
-    steps[k] += 1
-    if sequential and k > 0 and present[k - 1] != 0 and steps[k - 1] == steps[k]:
-        neg_step_size[k] = neg_step_size[k - 1]
-        bias_correction2_sqrt[k] = bias_correction2_sqrt[k - 1]
-    else:
-        # float64 on purpose (the literals too): torch forms these scalars in Python
-        t = float(steps[k])
-        neg_step_size[k] = -(scalars[P.lr] / (1.0 - scalars[P.beta1] ** t))
-        bias_correction2_sqrt[k] = (1.0 - scalars[P.beta2] ** t) ** 0.5
+    last_step = -1
+    step_size = 0.0
+    correction = 0.0
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            steps[k] += 1
+            if steps[k] != last_step:
+                # float64 on purpose (the literals too): torch forms these scalars in Python
+                last_step = steps[k]
+                t = float(last_step)
+                step_size = -(scalars[P.lr] / (1.0 - scalars[P.beta1] ** t))
+                correction = (1.0 - scalars[P.beta2] ** t) ** 0.5
+            neg_step_size[k] = step_size
+            bias_correction2_sqrt[k] = correction
 
 
 RULE = Rule(name="adam", span=adam_span, prepare=adam_prepare, helpers=(adam_rule,),

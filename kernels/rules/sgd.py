@@ -78,12 +78,16 @@ def sgd_span(arrays, scalars, columns, flags, k, start, stop, stride):
                                one_minus_dampening, has_weight_decay, False, False, maximize)
 
 
-def sgd_prepare(k, present, columns, scalars, flags, sequential):
+def sgd_prepare(present, columns, scalars, flags, start, stop, stride):
     """The momentum buffer is seeded (not decayed) the first step a parameter has a gradient."""
     initialized = columns[C.momentum_initialized]
-    columns[C.first][k] = initialized[k] == 0
-    if flags[F.has_momentum]:
-        initialized[k] = 1
+    first = columns[C.first]
+    track = flags[F.has_momentum]
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            first[k] = initialized[k] == 0
+            if track:
+                initialized[k] = 1
 
 
 RULE = Rule(name="sgd", span=sgd_span, prepare=sgd_prepare, helpers=(sgd_rule,),
