@@ -240,7 +240,6 @@ def check_targets(records: list[dict], extras_result: dict | None) -> list[dict]
                     rows.append({"case": where, "target": name, "value": value, "met": ok,
                                  "text": text})
 
-            x = get("1x64M", optimizer, threads, "flatopt", "speedup_of_flatopt")
             fused = get("1x64M", optimizer, threads, "torch-fused", "speedup_of_flatopt")
             roof = get("1x64M", optimizer, threads, "flatopt", "pct_roofline")
             add("1x64M >= torch fused", fused, fused is not None and fused >= 1.0,

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _params
+from . import _params, _restore
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
+from ._restore import BufferState
 from ._views import Gradients, ParamViews, gradient_problem
 from .errors import GradientError, HyperparameterError, ParamError, StateDictError
 from .kernels import backend as kernel_backend
-from .schema import Schema, array_problem, describe_group, near
+from .schema import Schema, describe_group, near
 
 STATE_DICT_FORMAT = "flatopt.state_dict"
 STATE_DICT_VERSION = 1
@@ -62,17 +62,6 @@ class _Plan:
         self.flags = flags
         self.used = used
         self.arrays = None  # (params, grads, *slots), once the used slots are allocated
-
-
-@dataclass
-class BufferState:
-    """Whole-buffer contents for :meth:`Optimizer.restore` when a saved buffer has exactly
-    the live buffer's layout: ``params`` and each ``state`` slot flat (the buffer's length),
-    ``columns`` one value per parameter for each persisted column of the schema."""
-
-    params: np.ndarray
-    state: dict[str, np.ndarray] = field(default_factory=dict)
-    columns: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class Optimizer:
@@ -431,9 +420,9 @@ class Optimizer:
         settings = None
         if hyperparameters == "saved":
             settings = self._saved_settings(saved_groups, problems)
-        problems += self._restore_problems(state, settings, None, None)
+        problems += _restore.restore_problems(self, state, settings, None, None)
         _raise(problems, StateDictError)
-        self._apply(state, settings, None, None)
+        _restore.apply(self, state, settings, None, None)
 
     def _saved_settings(self, saved_groups: Any, problems: list[str]) -> list[dict | None]:
         """Each live group's values from the saved group holding exactly its parameters."""
@@ -464,72 +453,16 @@ class Optimizer:
         return settings
 
     # ----------------------------------------------------------------- restore (load contract)
-    def _restore_problems(self, state, settings, params, buffers) -> list[str]:
-        """Every reason :meth:`restore` would refuse these values (empty: it will not)."""
-        problems: list[str] = []
-        live = self.settings()
-        if settings is not None and len(settings) != len(live):
-            problems.append(f"{len(settings)} group settings for {len(live)} groups")
-            settings = None
-        effective = [new if new is not None else old
-                     for new, old in zip(settings or [None] * len(live), live)]
-        for path, entry in state.items():
-            info = self._known(path, "state given for", problems)
-            if info is not None and not _all_none(entry):
-                problems += self.schema.state_problems(info.path, entry, info.shape, info.dtype,
-                                                       effective[info.group])
-        for path, value in (params or {}).items():
-            info = self._known(path, "values given for", problems)
-            if info is not None:
-                problem = gradient_problem(info, value)
-                if problem:
-                    problems.append(problem.replace("gradient", "parameter value", 1))
-        for number, contents in (buffers or {}).items():
-            problems += self._buffer_problems(number, contents, effective)
-        return problems
-
-    def _buffer_problems(self, number: int, contents: BufferState, settings) -> list[str]:
-        if not 0 <= number < len(self.buffers):
-            return [f"no buffer {number}"]
-        buf = self.buffers[number]
-        where = f"buffer {number} (group {buf.group}, {buf.dtype})"
-        problems = []
-        for name, flat in (("params", contents.params), *contents.state.items()):
-            slot = self.schema.slots.get(name)
-            if name != "params" and slot is None:
-                problems.append(f"{where}: unknown state slot {name!r}")
-                continue
-            problem = array_problem(flat, (buf.length,), buf.dtype,
-                                    nonnegative=slot is not None and slot.nonnegative)
-            if problem:
-                problems.append(f"{where}: {name} {problem}")
-        for name, column in self.schema.columns.items():
-            values = contents.columns.get(name)
-            if (not isinstance(values, np.ndarray) or values.shape != (len(buf),)
-                    or values.dtype.kind not in "iu"
-                    or (values.size and (values.min() < 0 or values.max() > column.high))):
-                problems.append(f"{where}: column {name} must hold {len(buf)} integers in "
-                                f"[0, {column.high}]")
-        marker = contents.columns.get(self.schema.marker)
-        if problems or marker is None:
-            return problems
-        for slot in np.flatnonzero(marker == 0):  # a parameter without state has zero state
-            for name, flat in contents.state.items():
-                if buf.view(flat, slot).any():
-                    problems.append(f"{where}: {buf.paths[slot]!r} has no state (its "
-                                    f"{self.schema.marker} is 0) but non-zero {name}")
-        return problems
-
     def prepare_restore(self, state: Mapping[str, Any] | None = None, *,
                         settings: list[dict | None] | None = None,
                         params: Mapping[str, np.ndarray] | None = None,
-                        buffers: Mapping[int, BufferState] | None = None) -> "PendingRestore":
+                        buffers: Mapping[int, BufferState] | None = None) -> "_restore.PendingRestore":
         """Validate a :meth:`restore` without changing anything; ``.apply()`` on the result
         makes it (so a caller can do more between the two, such as loading a scheduler).
         Raises :class:`StateDictError` naming every problem."""
         state = state or {}
-        _raise(self._restore_problems(state, settings, params, buffers), StateDictError)
-        return PendingRestore(self, state, settings, params, buffers)
+        _raise(_restore.restore_problems(self, state, settings, params, buffers), StateDictError)
+        return _restore.PendingRestore(self, state, settings, params, buffers)
 
     def restore(self, state: Mapping[str, Any] | None = None, *,
                 settings: list[dict | None] | None = None,
@@ -547,58 +480,6 @@ class Optimizer:
         """
         self.prepare_restore(state, settings=settings, params=params, buffers=buffers).apply()
 
-    def _apply(self, state, settings, params, buffers) -> None:
-        """Copy validated values in. Memory is allocated (and sources that alias this
-        optimizer's own buffers copied) before the first change."""
-        owned = [flat for buf in self.buffers for flat in (buf.params, *buf.state.values())]
-
-        def detached(value):
-            return value.copy() if any(np.may_share_memory(value, flat)
-                                       for flat in owned) else value
-        state = {path: {key: detached(value) if isinstance(value, np.ndarray) else value
-                        for key, value in entry.items()}
-                 for path, entry in state.items() if not _all_none(entry)}
-        params = {path: detached(value) for path, value in (params or {}).items()}
-        buffers = {number: BufferState(detached(c.params),
-                                       {k: detached(v) for k, v in c.state.items()},
-                                       dict(c.columns))
-                   for number, c in (buffers or {}).items()}
-        needed = {(self.index[path].buffer, key) for path, entry in state.items()
-                  for key in entry if key in self.schema.slots}
-        needed |= {(number, key) for number, c in buffers.items() for key in c.state}
-        allocated = {key: self._backend.zeros(self.buffers[key[0]].length,
-                                              self.buffers[key[0]].dtype)
-                     for key in needed if key[1] not in self.buffers[key[0]].state}
-        for number, values in enumerate(settings or ()):
-            if values is not None:
-                self.param_groups[number].update(values)
-        for (number, name), flat in allocated.items():
-            self.buffers[number].state[name] = flat
-        for buf in self.buffers:
-            self._plans[buf.number] = None
-            contents = buffers.get(buf.number)
-            for name, column in buf.columns.items():
-                column[...] = contents.columns[name] if contents and \
-                    name in contents.columns else 0
-            for name, flat in buf.state.items():
-                if contents and name in contents.state:
-                    np.copyto(flat, contents.state[name])
-                else:
-                    flat.fill(0)  # a parameter without state starts from zeros
-            if contents is not None:
-                np.copyto(buf.params, contents.params)
-        for path, entry in state.items():
-            info = self.index[path]
-            buf = self.buffers[info.buffer]
-            buf.columns[self.schema.marker][info.slot] = 1
-            for key, value in entry.items():
-                if key in buf.columns:
-                    buf.columns[key][info.slot] = value
-                else:
-                    buf.view(buf.state[key], info.slot)[...] = value
-        for path, value in params.items():
-            self._param_views[path][...] = value
-
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ({len(self.index)} parameters, "
                  f"{len(self.buffers)} buffers)"]
@@ -607,22 +488,3 @@ class Optimizer:
             for key in sorted(k for k in group if k != "params"):
                 lines.append(f"    {key}: {group[key]}")
         return "\n".join(lines)
-
-
-class PendingRestore:
-    """A validated :meth:`Optimizer.restore`, made by :meth:`apply` (once)."""
-
-    def __init__(self, optimizer: Optimizer, state, settings, params, buffers):
-        self._args = (optimizer, state, settings, params, buffers)
-
-    def apply(self) -> None:
-        if self._args is None:
-            raise RuntimeError("this restore was applied already")
-        optimizer, state, settings, params, buffers = self._args
-        self._args = None
-        optimizer._apply(state, settings, params, buffers)
-
-
-def _all_none(entry: Any) -> bool:
-    """torch < 2.3 saved ``{"momentum_buffer": None}`` for SGD without momentum: no state."""
-    return isinstance(entry, Mapping) and all(value is None for value in entry.values())

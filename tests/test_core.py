@@ -531,3 +531,17 @@ def test_parallel_chunk_walk_equals_serial_walk(name, monkeypatch):
         monkeypatch.undo()
     for path in shapes:
         assert chunked.params[path].tobytes() == serial.params[path].tobytes(), path
+
+
+def test_initial_lr_is_validated_where_every_group_value_is():
+    """One group validation: what a checkpoint load would refuse never enters an optimizer."""
+    with pytest.raises(HyperparameterError, match="param group 0: initial_lr='abc'"):
+        flatopt.Adam([{"params": {"w": f32(2)}, "initial_lr": "abc"}])
+    opt = flatopt.Adam([{"params": {"w": f32(2)}, "initial_lr": 0.1}])
+    opt.param_groups[0]["initial_lr"] = float("nan")
+    with pytest.raises(HyperparameterError, match="initial_lr=nan"):
+        opt.step({"w": f32(2)})
+    assert opt.state_of("w") is None  # nothing stepped
+    opt.param_groups[0]["initial_lr"] = 0.05
+    opt.step({"w": f32(2)})
+    assert opt.state_of("w").step == 1

@@ -91,16 +91,20 @@ def clean_stale_temps(directory: str, name: str) -> None:
             pass
 
 
+def file_name(path, what: str = "a checkpoint path must be a str or os.PathLike") -> str:
+    """``path`` (str, bytes or os.PathLike) as a str; ``CheckpointError`` saying ``what``
+    otherwise."""
+    try:
+        name = os.fspath(path)
+    except TypeError:
+        raise CheckpointError(f"{what}, got {type(path).__name__}") from None
+    return os.fsdecode(name) if isinstance(name, bytes) else name
+
+
 def target_path(path) -> str:
     """The absolute target of a save, checked: a str or PathLike to a file in an existing
     directory."""
-    try:
-        final = os.fspath(path)
-    except TypeError:
-        raise CheckpointError(f"a checkpoint path must be a str or os.PathLike, got "
-                              f"{type(path).__name__}") from None
-    if isinstance(final, bytes):
-        final = os.fsdecode(final)
+    final = file_name(path)
     if not final or "\x00" in final:
         raise CheckpointError(f"invalid checkpoint path {final!r}")
     final = os.path.abspath(final)

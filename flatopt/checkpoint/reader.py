@@ -18,6 +18,7 @@ import numpy as np
 from .._layout import aligned_zeros
 from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from ..schema import Schema
+from .files import file_name
 from .format import (BASE_COLUMNS, DTYPES, FLETCHER32, FORMAT, FORMAT_VERSION, MAX_ATTRS,
                      MAX_JSON, MAX_MEMBERS, MAX_NDIM, ROOT_ATTRS, crc, manifest_digest)
 
@@ -130,13 +131,7 @@ def open_file(source) -> tuple[h5py.File, str, int]:
         source = io.BytesIO(bytes(source))
     if hasattr(source, "read") and hasattr(source, "seek"):
         return _open_object(source)
-    try:
-        name = os.fspath(source)
-    except TypeError:
-        raise CheckpointError(f"a checkpoint is a path, bytes or a binary file object, got "
-                              f"{type(source).__name__}") from None
-    if isinstance(name, bytes):
-        name = os.fsdecode(name)
+    name = file_name(source, "a checkpoint is a path, bytes or a binary file object")
     try:
         st = os.stat(name)
     except FileNotFoundError:
