@@ -257,6 +257,14 @@ def _format_param(name: str, optimizer: Any, param: Any) -> list:
     return [param] * len(optimizer.param_groups)
 
 
+def _per_group(name: str, optimizer: Any, param: Any) -> list[float]:
+    """:func:`_format_param`, each value a finite number >= 0."""
+    values = _format_param(name, optimizer, param)
+    listed = isinstance(param, (list, tuple))
+    return [_real(v, f"{name}[{i}]" if listed else name, low=0.0)
+            for i, v in enumerate(values)]
+
+
 def _group_lrs(optimizer: Any) -> list:
     return [group["lr"] for group in optimizer.param_groups]
 
@@ -819,9 +827,7 @@ class OneCycleLR(LRScheduler):
         cycle_momentum = _flag(cycle_momentum, "cycle_momentum")
         div_factor = _real(div_factor, "div_factor", low=0.0, low_open=True)
         final_div_factor = _real(final_div_factor, "final_div_factor", low=0.0, low_open=True)
-        max_lrs = [_real(v, f"max_lr[{i}]" if isinstance(max_lr, (list, tuple)) else "max_lr",
-                         low=0.0)
-                   for i, v in enumerate(_format_param("max_lr", optimizer, max_lr))]
+        max_lrs = _per_group("max_lr", optimizer, max_lr)
         use_beta1 = False
         max_momentums: list | None = None
         base_momentums: list | None = None
@@ -833,8 +839,8 @@ class OneCycleLR(LRScheduler):
                 raise ValueError("optimizer must support momentum or beta1 with "
                                  "`cycle_momentum` option enabled")
             use_beta1 = "betas" in keys
-            max_momentums = _format_param("max_momentum", optimizer, max_momentum)
-            base_momentums = _format_param("base_momentum", optimizer, base_momentum)
+            max_momentums = _per_group("max_momentum", optimizer, max_momentum)
+            base_momentums = _per_group("base_momentum", optimizer, base_momentum)
         values = self._checked_extra({
             "total_steps": total_steps, "pct_start": pct_start,
             "anneal_strategy": anneal_strategy, "three_phase": three_phase,
