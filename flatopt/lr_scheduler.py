@@ -8,7 +8,7 @@ What is here (torch 2.13's names, signatures, defaults and lr sequences):
 ``StepLR``                       ``lr *= gamma`` every ``step_size`` steps
 ``MultiStepLR``                  ``lr *= gamma`` at each milestone
 ``ExponentialLR``                ``lr *= gamma`` every step
-``CosineAnnealingLR``            cosine from the initial lr to ``eta_min`` over ``T_max`` (recursive)
+``CosineAnnealingLR``            cosine from the initial lr to ``eta_min`` over ``T_max``
 ``CosineAnnealingWarmRestarts``  cosine with restarts every ``T_0 * T_mult**k`` steps
 ``LinearLR``                     linear factor ``start_factor -> end_factor`` over ``total_iters``
 ``ConstantLR``                   ``factor * lr`` for ``total_iters`` steps
@@ -75,7 +75,9 @@ How this differs from torch (deliberately):
   one). Where torch checks an argument, the exception type and message are torch's.
 - **Group count.** A scheduler built for N groups refuses to step an optimizer that now has
   another number (``add_param_group`` after building it): build the scheduler after the last
-  group is added. ``ReduceLROnPlateau`` follows torch (a scalar ``min_lr`` covers new groups).
+  group is added. ``ReduceLROnPlateau`` follows torch (a scalar ``min_lr`` covers new groups;
+  with a list, ``step()`` raises torch's ``RuntimeError`` at once, torch at the first
+  reduction, after it has already counted the step).
 - **A failed step changes nothing** (``OneCycleLR`` stepped past ``total_steps``: torch has
   already advanced ``last_epoch`` when it raises). ``get_last_lr()`` returns a copy.
 - ``step(epoch)`` (deprecated in torch) works as in torch: a ``UserWarning`` and the closed
@@ -832,13 +834,7 @@ class OneCycleLR(LRScheduler):
         max_momentums: list | None = None
         base_momentums: list | None = None
         if cycle_momentum:
-            defaults = getattr(optimizer, "defaults", None)
-            keys = defaults if isinstance(defaults, Mapping) else \
-                (optimizer.param_groups[0] if optimizer.param_groups else {})
-            if "momentum" not in keys and "betas" not in keys:
-                raise ValueError("optimizer must support momentum or beta1 with "
-                                 "`cycle_momentum` option enabled")
-            use_beta1 = "betas" in keys
+            use_beta1 = self._uses_beta1(optimizer)
             max_momentums = _per_group("max_momentum", optimizer, max_momentum)
             base_momentums = _per_group("base_momentum", optimizer, base_momentum)
         values = self._checked_extra({
@@ -864,6 +860,18 @@ class OneCycleLR(LRScheduler):
                     else:
                         group["momentum"] = m_momentum
         super().__init__(optimizer, last_epoch)
+
+    @staticmethod
+    def _uses_beta1(optimizer: Any) -> bool:
+        """Whether momentum is cycled in ``betas[0]`` (torch: the optimizer's defaults have
+        ``betas``) or in ``momentum``; neither is torch's ValueError."""
+        defaults = getattr(optimizer, "defaults", None)
+        keys = defaults if isinstance(defaults, Mapping) else \
+            (optimizer.param_groups[0] if optimizer.param_groups else {})
+        if "momentum" not in keys and "betas" not in keys:
+            raise ValueError("optimizer must support momentum or beta1 with "
+                             "`cycle_momentum` option enabled")
+        return "betas" in keys
 
     @staticmethod
     def _phases(total_steps: int, pct_start: float, three_phase: bool) -> list[tuple]:
@@ -921,6 +929,13 @@ class OneCycleLR(LRScheduler):
         phases = self._phases(total_steps, pct_start, three_phase)
         self._check_phase_lengths(phases, total_steps, pct_start)
         checked["_schedule_phases"] = phases
+        if checked["cycle_momentum"] and hasattr(self, "optimizer"):  # loading a state
+            if checked["use_beta1"] != self._uses_beta1(self.optimizer):
+                raise ValueError(
+                    f"the state cycles {'betas' if checked['use_beta1'] else 'momentum'}, "
+                    f"but this {type(self.optimizer).__name__} has "
+                    f"{'momentum' if checked['use_beta1'] else 'betas'}")
+            self._check_momentum_values(self.optimizer, checked)
         return checked
 
     @staticmethod

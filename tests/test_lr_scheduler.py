@@ -96,7 +96,8 @@ def random_config(name: str, rng: random.Random, steps: int) -> dict:
     if name == "ConstantLR":
         return {"factor": rng.uniform(0.05, 1.0), "total_iters": rng.randint(0, 60)}
     if name == "PolynomialLR":
-        return {"total_iters": rng.randint(1, 120), "power": rng.choice([1.0, 2, rng.uniform(0.3, 3)])}
+        return {"total_iters": rng.randint(1, 120),
+                "power": rng.choice([1.0, 2, rng.uniform(0.3, 3)])}
     raise AssertionError(name)
 
 
@@ -711,7 +712,8 @@ def test_sequential_errors():
     other = flat_optimizer("sgd", [0.1])
     a, b = L.StepLR(opt, 2), L.ExponentialLR(opt, 0.9)
     cases = [
-        (([], []), ValueError, "SequentialLR expects at least one scheduler, but got no scheduler."),
+        (([], []), ValueError,
+         "SequentialLR expects at least one scheduler, but got no scheduler."),
         (([a, b], []), ValueError, "Sequential Schedulers expects number of schedulers provided "
                                    "to be one more than the number of milestone points"),
         (([a, L.ReduceLROnPlateau(opt)], [3]), ValueError,
@@ -797,6 +799,17 @@ def test_load_state_dict_errors_change_nothing():
     plateau = L.ReduceLROnPlateau(opt)
     with pytest.raises(StateDictError, match="best must be a number"):
         plateau.load_state_dict({**plateau.state_dict(), "best": None})
+    # OneCycleLR: an SGD schedule (momentum) into an Adam one (betas), and momentum bounds
+    # the optimizer refuses
+    sgd_cycle = L.OneCycleLR(flat_optimizer("sgd", [0.1]), 1.0, total_steps=20)
+    adam_cycle = L.OneCycleLR(flat_optimizer("adam", [0.1]), 1.0, total_steps=20)
+    before = adam_cycle.state_dict()
+    with pytest.raises(StateDictError, match="the state cycles momentum, but this Adam has "
+                                             "betas"):
+        adam_cycle.load_state_dict(sgd_cycle.state_dict())
+    with pytest.raises(StateDictError, match=r"max_momentum=1.0 would be written into betas"):
+        adam_cycle.load_state_dict({**before, "max_momentums": [1.0]})
+    assert adam_cycle.state_dict() == before
 
 
 # ----------------------------------------------------------------------------- flatopt specifics
