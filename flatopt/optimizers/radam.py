@@ -1,0 +1,95 @@
+"""RAdam (torch.optim.RAdam semantics): Adam with variance rectification."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+
+from ..kernels.rules import radam as rule
+from ..optimizer import Optimizer
+from ..registry import register
+from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, betas, flag, non_negative
+from .adam import lerp_from_end
+
+
+class RAdamParamState(NamedTuple):
+    """One parameter's RAdam state; arrays are views into the flat state buffers."""
+
+    step: int
+    exp_avg: np.ndarray
+    exp_avg_sq: np.ndarray
+
+
+SCHEMA = Schema(
+    name="RAdam", rule=rule.RULE, torch_name="RAdam", record=RAdamParamState,
+    hyperparameters={
+        "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),
+        # beta2 = 0.9 has rho_inf = 19 and switches to the rectified update at step 6
+        # (0.999 at step 6 too, 0.5 never: rho_inf = 3): the runs cover both sides.
+        "betas": Hyperparameter((0.9, 0.999), betas,
+                                ((0.9, 0.999), (0.8, 0.9), (0.5, 0.99), (0.3, 0.9),
+                                 (0.0, 0.999), (0.9, 0.5))),
+        "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-6)),
+        "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
+        "decoupled_weight_decay": Hyperparameter(False, flag, (False, True)),
+        "maximize": Hyperparameter(False, flag, (False, True)),
+    },
+    columns={"step": Column("int64", MAX_STEP, marker=True)},
+    slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True)},
+)
+
+
+@register
+class RAdam(Optimizer):
+    r"""RAdam (Liu et al. 2020, "On the Variance of the Adaptive Learning Rate and Beyond"),
+    with L2 or decoupled weight decay and maximize.
+
+    For each parameter with a gradient, with ``t`` that parameter's own step count and
+    ``rho_inf = 2 / (1 - beta2) - 1``::
+
+        g = -grad if maximize else grad
+        t = t + 1
+        p = p * (1 - lr * weight_decay)              decoupled_weight_decay, whatever g is
+        g = g + weight_decay * p                     otherwise (L2 into the gradient)
+        m = m + (1 - beta1) * (g - m)
+        v = beta2 * v + (1 - beta2) * g * g
+        rho_t = rho_inf - 2 * t * beta2**t / (1 - beta2**t)
+        if rho_t > 5:
+            r = sqrt((rho_t - 4) (rho_t - 2) rho_inf / ((rho_inf - 4) (rho_inf - 2) rho_t))
+            p = p - lr * m / (1 - beta1**t) * sqrt(1 - beta2**t) / (sqrt(v) + eps) * r
+        else:
+            p = p - lr * m / (1 - beta1**t)
+
+    The switch is taken per parameter from its own ``t``. A missing gradient skips the
+    parameter entirely; a zero gradient is a real step.
+    """
+
+    schema = SCHEMA
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0,
+                 decoupled_weight_decay: bool = False, *, maximize: bool = False,
+                 **unknown: Any):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+                         **unknown)
+
+    def kernel_scalars(self, s: Mapping[str, Any], dtype: np.dtype) -> rule.Scalars:
+        beta1, beta2 = s["betas"]
+        lr, weight_decay = s["lr"], s["weight_decay"]
+        weight = float(dtype.type(1.0 - beta1))  # torch's lerp weight, in the tensor's dtype
+        return rule.Scalars(
+            lr=lr, one=1.0,
+            lerp_coefficient=weight - 1.0 if lerp_from_end(s) else weight,  # exact: Sterbenz
+            beta2=beta2, one_minus_beta2=1.0 - beta2, eps=s["eps"], weight_decay=weight_decay,
+            decoupled_decay_factor=1.0 - lr * weight_decay)
+
+    def prepare_scalars(self, s: Mapping[str, Any]) -> rule.PrepareScalars:
+        beta1, beta2 = s["betas"]
+        return rule.PrepareScalars(beta1=beta1, beta2=beta2, rho_inf=2 / (1 - beta2) - 1)
+
+    def kernel_flags(self, s: Mapping[str, Any]) -> rule.Flags:
+        return rule.Flags(has_weight_decay=s["weight_decay"] != 0,
+                          decoupled=s["decoupled_weight_decay"], maximize=s["maximize"],
+                          lerp_from_end=lerp_from_end(s))

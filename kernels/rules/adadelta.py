@@ -1,0 +1,77 @@
+"""Adadelta (torch.optim.Adadelta)."""
+
+import math
+from typing import NamedTuple
+
+from ..rule import Rule, positions
+
+
+class Scalars(NamedTuple):
+    neg_lr: float
+    rho: float
+    one_minus_rho: float
+    eps: float
+    weight_decay: float
+
+
+class Flags(NamedTuple):
+    has_weight_decay: bool
+    maximize: bool
+
+
+class Columns(NamedTuple):
+    step: int
+
+
+S, F, C = positions(Scalars), positions(Flags), positions(Columns)
+
+
+def adadelta_rule(p, g, v, u, neg_lr, rho, one_minus_rho, eps, weight_decay,
+                  has_weight_decay, maximize):
+    """One Adadelta element update; returns ``(p, v, u)`` (torch's ``square_avg`` and
+    ``acc_delta``)::
+
+        g = -g                                 if maximize
+        g = g + weight_decay * p               if weight_decay != 0
+        v = rho * v + (1 - rho) * g * g
+        delta = sqrt(u + eps) / sqrt(v + eps) * g          (eps inside both roots)
+        u = rho * u + (1 - rho) * delta * delta
+        p = p - lr * delta
+    """
+    if maximize:
+        g = -g
+    if has_weight_decay:
+        g = g + weight_decay * p
+    v = v * rho + (one_minus_rho * g) * g
+    std = math.sqrt(v + eps)
+    delta = (math.sqrt(u + eps) / std) * g
+    u = u * rho + (one_minus_rho * delta) * delta
+    p = p + neg_lr * delta
+    return p, v, u
+
+
+def adadelta_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    p, g, v, u = arrays
+    neg_lr = scalars[S.neg_lr]
+    rho = scalars[S.rho]
+    one_minus_rho = scalars[S.one_minus_rho]
+    eps = scalars[S.eps]
+    weight_decay = scalars[S.weight_decay]
+    has_weight_decay = flags[F.has_weight_decay]
+    maximize = flags[F.maximize]
+    for i in range(start, stop, stride):
+        p[i], v[i], u[i] = adadelta_rule(p[i], g[i], v[i], u[i], neg_lr, rho, one_minus_rho,
+                                         eps, weight_decay, has_weight_decay, maximize)
+
+
+def adadelta_prepare(present, columns, scalars, flags, start, stop, stride):
+    """Advance each present parameter's own step count."""
+    steps = columns[C.step]
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            steps[k] += 1
+
+
+RULE = Rule(name="adadelta", span=adadelta_span, prepare=adadelta_prepare,
+            helpers=(adadelta_rule,), slots=("square_avg", "acc_delta"),
+            columns={"step": "int64"}, scalars=Scalars, flags=Flags)

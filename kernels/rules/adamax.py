@@ -1,0 +1,100 @@
+"""Adamax (torch.optim.Adamax): Adam with an infinity-norm second moment."""
+
+from typing import NamedTuple
+
+from ..rule import Rule, positions
+
+
+class Scalars(NamedTuple):
+    lerp_coefficient: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+class PrepareScalars(NamedTuple):
+    lr: float
+    beta1: float
+
+
+class Flags(NamedTuple):
+    has_weight_decay: bool
+    maximize: bool
+    lerp_from_end: bool
+
+
+class Columns(NamedTuple):
+    step: int
+    neg_step_size: float
+
+
+S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
+              positions(Columns))
+
+
+def adamax_rule(p, g, m, u, neg_step_size, lerp_coefficient, beta2, eps, weight_decay,
+                has_weight_decay, maximize, lerp_from_end):
+    """One Adamax element update; returns ``(p, m, u)`` (``u`` is torch's ``exp_inf``).
+
+    With ``t`` the parameter's own step count::
+
+        g = -g                                 if maximize
+        g = g + weight_decay * p               if weight_decay != 0
+        m = lerp(m, g, 1 - beta1)              (torch's lerp, from the nearer end, as Adam)
+        u = max(beta2 * u, |g| + eps)          (NaN in either propagates, as torch.maximum)
+        p = p - (lr / (1 - beta1**t)) * m / u
+    """
+    if maximize:
+        g = -g
+    if has_weight_decay:
+        g = g + weight_decay * p
+    if lerp_from_end:
+        m = g + lerp_coefficient * (g - m)
+    else:
+        m = m + lerp_coefficient * (g - m)
+    u = u * beta2
+    bound = abs(g) + eps
+    if bound > u or bound != bound:  # torch.maximum: a NaN on either side wins
+        u = bound
+    p = p + (neg_step_size * m) / u
+    return p, m, u
+
+
+def adamax_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    p, g, m, u = arrays
+    step_size = columns[C.neg_step_size][k]
+    lerp_coefficient = scalars[S.lerp_coefficient]
+    beta2 = scalars[S.beta2]
+    eps = scalars[S.eps]
+    weight_decay = scalars[S.weight_decay]
+    has_weight_decay = flags[F.has_weight_decay]
+    maximize = flags[F.maximize]
+    lerp_from_end = flags[F.lerp_from_end]
+    for i in range(start, stop, stride):
+        p[i], m[i], u[i] = adamax_rule(p[i], g[i], m[i], u[i], step_size, lerp_coefficient,
+                                       beta2, eps, weight_decay, has_weight_decay, maximize,
+                                       lerp_from_end)
+
+
+def adamax_prepare(present, columns, scalars, flags, start, stop, stride):
+    """Advance each present parameter's own step count and form, in float64 as torch does in
+    Python, ``neg_step_size = -lr / (1 - beta1**t)``, stored in the buffer's dtype (once per
+    distinct step count in a run)."""
+    steps = columns[C.step]
+    neg_step_size = columns[C.neg_step_size]
+    last_step = -1
+    step_size = 0.0
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            steps[k] += 1
+            if steps[k] != last_step:
+                # float64 on purpose (the literal too): torch forms this scalar in Python
+                last_step = steps[k]
+                step_size = -(scalars[P.lr] / (1.0 - scalars[P.beta1] ** float(last_step)))
+            neg_step_size[k] = step_size
+
+
+RULE = Rule(name="adamax", span=adamax_span, prepare=adamax_prepare, helpers=(adamax_rule,),
+            slots=("exp_avg", "exp_inf"),
+            columns={"step": "int64", "neg_step_size": "param"},
+            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)

@@ -1,0 +1,165 @@
+"""RAdam (torch.optim.RAdam): Adam with the variance rectification of Liu et al. (2020)."""
+
+import math
+from typing import NamedTuple
+
+from ..rule import Rule, positions
+
+
+class Scalars(NamedTuple):
+    lr: float
+    one: float
+    lerp_coefficient: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+    decoupled_decay_factor: float
+
+
+class PrepareScalars(NamedTuple):
+    beta1: float
+    beta2: float
+    rho_inf: float
+
+
+class Flags(NamedTuple):
+    has_weight_decay: bool
+    decoupled: bool
+    maximize: bool
+    lerp_from_end: bool
+
+
+class Columns(NamedTuple):
+    step: int
+    rectified: int
+    bias_correction1: float
+    bias_correction2_sqrt: float
+    rect: float
+
+
+S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
+              positions(Columns))
+
+
+def radam_rule(p, g, m, v, rectified, bias_correction1, bias_correction2_sqrt, rect, lr, one,
+               lerp_coefficient, beta2, one_minus_beta2, eps, weight_decay,
+               decoupled_decay_factor, has_weight_decay, decoupled, maximize, lerp_from_end):
+    """One RAdam element update; returns ``(p, m, v)``.
+
+    With ``t`` the parameter's own step count and ``rectified``, ``rect`` from
+    :func:`radam_prepare` (``rho_t > 5``)::
+
+        g = -g                                         if maximize
+        p = p * (1 - lr * weight_decay)                if weight_decay != 0 and decoupled
+        g = g + weight_decay * p                       if weight_decay != 0 and not decoupled
+        m = lerp(m, g, 1 - beta1)                      (torch's lerp, as Adam)
+        v = beta2 * v + (1 - beta2) * g * g
+        u = m / (1 - beta1**t) * lr
+        u = u * (sqrt(1 - beta2**t) * (1 / (sqrt(v) + eps))) * rect      if rectified
+        p = p - u
+
+    in torch's order: ``bias_correction2**0.5 / (sqrt(v) + eps)`` is a Python float divided
+    by a tensor, which torch computes as ``reciprocal() * value``.
+    """
+    if maximize:
+        g = -g
+    if has_weight_decay:
+        if decoupled:
+            p = p * decoupled_decay_factor
+        else:
+            g = g + weight_decay * p
+    if lerp_from_end:
+        m = g + lerp_coefficient * (g - m)
+    else:
+        m = m + lerp_coefficient * (g - m)
+    v = v * beta2 + (one_minus_beta2 * g) * g
+    update = (m / bias_correction1) * lr
+    if rectified:
+        adaptive_lr = (one / (math.sqrt(v) + eps)) * bias_correction2_sqrt
+        update = (update * adaptive_lr) * rect
+    p = p - update
+    return p, m, v
+
+
+def radam_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    p, g, m, v = arrays
+    rectified = columns[C.rectified][k] != 0
+    bias_correction1 = columns[C.bias_correction1][k]
+    bias_correction2_sqrt = columns[C.bias_correction2_sqrt][k]
+    rect = columns[C.rect][k]
+    lr = scalars[S.lr]
+    one = scalars[S.one]
+    lerp_coefficient = scalars[S.lerp_coefficient]
+    beta2 = scalars[S.beta2]
+    one_minus_beta2 = scalars[S.one_minus_beta2]
+    eps = scalars[S.eps]
+    weight_decay = scalars[S.weight_decay]
+    decay_factor = scalars[S.decoupled_decay_factor]
+    has_weight_decay = flags[F.has_weight_decay]
+    decoupled = flags[F.decoupled]
+    maximize = flags[F.maximize]
+    lerp_from_end = flags[F.lerp_from_end]
+    for i in range(start, stop, stride):
+        p[i], m[i], v[i] = radam_rule(
+            p[i], g[i], m[i], v[i], rectified, bias_correction1, bias_correction2_sqrt, rect,
+            lr, one, lerp_coefficient, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
+            has_weight_decay, decoupled, maximize, lerp_from_end)
+
+
+def radam_prepare(present, columns, scalars, flags, start, stop, stride):
+    """Advance each present parameter's own step count ``t`` and form, in float64 as torch
+    does in Python::
+
+        bias_correction1 = 1 - beta1**t
+        bias_correction2 = 1 - beta2**t
+        rho_t = rho_inf - 2 * t * beta2**t / bias_correction2
+        rectified = rho_t > 5
+        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
+
+    with ``rho_inf = 2 / (1 - beta2) - 1``; the switch is per parameter, from its own ``t``.
+    The values are stored in the buffer's dtype (once per distinct step count in a run).
+    """
+    steps = columns[C.step]
+    rectified = columns[C.rectified]
+    bias_correction1 = columns[C.bias_correction1]
+    bias_correction2_sqrt = columns[C.bias_correction2_sqrt]
+    rect = columns[C.rect]
+    beta1 = scalars[P.beta1]
+    beta2 = scalars[P.beta2]
+    rho_inf = scalars[P.rho_inf]
+    last_step = -1
+    correction1 = 0.0
+    correction2_sqrt = 0.0
+    rectification = 0.0
+    is_rectified = 0
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            steps[k] += 1
+            if steps[k] != last_step:
+                # float64 on purpose (the literals too): torch forms these scalars in Python
+                last_step = steps[k]
+                t = float(last_step)
+                correction1 = 1.0 - beta1 ** t
+                correction2 = 1.0 - beta2 ** t
+                rho_t = rho_inf - 2.0 * t * (beta2 ** t) / correction2
+                if rho_t > 5.0:
+                    is_rectified = 1
+                    correction2_sqrt = correction2 ** 0.5
+                    rectification = ((rho_t - 4.0) * (rho_t - 2.0) * rho_inf
+                                     / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)) ** 0.5
+                else:
+                    is_rectified = 0
+                    correction2_sqrt = 0.0
+                    rectification = 0.0
+            rectified[k] = is_rectified
+            bias_correction1[k] = correction1
+            bias_correction2_sqrt[k] = correction2_sqrt
+            rect[k] = rectification
+
+
+RULE = Rule(name="radam", span=radam_span, prepare=radam_prepare, helpers=(radam_rule,),
+            slots=("exp_avg", "exp_avg_sq"),
+            columns={"step": "int64", "rectified": "uint8", "bias_correction1": "param",
+                     "bias_correction2_sqrt": "param", "rect": "param"},
+            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)
