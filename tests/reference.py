@@ -86,6 +86,143 @@ def adamw(state, p, g, hp):
     return adam(state, p, g, hp, decoupled=True)
 
 
-RULES = {"SGD": sgd, "Adam": adam, "AdamW": adamw}
+def _lerp(start, end, weight):
+    """torch's lerp from the nearer end (``weight`` already in the dtype)."""
+    if abs(weight) < 0.5:
+        return start + weight * (end - start)
+    return end + (weight - weight.dtype.type(1)) * (end - start)
+
+
+def _torch_sign(x):
+    """torch.sign on the CPU: 0 for 0 and for NaN."""
+    t = x.dtype.type
+    return np.where(x > 0, t(1), np.where(x < 0, t(-1), t(0)))
+
+
+def adamax(state, p, g, hp):
+    t = p.dtype.type
+    beta1, beta2 = hp["betas"]
+    if not state:
+        state.update(step=0, exp_avg=np.zeros_like(p), exp_inf=np.zeros_like(p))
+    g = -g if hp["maximize"] else g.copy()
+    state["step"] += 1
+    if hp["weight_decay"] != 0:
+        g = g + t(hp["weight_decay"]) * p
+    m = state["exp_avg"] = _lerp(state["exp_avg"], g, t(1 - beta1))
+    # torch.maximum(exp_inf * beta2, |g| + eps), NaN propagating
+    u = state["exp_inf"] = np.maximum(state["exp_inf"] * t(beta2), np.abs(g) + t(hp["eps"]))
+    clr = hp["lr"] / (1 - beta1 ** float(state["step"]))
+    return p + (t(-clr) * m) / u
+
+
+def radam(state, p, g, hp):
+    t = p.dtype.type
+    beta1, beta2 = hp["betas"]
+    lr, wd = hp["lr"], hp["weight_decay"]
+    if not state:
+        state.update(step=0, exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p))
+    g = -g if hp["maximize"] else g.copy()
+    state["step"] += 1
+    step = float(state["step"])
+    if wd != 0:
+        if hp["decoupled_weight_decay"]:
+            p = p * t(1 - lr * wd)
+        else:
+            g = g + t(wd) * p
+    m = state["exp_avg"] = _lerp(state["exp_avg"], g, t(1 - beta1))
+    v = state["exp_avg_sq"] = state["exp_avg_sq"] * t(beta2) + t(1 - beta2) * g * g
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    corrected = m / t(bias_correction1)
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * step * (beta2 ** step) / bias_correction2
+    if rho_t > 5.0:
+        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf
+                / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
+        # float / tensor is tensor.reciprocal() * float in torch
+        adaptive_lr = (t(1) / (np.sqrt(v) + t(hp["eps"]))) * t(bias_correction2 ** 0.5)
+        return p - corrected * t(lr) * adaptive_lr * t(rect)
+    return p - corrected * t(lr)
+
+
+def adadelta(state, p, g, hp):
+    t = p.dtype.type
+    rho, eps = hp["rho"], hp["eps"]
+    if not state:
+        state.update(step=0, square_avg=np.zeros_like(p), acc_delta=np.zeros_like(p))
+    state["step"] += 1
+    g = -g if hp["maximize"] else g.copy()
+    if hp["weight_decay"] != 0:
+        g = g + t(hp["weight_decay"]) * p
+    v = state["square_avg"] = state["square_avg"] * t(rho) + t(1 - rho) * g * g
+    std = np.sqrt(v + t(eps))
+    delta = np.sqrt(state["acc_delta"] + t(eps)) / std * g
+    state["acc_delta"] = state["acc_delta"] * t(rho) + t(1 - rho) * delta * delta
+    return p + t(-hp["lr"]) * delta
+
+
+def rmsprop(state, p, g, hp):
+    t = p.dtype.type
+    alpha = hp["alpha"]
+    if not state:
+        state.update(step=0, square_avg=np.zeros_like(p))
+    if hp["momentum"] > 0:
+        state.setdefault("momentum_buffer", np.zeros_like(p))
+    if hp["centered"]:
+        state.setdefault("grad_avg", np.zeros_like(p))
+    g = -g if hp["maximize"] else g.copy()
+    state["step"] += 1
+    if hp["weight_decay"] != 0:
+        g = g + t(hp["weight_decay"]) * p
+    v = state["square_avg"] = state["square_avg"] * t(alpha) + t(1 - alpha) * g * g
+    if hp["centered"]:
+        a = state["grad_avg"] = _lerp(state["grad_avg"], g, t(1 - alpha))
+        avg = np.sqrt(v - a * a)
+    else:
+        avg = np.sqrt(v)
+    avg = avg + t(hp["eps"])
+    if hp["momentum"] > 0:
+        buf = state["momentum_buffer"] = state["momentum_buffer"] * t(hp["momentum"]) + g / avg
+        return p + t(-hp["lr"]) * buf
+    return p + (t(-hp["lr"]) * g) / avg
+
+
+def rprop(state, p, g, hp):
+    t = p.dtype.type
+    etaminus, etaplus = hp["etas"]
+    low, high = hp["step_sizes"]
+    if not state:  # created at the parameter's first step, with the group's lr then
+        state.update(step=0, prev=np.zeros_like(p), step_size=np.full_like(p, t(hp["lr"])))
+    g = -g if hp["maximize"] else g.copy()
+    state["step"] += 1
+    sign = _torch_sign(g * state["prev"])
+    factor = np.where(sign > 0, t(etaplus), np.where(sign < 0, t(etaminus), t(1)))
+    step_size = state["step_size"] = np.minimum(np.maximum(state["step_size"] * factor, t(low)),
+                                                t(high))
+    g = np.where(sign < 0, t(0), g)  # where the sign flipped: no step, and prev = 0
+    state["prev"] = g
+    return p - _torch_sign(g) * step_size
+
+
+def lion(state, p, g, hp):
+    """Chen et al. 2023, Algorithm 2 (decoupled weight decay)."""
+    t = p.dtype.type
+    beta1, beta2 = hp["betas"]
+    lr, wd = hp["lr"], hp["weight_decay"]
+    if not state:
+        state.update(step=0, exp_avg=np.zeros_like(p))
+    g = -g if hp["maximize"] else g.copy()
+    state["step"] += 1
+    m = state["exp_avg"]
+    c = t(beta1) * m + t(1 - beta1) * g
+    if wd != 0:
+        p = p * t(1 - lr * wd)
+    p = p - t(lr) * _torch_sign(c)
+    state["exp_avg"] = t(beta2) * m + t(1 - beta2) * g
+    return p
+
+
+RULES = {"SGD": sgd, "Adam": adam, "AdamW": adamw, "Adamax": adamax, "RAdam": radam,
+         "Adadelta": adadelta, "RMSprop": rmsprop, "Rprop": rprop, "Lion": lion}
 """Registry name -> reference rule ``(state, p, g, hyperparameters) -> new p``; ``state`` is
 the parameter's dict, filled by the rule (empty until the parameter has state)."""

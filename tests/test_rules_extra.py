@@ -1,0 +1,224 @@
+"""Rule-specific behaviour the generic suite (random configurations) may not reach: RAdam's
+rectification switch taken per parameter at its boundary, Rprop's sign-flip handling and
+first-step seeding, Adamax's infinity norm, RMSprop's slots, Lion against hand-computed
+values, and the constructors' signatures and checks."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+import flatopt
+from flatopt.errors import HyperparameterError
+
+torch = pytest.importorskip("torch")
+
+
+def _torch_pair(kind, values, **hp):
+    """A flatopt optimizer and torch's, over the same parameters."""
+    opt = getattr(flatopt, kind)({k: v.copy() for k, v in values.items()}, **hp)
+    tensors = {k: torch.tensor(v.copy(), requires_grad=True) for k, v in values.items()}
+    return opt, getattr(torch.optim, kind)(list(tensors.values()), **hp), tensors
+
+
+def _step_both(opt, torch_opt, tensors, grads):
+    opt.step(grads)
+    for path, t in tensors.items():
+        t.grad = torch.from_numpy(grads[path].copy()) if path in grads else None
+    torch_opt.step()
+
+
+# ------------------------------------------------------------------------------ RAdam
+def _rho_t(beta2, t):
+    rho_inf = 2 / (1 - beta2) - 1
+    return rho_inf - 2 * t * beta2 ** t / (1 - beta2 ** t)
+
+
+@pytest.mark.parametrize("beta2", [0.999, 0.9])
+def test_radam_switches_to_the_rectified_update_at_rho_t_above_5(beta2):
+    """Steps 1-5 are SGD with bias-corrected momentum (no second moment at all); step 6 is the
+    first with rho_t > 5, for these betas. Matches torch bit for bit in float64 around it."""
+    assert _rho_t(beta2, 5) <= 5 < _rho_t(beta2, 6)
+    rng = np.random.default_rng(0)
+    opt, torch_opt, tensors = _torch_pair("RAdam", {"w": rng.standard_normal(9)}, lr=0.1,
+                                          betas=(0.9, beta2))
+    for step in range(1, 9):
+        before = opt.params["w"].copy()
+        grad = rng.standard_normal(9)
+        _step_both(opt, torch_opt, tensors, {"w": grad})
+        np.testing.assert_allclose(opt.params["w"], tensors["w"].detach().numpy(),
+                                   rtol=1e-14, atol=1e-15)
+        m = opt.state_of("w").exp_avg
+        unrectified = before - m / (1 - 0.9 ** step) * 0.1
+        if step <= 5:
+            np.testing.assert_allclose(opt.params["w"], unrectified, rtol=1e-14)
+        else:
+            assert not np.allclose(opt.params["w"], unrectified, rtol=1e-6)
+
+
+def test_radam_rectification_follows_each_parameters_own_step_count():
+    """A parameter first stepped later starts again unrectified, while its neighbour in the
+    same buffer is rectified: the switch is per parameter, as in torch."""
+    rng = np.random.default_rng(1)
+    values = {"early": rng.standard_normal(4), "late": rng.standard_normal(4)}
+    opt, torch_opt, tensors = _torch_pair("RAdam", values, lr=0.05, weight_decay=0.1,
+                                          decoupled_weight_decay=True)
+    for step in range(10):
+        grads = {"early": rng.standard_normal(4)}
+        if step >= 5:
+            grads["late"] = rng.standard_normal(4)
+        _step_both(opt, torch_opt, tensors, grads)
+    assert opt.state_of("early").step == 10 and opt.state_of("late").step == 5
+    for path, t in tensors.items():
+        np.testing.assert_allclose(opt.params[path], t.detach().numpy(), rtol=1e-14)
+
+
+# ------------------------------------------------------------------------------ Rprop
+def test_rprop_sign_flip_shrinks_the_step_skips_the_move_and_stores_zero():
+    opt = flatopt.Rprop({"w": np.zeros(4)}, lr=0.1, etas=(0.5, 2.0), step_sizes=(0.01, 0.3))
+    opt.step({"w": np.array([1.0, -1.0, 1.0, 0.0])})
+    # first step: step_size = lr (factor 1), clamped; p -= sign(g) * step_size
+    np.testing.assert_array_equal(opt.params["w"], [-0.1, 0.1, -0.1, 0.0])
+    np.testing.assert_array_equal(opt.state_of("w").step_size, [0.1, 0.1, 0.1, 0.1])
+    np.testing.assert_array_equal(opt.state_of("w").prev, [1.0, -1.0, 1.0, 0.0])
+    opt.step({"w": np.array([3.0, 2.0, 0.0, -1.0])})
+    # same sign: x2; flipped: x0.5, no move, prev 0; product 0: unchanged
+    np.testing.assert_array_equal(opt.state_of("w").step_size, [0.2, 0.05, 0.1, 0.1])
+    np.testing.assert_allclose(opt.params["w"], [-0.3, 0.1, -0.1, 0.1], rtol=1e-15)
+    np.testing.assert_array_equal(opt.state_of("w").prev, [3.0, 0.0, 0.0, -1.0])
+    opt.step({"w": np.array([1.0, 5.0, 1.0, -1.0])})
+    # after a flip prev is 0, so the next step keeps its size; 0.2 * 2 is clamped to 0.3
+    np.testing.assert_array_equal(opt.state_of("w").step_size, [0.3, 0.05, 0.1, 0.2])
+    np.testing.assert_allclose(opt.params["w"], [-0.6, 0.05, -0.2, 0.3], rtol=1e-15)
+
+
+def test_rprop_matches_torch_with_flips_underflow_nan_and_late_parameters():
+    """Products that underflow to 0 keep the step size; a NaN gradient moves nothing (torch's
+    sign of NaN is 0) but is stored as prev; a parameter first stepped after an lr change
+    starts from the new lr."""
+    rng = np.random.default_rng(2)
+    values = {"a": rng.standard_normal(300), "b": rng.standard_normal(7)}
+    opt, torch_opt, tensors = _torch_pair("Rprop", values, lr=0.02, step_sizes=(1e-4, 0.05))
+    for step in range(12):
+        grads = {"a": np.where(rng.random(300) < 0.5, 1.0, -1.0) * rng.random(300)}
+        grads["a"][:3] = 1e-200 * (-1) ** step  # g * prev underflows to +-0
+        if step == 4:
+            grads["a"][5] = np.nan
+        if step >= 6:
+            grads["b"] = rng.standard_normal(7)
+        if step == 6:
+            opt.param_groups[0]["lr"] = torch_opt.param_groups[0]["lr"] = 0.005
+        _step_both(opt, torch_opt, tensors, grads)
+        if step == 6:
+            np.testing.assert_array_equal(opt.state_of("b").step_size, 0.005)
+        for path, t in tensors.items():
+            np.testing.assert_array_equal(opt.params[path], t.detach().numpy(), err_msg=path)
+            state = opt.state_of(path)
+            if state is not None:
+                for name in ("prev", "step_size"):
+                    np.testing.assert_array_equal(getattr(state, name),
+                                                  torch_opt.state[t][name].numpy())
+
+
+# ------------------------------------------------------------------------------ others
+def test_adamax_infinity_norm_and_bias_correction_by_hand():
+    opt = flatopt.Adamax({"w": np.array([1.0, 1.0])}, lr=0.1, betas=(0.5, 0.5), eps=0.0)
+    opt.step({"w": np.array([2.0, -4.0])})
+    state = opt.state_of("w")
+    np.testing.assert_array_equal(state.exp_avg, [1.0, -2.0])
+    np.testing.assert_array_equal(state.exp_inf, [2.0, 4.0])
+    # lr / (1 - 0.5) * m / u
+    np.testing.assert_allclose(opt.params["w"], [1.0 - 0.1, 1.0 + 0.1], rtol=1e-15)
+    opt.step({"w": np.array([1.0, 0.0])})
+    np.testing.assert_array_equal(state.exp_inf, [1.0, 2.0])  # max(0.5 * u, |g|)
+
+
+def test_rmsprop_allocates_momentum_and_grad_average_only_when_used():
+    w = {"w": np.ones(3, np.float32)}
+    plain = flatopt.RMSprop(w)
+    plain.step({"w": np.ones(3, np.float32)})
+    assert plain.state_of("w").momentum_buffer is None and plain.state_of("w").grad_avg is None
+    assert set(plain.state_dict()["state"]["w"]) == {"step", "square_avg"}
+    both = flatopt.RMSprop(w, momentum=0.9, centered=True)
+    both.step({"w": np.ones(3, np.float32)})
+    assert set(both.state_dict()["state"]["w"]) == {"step", "square_avg", "momentum_buffer",
+                                                   "grad_avg"}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lion_by_hand(dtype):
+    """c = b1 m + (1 - b1) g; p = p (1 - lr wd) - lr sign(c); m = b2 m + (1 - b2) g."""
+    opt = flatopt.Lion({"w": np.array([1.0, -2.0, 0.5, 3.0], dtype)}, lr=0.25,
+                       betas=(0.5, 0.75), weight_decay=0.5)
+    opt.step({"w": np.array([2.0, -1.0, 0.0, 4.0], dtype)})
+    # m = 0: c = g / 2 -> sign(g); decay factor 1 - 0.125 = 0.875
+    np.testing.assert_array_equal(opt.params["w"], np.array([0.625, -1.5, 0.4375, 2.375], dtype))
+    np.testing.assert_array_equal(opt.state_of("w").exp_avg, np.array([0.5, -0.25, 0, 1], dtype))
+    opt.step({"w": np.array([-0.25, 1.0, 0.0, -2.0], dtype)})
+    # c = [0.25 - 0.125, -0.125 + 0.5, 0, 0.5 - 1] = [+, +, 0, -]
+    np.testing.assert_array_equal(opt.params["w"], np.array(
+        [0.625 * 0.875 - 0.25, -1.5 * 0.875 - 0.25, 0.4375 * 0.875, 2.375 * 0.875 + 0.25],
+        dtype))
+    np.testing.assert_array_equal(opt.state_of("w").exp_avg,
+                                  np.array([0.3125, 0.0625, 0, 0.25], dtype))
+    assert opt.state_of("w").step == 2
+
+
+def test_lion_maximize_ascends_and_a_zero_gradient_still_decays():
+    opt = flatopt.Lion({"a": np.array([1.0]), "b": np.array([1.0])}, lr=0.1, weight_decay=1.0,
+                       maximize=True)
+    opt.step({"a": np.array([1.0]), "b": np.array([0.0])})
+    np.testing.assert_allclose(opt.params["a"], [0.9 + 0.1])
+    np.testing.assert_allclose(opt.params["b"], [0.9])
+
+
+# ------------------------------------------------------------------------------ constructors
+KINDS = ["Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop"]
+TORCH_ONLY = {"foreach", "fused", "capturable", "differentiable"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_signature_and_defaults_are_torchs(kind):
+    ours = inspect.signature(getattr(flatopt, kind).__init__).parameters
+    theirs = inspect.signature(getattr(torch.optim, kind).__init__).parameters
+    names = [n for n in theirs if n not in TORCH_ONLY]
+    assert [n for n in ours if n != "unknown"] == names
+    for name in names[1:]:
+        assert ours[name].default == theirs[name].default, name
+    torch_keyword_only = {n for n, p in theirs.items() if p.kind is p.KEYWORD_ONLY}
+    for name in names:
+        if name in torch_keyword_only:
+            assert ours[name].kind is ours[name].KEYWORD_ONLY, name
+
+
+@pytest.mark.parametrize("kind, kwargs", [
+    ("Adamax", {"lr": -1.0}), ("Adamax", {"eps": -1e-8}), ("Adamax", {"betas": (1.0, 0.9)}),
+    ("Adamax", {"betas": (0.9, -0.1)}), ("Adamax", {"weight_decay": -0.1}),
+    ("RAdam", {"lr": -1.0}), ("RAdam", {"betas": (0.9, 1.0)}), ("RAdam", {"eps": -1.0}),
+    ("RAdam", {"weight_decay": -1.0}),
+    ("Adadelta", {"lr": -1.0}), ("Adadelta", {"rho": 1.5}), ("Adadelta", {"rho": -0.1}),
+    ("Adadelta", {"eps": -1.0}), ("Adadelta", {"weight_decay": -1.0}),
+    ("RMSprop", {"lr": -1.0}), ("RMSprop", {"eps": -1.0}), ("RMSprop", {"momentum": -0.5}),
+    ("RMSprop", {"weight_decay": -1.0}), ("RMSprop", {"alpha": -0.5}),
+    ("Rprop", {"lr": -1.0}), ("Rprop", {"etas": (0.0, 1.2)}), ("Rprop", {"etas": (0.5, 1.0)}),
+    ("Rprop", {"etas": (1.0, 1.2)}),
+])
+def test_torchs_constructor_checks_are_kept(kind, kwargs):
+    with pytest.raises(ValueError):
+        getattr(torch.optim, kind)([torch.zeros(1, requires_grad=True)], **kwargs)
+    with pytest.raises(HyperparameterError, match=next(iter(kwargs))):
+        getattr(flatopt, kind)({"w": np.zeros(1)}, **kwargs)
+    with pytest.raises(HyperparameterError, match="param group 0"):
+        getattr(flatopt, kind)([{"params": {"w": np.zeros(1)}, **kwargs}])
+
+
+@pytest.mark.parametrize("kind, kwargs", [
+    ("RMSprop", {"alpha": 1.5}), ("Rprop", {"step_sizes": (0.1, 0.01)}),
+    ("Rprop", {"step_sizes": (-1.0, 1.0)}), ("Lion", {"betas": (0.9, 1.0)}),
+    ("Lion", {"lr": -1.0}), ("Lion", {"weight_decay": -1.0}),
+])
+def test_flatopt_is_stricter_where_torch_checks_nothing(kind, kwargs):
+    with pytest.raises(HyperparameterError, match=next(iter(kwargs))):
+        getattr(flatopt, kind)({"w": np.zeros(1)}, **kwargs)
