@@ -14,16 +14,20 @@ from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, Fla
                      StateDictError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
-from .optimizers import SGD, Adam, AdamParamState, AdamW, SGDParamState
+from .optimizers import (SGD, Adadelta, AdadeltaParamState, Adam, Adamax, AdamaxParamState,
+                         AdamParamState, AdamW, Lion, LionParamState, RAdam, RAdamParamState,
+                         RMSprop, RMSpropParamState, Rprop, RpropParamState, SGDParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "SGD", "Adam", "AdamW", "Optimizer",
+    "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
+    "Optimizer",
     "group_by_pattern",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
-    "SGDParamState", "AdamParamState",
+    "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",
+    "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError",
