@@ -115,7 +115,8 @@ def radam_prepare(present, columns, scalars, flags, start, stop, stride):
         bias_correction2 = 1 - beta2**t
         rho_t = rho_inf - 2 * t * beta2**t / bias_correction2
         rectified = rho_t > 5
-        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
+        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf
+                / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
 
     with ``rho_inf = 2 / (1 - beta2) - 1``; the switch is per parameter, from its own ``t``.
     The values are stored in the buffer's dtype (once per distinct step count in a run).
