@@ -11,7 +11,7 @@ from ._views import Gradients, ParamViews
 from .checkpoint import Difference, LoadResult, load, save
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ParamError,
-                     StateDictError)
+                     StateDictError, UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
 from .optimizers import (SGD, Adadelta, AdadeltaParamState, Adam, Adamax, AdamaxParamState,
@@ -30,7 +30,7 @@ __all__ = [
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "ParamError", "HyperparameterError", "GroupAssignmentError",
-    "GradientError", "StateDictError",
+    "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",
     "save", "load", "LoadResult", "Difference",
     "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt",
     "__version__",

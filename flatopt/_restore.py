@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._views import gradient_problem
-from .schema import array_problem
+from .schema import array_problem, column_problems, slot_value_problems
 
 
 @dataclass
@@ -57,29 +57,19 @@ def _buffer_problems(opt, number: int, contents: BufferState) -> list[str]:
     where = f"buffer {number} (group {buf.group}, {buf.dtype})"
     problems = []
     for name, flat in (("params", contents.params), *contents.state.items()):
-        slot = opt.schema.slots.get(name)
-        if name != "params" and slot is None:
+        if name != "params" and name not in opt.schema.slots:
             problems.append(f"{where}: unknown state slot {name!r}")
             continue
-        problem = array_problem(flat, (buf.length,), buf.dtype,
-                                nonnegative=slot is not None and slot.nonnegative)
+        problem = array_problem(flat, (buf.length,), buf.dtype)
         if problem:
             problems.append(f"{where}: {name} {problem}")
-    for name, column in opt.schema.columns.items():
-        values = contents.columns.get(name)
-        if (not isinstance(values, np.ndarray) or values.shape != (len(buf),)
-                or values.dtype.kind not in "iu"
-                or (values.size and (values.min() < 0 or values.max() > column.high))):
-            problems.append(f"{where}: column {name} must hold {len(buf)} integers in "
-                            f"[0, {column.high}]")
-    marker = contents.columns.get(opt.schema.marker)
-    if problems or marker is None:
+    problems += column_problems(opt.schema, contents.columns, len(buf), where)
+    if problems:
         return problems
-    for slot in np.flatnonzero(marker == 0):  # a parameter without state has zero state
-        for name, flat in contents.state.items():
-            if buf.view(flat, slot).any():
-                problems.append(f"{where}: {buf.paths[slot]!r} has no state (its "
-                                f"{opt.schema.marker} is 0) but non-zero {name}")
+    marker = contents.columns[opt.schema.marker]
+    for name, flat in contents.state.items():
+        problems += [f"{where}: {problem}" for problem in slot_value_problems(
+            opt.schema, name, flat, buf.offsets, buf.sizes, marker, buf.paths)]
     return problems
 
 
@@ -147,7 +137,8 @@ class PendingRestore:
             raise RuntimeError("this restore was applied already")
         optimizer, state, settings, params, buffers = self._args
         self._args = None
-        apply(optimizer, state, settings, params, buffers)
+        with optimizer.lock:
+            apply(optimizer, state, settings, params, buffers)
 
 
 def _all_none(entry: Any) -> bool:

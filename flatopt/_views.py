@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._layout import ParamInfo
-from .errors import GradientError
+from .errors import GradientError, UnknownGradientError, UnknownPathError
 from .schema import near
 
 if TYPE_CHECKING:
@@ -25,7 +25,8 @@ class ParamViews(Mapping):
         try:
             return self._views[path]
         except (KeyError, TypeError):
-            raise KeyError(f"no parameter {path!r}{near(path, self._views)}") from None
+            raise UnknownPathError(f"no parameter {path!r}{near(path, self._views)}; "
+                                   "opt.index.paths lists them") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._views)
@@ -69,7 +70,9 @@ class Gradients(Mapping):
     def _locate(self, path: Any) -> ParamInfo:
         info = self._opt.index.get(path) if isinstance(path, str) else None
         if info is None:
-            raise GradientError(f"no parameter {path!r}{near(path, self._opt.index.paths)}")
+            raise UnknownGradientError(f"no parameter {path!r}"
+                                       f"{near(path, self._opt.index.paths)}; opt.index.paths "
+                                       "lists them")
         return info
 
     def __getitem__(self, path: str) -> np.ndarray:
@@ -105,8 +108,8 @@ class Gradients(Mapping):
         if isinstance(paths, str):
             paths = [paths]
         elif not isinstance(paths, Iterable):
-            raise GradientError(f"paths must be a path or a list of paths, got "
-                                f"{type(paths).__name__} {paths!r}")
+            raise UnknownGradientError(f"paths must be a path or a list of paths, got "
+                                       f"{type(paths).__name__} {paths!r}")
         located = [self._locate(path) for path in paths]  # all checked before any flag changes
         for info in located:
             self._opt.buffers[info.buffer].present[info.slot] = value

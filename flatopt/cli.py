@@ -21,6 +21,20 @@ from .checkpoint import diff_checkpoints, inspect_checkpoint, verify_checkpoint
 from .errors import CheckpointError
 
 
+def _escaped(text: str) -> str:
+    """``text`` with every unprintable character (escape sequences, bells, control bytes) shown
+    as a Python escape: a hostile path or label cannot retitle or clear the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _say(text: str = "", file=None) -> None:
+    """Print one line of human-readable output, escaped (``--json`` output is JSON, which
+    escapes control characters itself)."""
+    print(_escaped(str(text)), file=file or sys.stdout)
+
+
 def _human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -30,67 +44,68 @@ def _human_bytes(n: int) -> str:
 
 
 def _print_inspect(info: dict) -> None:
-    print(f"{info['path']}")
-    print(f"  format       {info['format']} version {info['format_version']} "
+    _say(f"{info['path']}")
+    _say(f"  format       {info['format']} version {info['format_version']} "
           f"(flatopt {info['flatopt_version']}, h5py {info['h5py_version']}, "
           f"HDF5 {info['hdf5_version']})")
-    print(f"  optimizer    {info['optimizer']}")
-    print(f"  parameters   {info['parameters']} tensors, {info['elements']:,} elements, "
+    _say(f"  optimizer    {info['optimizer']}")
+    _say(f"  parameters   {info['parameters']} tensors, {info['elements']:,} elements, "
           f"{_human_bytes(info['buffer_bytes'])} of buffers (file "
           f"{_human_bytes(info['file_bytes'])})")
     if info["step_min"] is not None:
-        print(f"  step counts  {info['step_min']}..{info['step_max']} "
+        _say(f"  step counts  {info['step_min']}..{info['step_max']} "
               f"({info['with_state']} tensors with state)")
     else:
-        print(f"  state        {info['with_state']} tensors with momentum")
+        _say(f"  state        {info['with_state']} tensors with momentum")
     for group in info["groups"]:
         label = f" {group['label']!r}" if group["label"] else ""
-        print(f"  group {group['group']}{label}: {group['parameters']} tensors, "
+        _say(f"  group {group['group']}{label}: {group['parameters']} tensors, "
               f"{group['elements']:,} elements, {', '.join(group['dtypes']) or 'no buffers'}, "
               f"buffers {', '.join(group['slots'])}")
         hyper = ", ".join(f"{k}={v}" for k, v in group["hyperparameters"].items())
-        print(f"      {hyper}")
+        _say(f"      {hyper}")
         if group["step_min"] is not None:
-            print(f"      step counts {group['step_min']}..{group['step_max']}")
+            _say(f"      step counts {group['step_min']}..{group['step_max']}")
     if info["metadata"] is not None:
-        print(f"  metadata     {json.dumps(info['metadata'])[:200]}")
+        _say(f"  metadata     {json.dumps(info['metadata'])[:200]}")
     if info["scheduler_state"] is not None:
-        print(f"  scheduler    {json.dumps(info['scheduler_state'])[:200]}")
+        _say(f"  scheduler    {json.dumps(info['scheduler_state'])[:200]}")
 
 
 def _print_verify(result: dict) -> None:
     for entry in result["buffers"]:
         status = "ok  " if entry["ok"] else "BAD "
-        print(f"  {status} {entry['buffer']}  {entry['elements']:,} elements  {entry['digest']}")
+        _say(f"  {status} {entry['buffer']}  {entry['elements']:,} elements  {entry['digest']}")
     if result["ok"]:
-        print(f"{result['path']}: OK ({result.get('optimizer')}, {result.get('parameters')} "
+        _say(f"{result['path']}: OK ({result.get('optimizer')}, {result.get('parameters')} "
               f"parameters, {len(result['buffers'])} buffers verified)")
     else:
-        print(f"{result['path']}: NOT SOUND")
+        _say(f"{result['path']}: NOT SOUND")
         for problem in result["problems"]:
-            print(f"  {problem}")
+            _say(f"  {problem}")
 
 
 def _print_diff(result: dict) -> None:
     if result["identical"]:
-        print(f"{result['a']} and {result['b']}: identical")
+        _say(f"{result['a']} and {result['b']}: identical")
         return
-    print(f"--- {result['a']}\n+++ {result['b']}")
+    _say(f"--- {result['a']}")
+    _say(f"+++ {result['b']}")
     for item in result["header"]:
-        print(f"  file: {item['field']}: {item['a']!r} -> {item['b']!r}")
+        _say(f"  file: {item['field']}: {item['a']!r} -> {item['b']!r}")
     for item in result["groups"]:
-        print(f"  group {item['group']}: {item['field']}: {item['a']} -> {item['b']}")
+        _say(f"  group {item['group']}: {item['field']}: {item['a']} -> {item['b']}")
     for path in result["only_in_a"]:
-        print(f"- {path}: only in {result['a']}")
+        _say(f"- {path}: only in {result['a']}")
     for path in result["only_in_b"]:
-        print(f"+ {path}: only in {result['b']}")
+        _say(f"+ {path}: only in {result['b']}")
     for item in result["params"]:
         if "max_abs_diff" in item:
             count = item["elements_differing"]
-            print(f"  {item['path']}: {item['field']} differs in {count} "
+            _say(f"  {item['path']}: {item['field']} differs in {count} "
                   f"element{'s' if count != 1 else ''} (max abs diff {item['max_abs_diff']:.6g})")
         else:
-            print(f"  {item['path']}: {item['field']}: {item['a']} -> {item['b']}")
+            _say(f"  {item['path']}: {item['field']}: {item['a']} -> {item['b']}")
 
 
 def _strict_json(value):
@@ -142,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             emit({"error": type(exc).__name__, "message": str(exc)})
         else:
-            print(f"flatopt {args.command}: {exc}", file=sys.stderr)
+            _say(f"flatopt {args.command}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -21,6 +21,18 @@ class GradientError(FlatoptError, ValueError):
     """A gradient with an unknown path, a wrong shape or a wrong dtype."""
 
 
+class UnknownPathError(FlatoptError, KeyError):
+    """A path (or key) that names no parameter of this optimizer. A ``KeyError`` too, so
+    ``opt.params`` and ``opt.grads`` behave as mappings (``in``, ``.get``)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownGradientError(UnknownPathError, GradientError):
+    """A gradient given or marked for a path that names no parameter."""
+
+
 class StateDictError(FlatoptError, ValueError):
     """An in-memory state dict does not fit the optimizer it is loaded into."""
 

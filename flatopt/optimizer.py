@@ -11,6 +11,8 @@ get/set/reset, ``state_dict``/``load_state_dict``, and the contract checkpoints 
 from __future__ import annotations
 
 import copy
+import functools
+import threading
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -20,7 +22,8 @@ from . import _params, _restore
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._restore import BufferState
 from ._views import Gradients, ParamViews, gradient_problem
-from .errors import GradientError, HyperparameterError, ParamError, StateDictError
+from .errors import (GradientError, HyperparameterError, ParamError, StateDictError,
+                     UnknownPathError)
 from .kernels import backend as kernel_backend
 from .schema import Schema, describe_group, near
 
@@ -43,6 +46,15 @@ def _group_snapshot(group: Mapping[str, Any]) -> tuple:
     # "params" is compared by identity: it must stay the tuple the optimizer made.
     return tuple((key, id(value) if key == "params" else _frozen(value))
                  for key, value in group.items())
+
+
+def _locked(method):
+    """Run ``method`` holding the optimizer's lock (see ``Optimizer.lock``)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 def _raise(problems: list[str], error: type[Exception]) -> None:
@@ -88,6 +100,11 @@ class Optimizer:
         self._group_paths: list[tuple[str, ...]] = []
         self._validated: list[tuple[tuple, dict]] = []
         self._plans: list[_Plan | None] = []
+        self.lock = threading.RLock()
+        """Held by step, zero_grad, add_param_group, state_dict, load_state_dict, restore and
+        by flatopt.save / flatopt.load for the whole save or load: one optimizer is safe to
+        use from several threads (what the caller writes into ``opt.params``/``opt.grads``
+        views is the caller's to order)."""
         self._backend = kernel_backend("cpu")
         self._kernels = self._backend.compile(self.schema.rule)
         self.params = ParamViews(self._param_views)
@@ -106,6 +123,7 @@ class Optimizer:
         self._plans = [None] * len(self.buffers)
 
     # ----------------------------------------------------------------- construction
+    @_locked
     def add_param_group(self, group: Mapping[str, Any]) -> None:
         """Add a group (e.g. an unfrozen layer): new buffers; existing ones are untouched."""
         if not isinstance(group, Mapping):
@@ -273,6 +291,7 @@ class Optimizer:
                          for name in self.schema.rule.slots))
         return plan.arrays
 
+    @_locked
     def step(self, grads: Mapping[str, np.ndarray | None] | None = None) -> None:
         """Take one optimization step.
 
@@ -332,6 +351,7 @@ class Optimizer:
             self._grad_views[info.path][...] = value
             self.buffers[info.buffer].present[info.slot] = 1
 
+    @_locked
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``set_to_none=True`` marks every gradient missing (the buffer's contents are left as
         they are and ignored until marked present again); ``False`` zeroes the gradient buffer
@@ -359,15 +379,18 @@ class Optimizer:
     def _info(self, path: Any) -> ParamInfo:
         info = self.index.get(path) if isinstance(path, str) else None
         if info is None:
-            raise KeyError(f"no parameter {path!r}{near(path, self.index.paths)}")
+            raise UnknownPathError(f"no parameter {path!r}{near(path, self.index.paths)}; "
+                                   "opt.index.paths lists them")
         return info
 
+    @_locked
     def state_of(self, path: str):
         """The live state of one parameter as a typed record of views, or None if it has none."""
         info = self._info(path)
         entry = self._param_state(self.buffers[info.buffer], info.slot, copy=False)
         return None if entry is None else self.schema.record(**entry)
 
+    @_locked
     def state_dict(self) -> dict[str, Any]:
         """A snapshot keyed by path: hyperparameters per group and per-parameter state (copies)."""
         state = {}
@@ -383,6 +406,7 @@ class Optimizer:
         return {"format": STATE_DICT_FORMAT, "version": STATE_DICT_VERSION,
                 "optimizer": self.schema.name, "param_groups": groups, "state": state}
 
+    @_locked
     def load_state_dict(self, state_dict: Mapping[str, Any], *,
                         hyperparameters: str = "saved") -> None:
         """Load a :meth:`state_dict` snapshot, matched by path, never by position.
@@ -453,6 +477,7 @@ class Optimizer:
         return settings
 
     # ----------------------------------------------------------------- restore (load contract)
+    @_locked
     def prepare_restore(self, state: Mapping[str, Any] | None = None, *,
                         settings: list[dict | None] | None = None,
                         params: Mapping[str, np.ndarray] | None = None,
@@ -464,6 +489,7 @@ class Optimizer:
         _raise(_restore.restore_problems(self, state, settings, params, buffers), StateDictError)
         return _restore.PendingRestore(self, state, settings, params, buffers)
 
+    @_locked
     def restore(self, state: Mapping[str, Any] | None = None, *,
                 settings: list[dict | None] | None = None,
                 params: Mapping[str, np.ndarray] | None = None,

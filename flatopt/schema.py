@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from .kernels.checks import count_negative_or_nonfinite, first_nonzero_segment
 from .kernels.rule import Rule
 
 MAX_STEP = 1 << 53
@@ -283,6 +284,41 @@ class Schema:
         return problems
 
 
+def column_problems(schema: Schema, columns: Mapping[str, Any], count: int,
+                    where: str) -> list[str]:
+    """Persisted per-parameter columns of ``count`` parameters: every schema column present,
+    integers within its range."""
+    problems = []
+    for name, column in schema.columns.items():
+        values = columns.get(name)
+        if (not isinstance(values, np.ndarray) or values.shape != (count,)
+                or values.dtype.kind not in "iu"
+                or (values.size and (values.min() < 0 or values.max() > column.high))):
+            problems.append(f"{where}: column {name} must hold {count} integers in "
+                            f"[0, {column.high}]")
+    return problems
+
+
+def slot_value_problems(schema: Schema, name: str, flat: np.ndarray, offsets: np.ndarray,
+                        sizes: np.ndarray, markers: np.ndarray, paths) -> list[str]:
+    """Values no optimizer holds in state slot ``name`` of a flat buffer: a second moment
+    negative, NaN or infinite, or a non-zero value for a parameter without state (its marker
+    column is 0). The one check of saved state values, made by save, load, ``flatopt verify``
+    and ``restore``."""
+    problems = []
+    if schema.slots[name].nonnegative:
+        bad = count_negative_or_nonfinite(flat)
+        if bad:
+            problems.append(f"{name} holds {bad} negative, NaN or infinite value(s); a second "
+                            "moment is finite and >= 0 (a NaN or infinite gradient reached the "
+                            "optimizer, or the state was damaged)")
+    slot = first_nonzero_segment(flat, offsets, sizes, markers == 0)
+    if slot >= 0:
+        problems.append(f"{paths[slot]!r} has no state ({schema.marker} is 0) but non-zero "
+                        f"{name}")
+    return problems
+
+
 def array_problem(value: Any, shape: tuple, dtype: np.dtype, *,
                   nonnegative: bool = False) -> str | None:
     """Why ``value`` cannot be a state array of this shape and dtype, or None."""
@@ -291,7 +327,7 @@ def array_problem(value: Any, shape: tuple, dtype: np.dtype, *,
     if value.shape != tuple(shape) or value.dtype != dtype:
         return (f"has shape {value.shape} and dtype {value.dtype}, the parameter has shape "
                 f"{tuple(shape)} and dtype {np.dtype(dtype)}")
-    if nonnegative and value.size and not bool(np.all(value >= 0) and np.all(np.isfinite(value))):
+    if nonnegative and value.size and count_negative_or_nonfinite(value.reshape(-1)):
         return ("holds negative, NaN or infinite values; a second moment is finite and >= 0 "
                 "(was the state damaged or written by hand?)")
     return None

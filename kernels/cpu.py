@@ -96,20 +96,21 @@ class CompiledRule(NamedTuple):
                          run_serially(layout.length))
 
 
-_compiled: dict[str, CompiledRule] = {}
+_compiled: dict[tuple[str, bool], CompiledRule] = {}
 
 
-def compile_rule(rule: Rule) -> CompiledRule:
-    """The rule's CPU kernels (one pair per rule and fingerprint, per process)."""
+def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
+    """The rule's CPU kernels (one pair per rule and fingerprint, per process). ``cache=False``
+    gives kernels that always compile in this process (to inspect their LLVM IR)."""
     key = f"{rule.name}_{rule.fingerprint}"
-    compiled = _compiled.get(key)
+    compiled = _compiled.get((key, cache))
     if compiled is None:
         functions = bind(rule, njit(inline="always", error_model="numpy"))
-        prepare = njit(cache=True)(instantiate(
+        prepare = njit(cache=cache)(instantiate(
             _prepare_walk, f"prepare_{key}", prepare=functions[rule.prepare.__name__]))
-        step = njit(parallel=True, cache=True, error_model="numpy")(instantiate(
+        step = njit(parallel=True, cache=cache, error_model="numpy")(instantiate(
             _step_walk, f"step_{key}", span=functions[rule.span.__name__]))
-        compiled = _compiled[key] = CompiledRule(prepare, step)
+        compiled = _compiled[key, cache] = CompiledRule(prepare, step)
     return compiled
 
 

@@ -30,10 +30,13 @@ def model_params(seed: int = 0, extra: dict | None = None) -> dict[str, np.ndarr
     return params
 
 
+DEFAULT_RULES = [{"match": ["*.bias", "norm.*", "empty"], "weight_decay": 0.0, "lr": 0.02,
+                  "label": "no_decay"}]
+
+
 def grouped(params: dict, rules=None) -> list[dict]:
     if rules is None:
-        rules = [{"match": ["*.bias", "norm.*", "empty"], "weight_decay": 0.0, "lr": 0.02,
-                  "label": "no_decay"}]
+        rules = DEFAULT_RULES
     return flatopt.group_by_pattern(params, rules, rest={"label": "decay"})
 
 
@@ -43,6 +46,9 @@ def make_opt(kind: str = "Adam", seed: int = 0, steps: int = 3, params=None, rul
     ``steps`` times with some gradients missing (so step counts differ per parameter)."""
     params = model_params(seed) if params is None else params
     cls = flatopt.registry.lookup(kind)
+    known = (*cls.schema.hyperparameters, "match", "label")
+    rules = [{k: v for k, v in rule.items() if k in known}
+             for rule in (rules if rules is not None else DEFAULT_RULES)]
     defaults = {"SGD": {"lr": 0.1, "momentum": 0.9}, "Adam": {"lr": 0.01},
                 "AdamW": {"lr": 0.01}}.get(kind) or rich_settings(kind)
     opt = cls(grouped(params, rules), **{**defaults, **hyper})

@@ -430,7 +430,7 @@ def resealed_cases(data):
 
 
 @pytest.mark.parametrize("edit_newer, what", [
-    (lambda f: _set_text(f, "optimizer", "Lion"), "optimizer 'Lion'"),
+    (lambda f: _set_text(f, "optimizer", "Sophia"), "optimizer 'Sophia'"),
     (lambda f: f.attrs.__setitem__("schema_version", 7), "schema version 7"),
     (lambda f: _set_text(f["groups/0/float32"].create_dataset("exp_avg_cubed", data=np.zeros(
         f["groups/0/float32"].attrs["length"], np.float32)), "digest",

@@ -153,8 +153,12 @@ def test_matches_torch_optim(kind, dtype, seed):
                 if name == "step":
                     assert value == int(theirs["step"].item()), where
                 elif value is not None:
-                    np.testing.assert_allclose(value, theirs[name].numpy(), rtol=rtol,
-                                               atol=atol, err_msg=f"{where} {name}")
+                    # State that sums cancelling terms (RMSprop's momentum of g / avg) carries
+                    # torch's FMA and sqrt roundings at the scale of its largest values.
+                    expected = theirs[name].numpy()
+                    scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+                    np.testing.assert_allclose(value, expected, rtol=rtol, atol=atol * scale,
+                                               err_msg=f"{where} {name}")
         if float32:
             force_torch_state(torch_opt, tensors, opt)
 

@@ -105,6 +105,11 @@ def target_path(path) -> str:
     """The absolute target of a save, checked: a str or PathLike to a file in an existing
     directory."""
     final = file_name(path)
+    try:
+        os.fsencode(final)
+    except UnicodeEncodeError:
+        raise CheckpointError(f"invalid checkpoint path {final!r}: it cannot be encoded for "
+                              "the file system (a lone surrogate?)") from None
     if not final or "\x00" in final:
         raise CheckpointError(f"invalid checkpoint path {final!r}")
     final = os.path.abspath(final)
@@ -117,9 +122,11 @@ def target_path(path) -> str:
     return final
 
 
-def _full(exc: OSError) -> bool:
-    return getattr(exc, "errno", None) in _FULL_ERRNOS or any(
+def full_hint(exc: Exception) -> str:
+    """" (the disk is full ...)" when ``exc`` says so, else ""."""
+    full = getattr(exc, "errno", None) in _FULL_ERRNOS or any(
         marker in str(exc) for marker in _FULL_TEXT)
+    return " (the disk is full or a file size limit was hit)" if full else ""
 
 
 def replace_atomically(final: str, write: Callable[[str], None]) -> None:
@@ -154,10 +161,11 @@ def replace_atomically(final: str, write: Callable[[str], None]) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        if isinstance(exc, OSError):
-            hint = " (the disk is full or a file size limit was hit)" if _full(exc) else ""
-            raise CheckpointError(f"could not save checkpoint {final}{hint}: {exc}; the "
-                                  "temporary file was removed and any previous checkpoint at "
-                                  "that path is untouched", path=final) from exc
+        if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, CheckpointError):
+            # h5py reports a failed write (a full disk the reservation did not foresee) as
+            # OSError or RuntimeError
+            raise CheckpointError(f"could not save checkpoint {final}{full_hint(exc)}: {exc}; "
+                                  "the temporary file was removed and any previous checkpoint "
+                                  "at that path is untouched", path=final) from exc
         raise
     fsync_path(directory, directory=True)

@@ -44,7 +44,7 @@ DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
 # Limits a file must keep; save refuses an optimizer that would break one (see limits_problems).
 MAX_ATTRS = 32
 MAX_MEMBERS = 4096        # members of one HDF5 group: /groups holds one per param group
-MAX_NDIM = 32             # columns of /index/shape
+MAX_NDIM = 64             # columns of /index/shape: NumPy's own limit
 MAX_JSON = 16 << 20       # bytes of one JSON text (metadata, scheduler state, hyperparameters)
 
 BASE_COLUMNS = {"id": np.dtype("<i8"), "path": "str", "ndim": np.dtype("<i8"),

@@ -150,7 +150,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
         raise TypeError(f"rename must be a dict or a function, got {type(rename).__name__}")
     if not isinstance(opt, Optimizer):
         raise CheckpointError(f"load() takes a flatopt optimizer, got {type(opt).__name__}")
-    with open_checkpoint(source) as ck:
+    with opt.lock, open_checkpoint(source) as ck:
         plan = compare(ck, opt, rename=rename, hyperparameters=hyperparameters,
                        regroup=regroup, scheduler=scheduler)
         relaxed, blocking = [], []

@@ -340,6 +340,8 @@ def read_header(ck: Contents) -> str:
 def read_index(ck: Contents) -> dict[str, list]:
     """Every index column (small), read completely; shapes unpadded."""
     index = member(ck, ck.file, "index", "group")
+    if len(index.attrs):
+        raise ck.corrupt(f"/index has unexpected attributes {sorted(index.attrs)[:5]}")
     missing = sorted(set(BASE_COLUMNS) - set(index))
     if missing:
         raise ck.corrupt(f"index columns {missing} are missing")
@@ -347,6 +349,8 @@ def read_index(ck: Contents) -> dict[str, list]:
     rows = None
     for column in [*BASE_COLUMNS, *sorted(set(index) - set(BASE_COLUMNS))]:
         ds = member(ck, index, column, "dataset")
+        if len(ds.attrs):
+            raise ck.corrupt(f"{ds.name} has unexpected attributes {sorted(ds.attrs)[:5]}")
         columns[column] = read_column(ck, ds, BASE_COLUMNS.get(column), rows)
         rows = len(columns[column])
     shapes = []

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from .._layout import aligned_offsets
+from ..schema import slot_value_problems
 from .format import DTYPES, schema_named
 from .reader import Contents, SavedParam
 
@@ -138,21 +139,16 @@ def _packing_and_state(ck: Contents) -> None:
 
 
 def check_data(ck: Contents, staged: dict) -> None:
-    """Data that no honest save writes: a second moment negative, NaN or infinite, or state
-    values where a parameter has no state (its step count or flag says so)."""
+    """Data that no honest save writes (see ``flatopt.schema.slot_value_problems``)."""
     schema = ck.schema
-    stateless = {key: [e for e in buffer.members if not e.columns[schema.marker]]
-                 for key, buffer in ck.buffers.items()}
     for (key, slot), flat in staged.items():
         if slot == "params":
             continue
-        buffer = ck.buffers[key]
-        name = buffer.datasets[slot].name
-        if schema.slots[slot].nonnegative and flat.size and not (
-                np.all(flat >= 0) and np.all(np.isfinite(flat))):
-            raise ck.corrupt(f"{slot} holds negative, NaN or infinite values; a second moment "
-                             "is finite and >= 0", buffer=name)
-        for entry in stateless[key]:
-            if flat[entry.offset:entry.offset + entry.size].any():
-                raise ck.corrupt(f"{entry.path!r} has no state ({schema.marker} is 0) but "
-                                 f"non-zero {slot}", buffer=name)
+        members = ck.buffers[key].members
+        problems = slot_value_problems(
+            schema, slot, flat, np.array([e.offset for e in members], np.int64),
+            np.array([e.size for e in members], np.int64),
+            np.array([e.columns[schema.marker] for e in members], np.int64),
+            [e.path for e in members])
+        if problems:
+            raise ck.corrupt("; ".join(problems), buffer=ck.buffers[key].datasets[slot].name)

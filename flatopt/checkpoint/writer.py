@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..optimizer import Optimizer
+from ..schema import column_problems, slot_value_problems
 from . import files
 from .format import (CHUNK_BYTES, FORMAT, FORMAT_VERSION, LIBVER, crc, jsonable,
                      limits_problems, manifest_digest, schema_columns, text_dtype, to_json)
@@ -104,24 +105,30 @@ class _Snapshot:
                     for n, g in enumerate(self.groups)}}
         problems = limits_problems(self.schema, len(self.groups),
                                    [info.shape for info in opt.index], texts)
+        problems += _state_problems(opt)
         if problems:
-            raise CheckpointError("cannot save this optimizer: " + "; ".join(problems))
+            raise CheckpointError("cannot save this optimizer (nothing was written): "
+                                  + "; ".join(problems[:20]))
 
     def estimate_bytes(self) -> int:
-        """An upper bound for the file size: buffers with their fletcher32 sums, the index
-        (strings stored at the longest one's width), the JSON texts and HDF5's metadata."""
-        data = 0
+        """An upper bound for the file size: buffers with their chunk index and fletcher32
+        sums, the index (strings stored at the longest one's width), the JSON texts, and
+        HDF5's object headers (generously, per object). The property test checks it."""
+        data, objects = 0, 8 + 2 * len(self.columns)
         for buf in self.opt.buffers:
+            objects += 1
             for flat in (buf.params, *buf.state.values()):
-                data += flat.nbytes + 64 * -(-flat.nbytes // CHUNK_BYTES)
+                objects += 1
+                data += flat.nbytes + 96 * -(-flat.nbytes // CHUNK_BYTES)
         rows = len(self.columns["id"])
         longest = max((len(p.encode()) for p in self.columns["path"]), default=1)
         width = max((len(s) for s in self.columns["shape"]), default=1)
-        index = rows * (longest + 8 * (width + 16))
+        index = rows * (longest + 8 * (width + len(self.columns)))
         texts = sum(len(v.encode()) for k, v in self.header.items() if isinstance(v, str))
-        texts += sum(len(g["hyperparameters"]) + len(g["label"] or "") + 1024
-                     for g in self.groups)
-        return data + 2 * (index + texts) + data // 50 + (1 << 20)
+        for group in self.groups:
+            objects += 1
+            texts += len(group["hyperparameters"].encode()) + len((group["label"] or "").encode())
+        return data + 2 * (index + texts) + 4096 * objects + data // 50 + (1 << 20)
 
     def write(self, target, *, stop_before_digest: bool = False) -> None:
         buffer_table: dict[str, list] = {}
@@ -181,7 +188,27 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     """
     if not isinstance(opt, Optimizer):
         raise CheckpointError(f"save() takes a flatopt optimizer, got {type(opt).__name__}")
-    snapshot = _Snapshot(opt, metadata, scheduler)
     final = files.target_path(path)
-    files.replace_atomically(final, snapshot.write)
+    with opt.lock:  # no step can change the buffers while they are written
+        try:
+            snapshot = _Snapshot(opt, metadata, scheduler)
+        except OSError as exc:  # e.g. Numba's cache on a full disk, compiling a check
+            raise CheckpointError(f"could not save checkpoint {final}{files.full_hint(exc)}: "
+                                  f"{exc}; nothing was written and any previous checkpoint at "
+                                  "that path is untouched", path=final) from exc
+        files.replace_atomically(final, snapshot.write)
     return final
+
+
+def _state_problems(opt: Optimizer) -> list[str]:
+    """The live state checked as load will check it (``flatopt.schema``'s one check)."""
+    problems = []
+    for buf in opt.buffers:
+        where = f"param group {buf.group} {buf.dtype} buffer"
+        found = column_problems(opt.schema, buf.columns, len(buf), where)
+        marker = buf.columns[opt.schema.marker]
+        for name, flat in buf.state.items():
+            found += [f"{where}: {problem}" for problem in slot_value_problems(
+                opt.schema, name, flat, buf.offsets, buf.sizes, marker, buf.paths)]
+        problems += found
+    return problems
