@@ -19,12 +19,14 @@ from .optimizers import (SGD, Adadelta, AdadeltaParamState, Adam, Adamax, Adamax
                          RMSprop, RMSpropParamState, Rprop, RpropParamState, SGDParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
 
+from . import lr_scheduler  # noqa: E402 (it builds on the optimizer classes above)
+
 __version__ = "0.1.0"
 
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
     "Optimizer",
-    "group_by_pattern",
+    "group_by_pattern", "lr_scheduler",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
     "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",

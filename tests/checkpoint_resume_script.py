@@ -41,6 +41,14 @@ def build(kind: str) -> flatopt.Optimizer:
     return flatopt.registry.lookup(kind)(groups)
 
 
+def build_scheduler(opt: flatopt.Optimizer):
+    """Warm-up then cosine, as a real run would: the resume must restore the lrs it sets."""
+    lr = flatopt.lr_scheduler
+    return lr.SequentialLR(opt, [lr.LinearLR(opt, start_factor=0.1, total_iters=3),
+                                 lr.CosineAnnealingLR(opt, T_max=8, eta_min=1e-5)],
+                           milestones=[3])
+
+
 def gradients(opt: flatopt.Optimizer, t: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1000 + t)
     grads = {}
@@ -54,13 +62,14 @@ def gradients(opt: flatopt.Optimizer, t: int) -> dict[str, np.ndarray]:
     return grads
 
 
-def run(opt: flatopt.Optimizer, start: int, stop: int) -> None:
+def run(opt: flatopt.Optimizer, sched, start: int, stop: int) -> None:
     for t in range(start, stop):
         opt.step(gradients(opt, t))
+        sched.step()
 
 
 def dump(opt: flatopt.Optimizer) -> dict[str, np.ndarray]:
-    out = {}
+    out = {f"lr{k}": np.array(group["lr"]) for k, group in enumerate(opt.param_groups)}
     for path in opt.params:
         out[f"{path}/param"] = opt.params[path].copy()
         state = opt.state_of(path)
@@ -79,13 +88,16 @@ def main(argv: list[str]) -> int:
     mode, directory, kinds = argv[0], Path(argv[1]), argv[2:]
     for kind in kinds:
         opt = build(kind)
+        sched = build_scheduler(opt)
         if mode == "first":
-            run(opt, 0, SPLIT)
-            flatopt.save(directory / f"{kind}.h5", opt, metadata={"step": SPLIT})
+            run(opt, sched, 0, SPLIT)
+            flatopt.save(directory / f"{kind}.h5", opt, scheduler=sched,
+                         metadata={"step": SPLIT})
         elif mode == "resume":
-            result = flatopt.load(directory / f"{kind}.h5", opt)
+            # no option: the lrs the scheduler set are restored with its state
+            result = flatopt.load(directory / f"{kind}.h5", opt, scheduler=sched)
             assert result.metadata == {"step": SPLIT}
-            run(opt, SPLIT, TOTAL)
+            run(opt, sched, SPLIT, TOTAL)
             np.savez(directory / f"{kind}-resumed.npz", **dump(opt))
         else:
             raise SystemExit(f"unknown mode {mode!r}")

@@ -746,3 +746,24 @@ def test_a_file_locked_by_a_writer_is_a_clean_error(tmp_path):
         assert same_snapshot(before, snapshot(live))
     finally:
         holder.communicate("\n", timeout=60)
+
+
+def test_a_scheduler_restores_the_values_it_owns_and_nothing_else(tmp_path):
+    def build(weight_decay=0.05):
+        opt = flatopt.AdamW({"w": np.ones(3, np.float32)}, lr=1e-3, weight_decay=weight_decay)
+        return opt, flatopt.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=10)
+    opt, sched = build()
+    for _ in range(4):
+        opt.step({"w": np.ones(3, np.float32)})
+        sched.step()
+    flatopt.save(tmp_path / "ck.h5", opt, scheduler=sched)
+    resumed, resumed_sched = build()
+    flatopt.load(tmp_path / "ck.h5", resumed, scheduler=resumed_sched)  # no option needed
+    assert resumed.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert resumed_sched.get_last_lr() == sched.get_last_lr()
+    with pytest.raises(flatopt.CheckpointMismatch, match="pass scheduler= to restore"):
+        flatopt.load(tmp_path / "ck.h5", build()[0])
+    changed, changed_sched = build(weight_decay=0.1)  # a real change is still reported
+    with pytest.raises(flatopt.CheckpointMismatch, match="weight_decay") as info:
+        flatopt.load(tmp_path / "ck.h5", changed, scheduler=changed_sched)
+    assert not any("lr" in d.where.split()[-1] for d in info.value.differences)

@@ -32,7 +32,7 @@ def check_exact_resume(tmp_path, kinds, plugins=()):
     run_script("resume", tmp_path, *kinds, plugins=plugins)
     for kind in kinds:
         full = script.build(kind)
-        script.run(full, 0, script.TOTAL)
+        script.run(full, script.build_scheduler(full), 0, script.TOTAL)
         expected = script.dump(full)
         with np.load(tmp_path / f"{kind}-resumed.npz") as resumed:
             resumed = dict(resumed)
@@ -42,9 +42,10 @@ def check_exact_resume(tmp_path, kinds, plugins=()):
             assert value.tobytes() == resumed[key].tobytes(), f"{kind} {key} differs"
         # a cold start from the same parameters (state silently reset) must differ
         cold = script.build(kind)
-        script.run(cold, 0, script.SPLIT)
+        cold_sched = script.build_scheduler(cold)
+        script.run(cold, cold_sched, 0, script.SPLIT)
         cold.restore({})  # every parameter's state reset, values kept
-        script.run(cold, script.SPLIT, script.TOTAL)
+        script.run(cold, cold_sched, script.SPLIT, script.TOTAL)
         cold_dump = script.dump(cold)
         differing = [k for k in expected if k.endswith("/param")
                      and cold_dump[k].tobytes() != expected[k].tobytes()]

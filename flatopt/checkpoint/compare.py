@@ -134,9 +134,15 @@ def _match_paths(mapped: dict[str, SavedParam], opt: Optimizer, result: Comparis
 
 
 def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperparameters,
-                    regroup: bool) -> None:
-    """Hyperparameters per live group, against every saved group its parameters came from."""
+                    regroup: bool, scheduler) -> None:
+    """Hyperparameters per live group, against every saved group its parameters came from.
+    Values the scheduler owns (``scheduler.owned_hyperparameters``, e.g. lr) are restored from
+    the file with the scheduler's state, not reported, unless ``hyperparameters="live"``."""
     diffs = result.differences
+    owned = set(getattr(scheduler, "owned_hyperparameters", ())) \
+        if scheduler is not None and ck.scheduler_state is not None else set()
+    hint = ("; the file holds a scheduler's state: pass scheduler= to restore the values it "
+            "sets" if scheduler is None and ck.scheduler_state is not None else "")
     if len(ck.groups) != len(opt.param_groups):
         diffs.append(Difference("groups", "file", len(ck.groups), len(opt.param_groups),
                                 note="number of param groups", relaxed_by=REGROUP))
@@ -160,11 +166,15 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
                 if not same_kind and key not in schema.hyperparameters:
                     continue
                 s, l = saved.get(key), live.get(key)
+                if key in owned and key in saved and hyperparameters != "live":
+                    chosen[key] = s  # restored with the scheduler that sets it
+                    continue
                 if s != l:
                     hyper = schema.hyperparameters.get(key)
                     diffs.append(Difference("flag" if hyper and hyper.is_flag
                                             else "hyperparameter", f"{where} {key}{label}", s, l,
-                                            relaxed_by=HYPER))
+                                            relaxed_by=HYPER,
+                                            note=hint.lstrip("; ") if key == "lr" else ""))
                 if hyperparameters == "saved" and key in saved:
                     if key in chosen and chosen[key] != s:
                         diffs.append(Difference(
@@ -172,7 +182,7 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
                             note="its parameters come from saved groups that disagree; use "
                                  "hyperparameters='live'"))
                     chosen[key] = s
-        result.new_settings.append(chosen if hyperparameters == "saved" and chosen else None)
+        result.new_settings.append(chosen or None)
 
 
 def compare(ck: Contents, opt: Optimizer, *, rename, hyperparameters: str | None,
@@ -184,7 +194,8 @@ def compare(ck: Contents, opt: Optimizer, *, rename, hyperparameters: str | None
             "optimizer", "file", ck.schema.name, opt.schema.name,
             note="state of one optimizer kind cannot be loaded into another"))
     _match_paths(_renamed(ck, rename, result.differences), opt, result)
-    _compare_groups(ck, opt, result, hyperparameters=hyperparameters, regroup=regroup)
+    _compare_groups(ck, opt, result, hyperparameters=hyperparameters, regroup=regroup,
+                    scheduler=scheduler)
     if scheduler is not None and ck.scheduler_state is None:
         result.differences.append(Difference("scheduler", "file", None,
                                              type(scheduler).__name__,
