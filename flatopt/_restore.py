@@ -66,10 +66,10 @@ def _buffer_problems(opt, number: int, contents: BufferState) -> list[str]:
     problems += column_problems(opt.schema, contents.columns, len(buf), where)
     if problems:
         return problems
-    marker = contents.columns[opt.schema.marker]
+    stateful = opt.schema.stateful(contents.columns)
     for name, flat in contents.state.items():
         problems += [f"{where}: {problem}" for problem in slot_value_problems(
-            opt.schema, name, flat, buf.offsets, buf.sizes, marker, buf.paths)]
+            opt.schema, name, flat, buf.offsets, buf.sizes, stateful, buf.paths)]
     return problems
 
 
@@ -100,6 +100,7 @@ def apply(opt, state, settings, params, buffers) -> None:
             opt.param_groups[number].update(values)
     for (number, name), flat in allocated.items():
         opt.buffers[number].state[name] = flat
+    live = opt.settings() if opt.schema.eager else None  # values taken in above
     for buf in opt.buffers:
         opt._plans[buf.number] = None
         contents = buffers.get(buf.number)
@@ -109,14 +110,15 @@ def apply(opt, state, settings, params, buffers) -> None:
         for name, flat in buf.state.items():
             if contents and name in contents.state:
                 np.copyto(flat, contents.state[name])
-            else:
-                flat.fill(0)  # a parameter without state starts from zeros
+            else:  # fresh state: zeros, or an eager schema's initial values
+                flat.fill(opt.schema.initial_value(name, live[buf.group]) if live else 0)
         if contents is not None:
             np.copyto(buf.params, contents.params)
     for path, entry in state.items():
         info = opt.index[path]
         buf = opt.buffers[info.buffer]
-        buf.columns[opt.schema.marker][info.slot] = 1
+        if opt.schema.marker is not None:
+            buf.columns[opt.schema.marker][info.slot] = 1
         for key, value in entry.items():
             if key in buf.columns:
                 buf.columns[key][info.slot] = value

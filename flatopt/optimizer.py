@@ -182,7 +182,7 @@ class Optimizer:
         for values, entries in staged:
             ids = {path: next_id + k for k, (path, _) in enumerate(entries)}
             next_id += len(entries)
-            infos += self._build_buffers(len(self.param_groups), entries, ids)
+            infos += self._build_buffers(len(self.param_groups), entries, ids, values)
             paths = tuple(path for path, _ in entries)
             self.param_groups.append({"params": paths, **values})
             self._group_paths.append(paths)
@@ -195,8 +195,10 @@ class Optimizer:
             self._param_views[info.path] = buf.view(buf.params, info.slot)
             self._grad_views[info.path] = buf.view(buf.grads, info.slot)
 
-    def _build_buffers(self, group: int, entries: list, ids: dict) -> list[ParamInfo]:
-        """One buffer per dtype of the group's entries, filled with their values."""
+    def _build_buffers(self, group: int, entries: list, ids: dict,
+                       settings: Mapping[str, Any]) -> list[ParamInfo]:
+        """One buffer per dtype of the group's entries, filled with their values (and, for an
+        eager schema, the state its settings use, at its initial values)."""
         rule = self.schema.rule
         infos = []
         for dtype in dict.fromkeys(array.dtype for _, array in entries):
@@ -209,9 +211,20 @@ class Optimizer:
                 infos.append(ParamInfo(ids[path], path, array.shape, array.dtype, group,
                                        buf.number, slot, int(buf.offsets[slot]),
                                        int(buf.sizes[slot])))
+            if self.schema.eager:
+                for name in self.schema.used_slots(settings):
+                    buf.state[name] = self._new_slot(buf, name, settings)
             self.buffers.append(buf)
             self._plans.append(None)
         return infos
+
+    def _new_slot(self, buf: FlatBuffer, name: str, settings: Mapping[str, Any]):
+        """A state buffer for ``buf`` holding fresh state: zeros, or the slot's initial value."""
+        flat = self._backend.zeros(buf.length, buf.dtype)
+        initial = self.schema.initial_value(name, settings)
+        if initial:
+            flat.fill(initial)
+        return flat
 
     # ----------------------------------------------------------------- settings
     def settings(self) -> list[dict[str, Any]]:
@@ -285,7 +298,7 @@ class Optimizer:
         stood in for by the gradient buffer, which the kernel then never touches as a slot."""
         for name in plan.used:
             if name not in buf.state:
-                buf.state[name] = self._backend.zeros(buf.length, buf.dtype)
+                buf.state[name] = self._new_slot(buf, name, plan.settings)
         plan.arrays = (buf.params, buf.grads,
                        *(buf.state[name] if name in plan.used else buf.grads
                          for name in self.schema.rule.slots))
@@ -365,7 +378,8 @@ class Optimizer:
 
     # ----------------------------------------------------------------- state
     def _param_state(self, buf: FlatBuffer, slot: int, copy: bool) -> dict | None:
-        if not buf.columns[self.schema.marker][slot]:
+        if not self.schema.stateful({name: column[slot] for name, column in buf.columns.items()
+                                     if name in self.schema.columns}):
             return None
         entry: dict[str, Any] = {name: int(buf.columns[name][slot])
                                  for name in self.schema.state_dict_columns}

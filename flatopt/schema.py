@@ -132,27 +132,58 @@ class Hyperparameter:
 
 @dataclass(frozen=True)
 class Column:
-    """A per-parameter value that persists (saved in state dicts and checkpoints).
+    """A per-parameter value that persists (saved in state dicts and checkpoints): an integer
+    (``dtype`` "int64", "uint8") or a float ("float64", finite) in ``[low, high]``.
 
-    ``marker=True`` marks the column that is non-zero exactly when the parameter has state;
-    ``in_state_dict=False`` leaves it out of state-dict entries, where an entry's presence
-    says the same (SGD's ``momentum_initialized``). Values lie in ``[0, high]``.
+    ``marker=True`` marks the column that is non-zero exactly when the parameter has state
+    (then at least 1 in a state-dict entry); ``in_state_dict=False`` leaves it out of
+    state-dict entries, where an entry's presence says the same (SGD's
+    ``momentum_initialized``).
     """
 
     dtype: str
-    high: int
+    high: float
     marker: bool = False
     in_state_dict: bool = True
+    low: float = 0
+
+    @property
+    def is_float(self) -> bool:
+        return np.dtype(self.dtype).kind == "f"
+
+    def problem(self, value: Any, in_entry: bool = False) -> str | None:
+        """Why ``value`` cannot be this column's value, or None."""
+        low = 1 if self.marker and in_entry else self.low
+        kind = "a finite number" if self.is_float else "an integer"
+        if isinstance(value, (bool, np.bool_)) or not isinstance(
+                value, (numbers.Real if self.is_float else (int, np.integer))) \
+                or not low <= value <= self.high:
+            return f"must be {kind} in [{low}, {self.high}], got {value!r}"
+        return None
+
+    def values_problem(self, values: Any, count: int) -> str | None:
+        """Why ``values`` cannot be this column for ``count`` parameters, or None."""
+        kinds = "f" if self.is_float else "iu"
+        if (not isinstance(values, np.ndarray) or values.shape != (count,)
+                or values.dtype.kind not in kinds
+                or (values.size and not (values.min() >= self.low
+                                         and values.max() <= self.high))):
+            kind = "finite numbers" if self.is_float else "integers"
+            return f"must hold {count} {kind} in [{self.low}, {self.high}]"
+        return None
 
 
 @dataclass(frozen=True)
 class Slot:
     """A state buffer parallel to the parameters. ``when(settings)`` says whether a group's
     settings use it (allocated at the first step that needs it, required in saved state);
-    ``nonnegative`` slots (second moments) must hold finite values >= 0."""
+    ``nonnegative`` slots (second moments) must hold finite values >= 0. ``initial(settings)``
+    is the value fresh state starts from (only for schemas whose state is ``eager``; lazy
+    state starts from zero)."""
 
     when: Callable[[Mapping[str, Any]], bool] | None = None
     nonnegative: bool = False
+    initial: Callable[[Mapping[str, Any]], float] | None = None
 
     def used(self, settings: Mapping[str, Any]) -> bool:
         return self.when is None or bool(self.when(settings))
@@ -183,14 +214,36 @@ class Schema:
     benchmark: dict[str, Any] = field(default_factory=dict)
     """Hyperparameters the benchmark sets besides the defaults, so that the rule does its
     usual work (SGD: momentum)."""
-    marker: str = field(init=False)
+    eager: bool = False
+    """State exists for every parameter from construction (torch's Adagrad): slots start
+    from their ``initial`` value, and every parameter has a state-dict entry."""
+    marker: str | None = field(init=False)
+    """The column that says whether a parameter has state (None when ``eager``)."""
 
     def __post_init__(self) -> None:
         markers = [name for name, column in self.columns.items() if column.marker]
-        if len(markers) != 1:
-            raise TypeError(f"schema {self.name!r}: exactly one column must be the state marker, "
-                            f"found {markers}")
-        object.__setattr__(self, "marker", markers[0])
+        if len(markers) != (0 if self.eager else 1):
+            raise TypeError(f"schema {self.name!r}: {'no' if self.eager else 'exactly one'} "
+                            f"column must be the state marker, found {markers}")
+        lazy_initial = [name for name, slot in self.slots.items()
+                        if slot.initial is not None and not self.eager]
+        if lazy_initial:
+            raise TypeError(f"schema {self.name!r}: slots {lazy_initial} have initial values, "
+                            "which only eager state uses")
+        object.__setattr__(self, "marker", markers[0] if markers else None)
+
+    def stateful(self, columns: Mapping[str, Any]) -> Any:
+        """Whether parameters have state, from their persisted ``columns`` (arrays: a boolean
+        array; scalars: a bool)."""
+        if self.marker is None:
+            values = next(iter(columns.values()), None)
+            return np.ones(len(values), bool) if isinstance(values, np.ndarray) else True
+        values = columns[self.marker]
+        return values != 0 if isinstance(values, np.ndarray) else bool(values)
+
+    def initial_value(self, slot: str, settings: Mapping[str, Any]) -> float:
+        initial = self.slots[slot].initial
+        return 0.0 if initial is None else float(initial(settings))
 
     # ------------------------------------------------------------------ groups
     def defaults(self, **overrides: Any) -> dict[str, Any]:
@@ -265,13 +318,9 @@ class Schema:
                     f"(a {self.name} expects {sorted(allowed)})"
                     for key in entry if key not in allowed]
         for name in self.state_dict_columns:
-            value = entry.get(name)
-            column = self.columns[name]
-            low = 1 if column.marker else 0
-            if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
-                    or not low <= value <= column.high):
-                problems.append(f"state for {path!r}: {name} must be an integer in "
-                                f"[{low}, {column.high}], got {value!r}")
+            problem = self.columns[name].problem(entry.get(name), in_entry=True)
+            if problem:
+                problems.append(f"state for {path!r}: {name} {problem}")
         for name, slot in self.slots.items():
             value = entry.get(name)
             if value is None:
@@ -287,24 +336,21 @@ class Schema:
 def column_problems(schema: Schema, columns: Mapping[str, Any], count: int,
                     where: str) -> list[str]:
     """Persisted per-parameter columns of ``count`` parameters: every schema column present,
-    integers within its range."""
+    values of its kind within its range."""
     problems = []
     for name, column in schema.columns.items():
-        values = columns.get(name)
-        if (not isinstance(values, np.ndarray) or values.shape != (count,)
-                or values.dtype.kind not in "iu"
-                or (values.size and (values.min() < 0 or values.max() > column.high))):
-            problems.append(f"{where}: column {name} must hold {count} integers in "
-                            f"[0, {column.high}]")
+        problem = column.values_problem(columns.get(name), count)
+        if problem:
+            problems.append(f"{where}: column {name} {problem}")
     return problems
 
 
 def slot_value_problems(schema: Schema, name: str, flat: np.ndarray, offsets: np.ndarray,
-                        sizes: np.ndarray, markers: np.ndarray, paths) -> list[str]:
+                        sizes: np.ndarray, stateful: np.ndarray, paths) -> list[str]:
     """Values no optimizer holds in state slot ``name`` of a flat buffer: a second moment
-    negative, NaN or infinite, or a non-zero value for a parameter without state (its marker
-    column is 0). The one check of saved state values, made by save, load, ``flatopt verify``
-    and ``restore``."""
+    negative, NaN or infinite, or a non-zero value for a parameter without state
+    (``stateful`` false: its marker column is 0). The one check of saved state values, made by
+    save, load, ``flatopt verify`` and ``restore``."""
     problems = []
     if schema.slots[name].nonnegative:
         bad = count_negative_or_nonfinite(flat)
@@ -312,7 +358,7 @@ def slot_value_problems(schema: Schema, name: str, flat: np.ndarray, offsets: np
             problems.append(f"{name} holds {bad} negative, NaN or infinite value(s); a second "
                             "moment is finite and >= 0 (a NaN or infinite gradient reached the "
                             "optimizer, or the state was damaged)")
-    slot = first_nonzero_segment(flat, offsets, sizes, markers == 0)
+    slot = first_nonzero_segment(flat, offsets, sizes, ~np.asarray(stateful, bool))
     if slot >= 0:
         problems.append(f"{paths[slot]!r} has no state ({schema.marker} is 0) but non-zero "
                         f"{name}")

@@ -109,7 +109,7 @@ def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, staged: d
             key = (entry.group, entry.dtype)
             window = slice(entry.offset, entry.offset + entry.size)
             params[info.path] = staged[key, "params"][window].reshape(info.shape)
-            if entry.columns[schema.marker]:
+            if schema.stateful(entry.columns):
                 state[info.path] = {
                     **{name: entry.columns[name] for name in schema.state_dict_columns},
                     **{slot: staged[key, slot][window].reshape(info.shape)

@@ -249,8 +249,9 @@ def attr(ck: Contents, obj, name: str, kind: type, *, required: bool = True):
 
 
 def read_column(ck: Contents, ds: h5py.Dataset, dtype, rows: int | None) -> list:
-    """One index column: a padded int64 shape array, fixed-length strings, or integers of
-    ``dtype`` (``None``: any integer type, for a column this flatopt does not know)."""
+    """One index column: a padded int64 shape array, fixed-length strings, or numbers of
+    ``dtype`` (``None``: a persisted column, integers or floats of at most 8 bytes, checked
+    against the optimizer's schema later)."""
     where = ds.name
     if dtype == "shape":
         if (ds.ndim != 2 or ds.dtype != np.dtype("<i8") or not 1 <= ds.shape[1] <= MAX_NDIM
@@ -274,10 +275,10 @@ def read_column(ck: Contents, ds: h5py.Dataset, dtype, rows: int | None) -> list
             return [bytes(item).decode("utf-8") for item in ds[...]]
         except UnicodeDecodeError:
             raise ck.corrupt(f"index column {where} holds a string that is not UTF-8") from None
-    if (ds.dtype != dtype) if dtype is not None else (ds.dtype.kind not in "iu"
+    if (ds.dtype != dtype) if dtype is not None else (ds.dtype.kind not in "iuf"
                                                      or ds.dtype.itemsize > 8):
-        raise ck.corrupt(f"index column {where} should be {dtype or 'integers'}, is {ds.dtype}")
-    return [int(v) for v in ds[...]]
+        raise ck.corrupt(f"index column {where} should be {dtype or 'numbers'}, is {ds.dtype}")
+    return [v.item() for v in ds[...]]
 
 
 def text_dataset(ck: Contents, parent, name: str) -> str:

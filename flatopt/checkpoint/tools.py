@@ -14,13 +14,12 @@ from .validate import check_data
 
 
 def _state_summary(schema, members) -> dict:
-    """How many parameters have state, and the range of the marker column when it counts
-    (Adam's step) rather than flags (SGD's momentum_initialized)."""
-    marks = [e.columns[schema.marker] for e in members]
-    counts = schema.columns[schema.marker].high > 1
-    return {"step_min": min(marks) if counts and marks else None,
-            "step_max": max(marks) if counts and marks else None,
-            "with_state": sum(1 for m in marks if m)}
+    """How many parameters have state, and the range of their step counts (a ``step``
+    column) when the optimizer keeps one."""
+    steps = [e.columns["step"] for e in members] if "step" in schema.columns else []
+    return {"step_min": min(steps) if steps else None,
+            "step_max": max(steps) if steps else None,
+            "with_state": sum(1 for e in members if schema.stateful(e.columns))}
 
 
 def _plain(value):

@@ -36,6 +36,11 @@ def interpret(ck: Contents) -> None:
     missing = sorted(set(schema.columns) - set(ck.raw_columns))
     if missing:
         raise ck.corrupt(f"index columns {missing} of a {name} checkpoint are missing")
+    index = ck.file["index"]
+    for column_name, column in schema.columns.items():
+        if index[column_name].dtype != np.dtype(column.dtype).newbyteorder("<"):
+            raise ck.corrupt(f"index column {column_name} should be {column.dtype}, is "
+                             f"{index[column_name].dtype}")
     for buffer in ck.buffers.values():
         extra = sorted(set(buffer.datasets) - {"params", *schema.slots})
         if extra:
@@ -104,9 +109,9 @@ def _rows(ck: Contents) -> None:
             raise ck.corrupt(f"{what}: elements [{entry.offset}, {entry.offset + size}) lie "
                              f"outside its buffer of {buffer.length}")
         for name, column in schema.columns.items():
-            if not 0 <= entry.columns[name] <= column.high:
-                raise ck.corrupt(f"{what}: {name} = {entry.columns[name]} is outside "
-                                 f"[0, {column.high}]")
+            problem = column.problem(entry.columns[name])
+            if problem:
+                raise ck.corrupt(f"{what}: {name} {problem} (outside its range)")
         ck.params.append(entry)
         ck.by_path[path] = entry
         buffer.members.append(entry)
@@ -129,7 +134,7 @@ def _packing_and_state(ck: Contents) -> None:
                                            for o, e in zip(offsets, buffer.members)):
             raise ck.corrupt(f"group {key[0]} {key[1]}: offsets or length do not follow "
                              "flatopt's aligned packing (gaps or a wrong length)")
-        if any(e.columns[schema.marker] for e in buffer.members):
+        if any(schema.stateful(e.columns) for e in buffer.members):
             settings = ck.groups[key[0]]["hyperparameters"]
             lacking = [slot for slot in schema.used_slots(settings)
                        if slot not in buffer.datasets]
@@ -148,7 +153,7 @@ def check_data(ck: Contents, staged: dict) -> None:
         problems = slot_value_problems(
             schema, slot, flat, np.array([e.offset for e in members], np.int64),
             np.array([e.size for e in members], np.int64),
-            np.array([e.columns[schema.marker] for e in members], np.int64),
+            np.array([schema.stateful(e.columns) for e in members], bool),
             [e.path for e in members])
         if problems:
             raise ck.corrupt("; ".join(problems), buffer=ck.buffers[key].datasets[slot].name)

@@ -40,7 +40,7 @@ def _index_columns(opt: Optimizer) -> dict[str, list]:
         columns["offset"].append(int(info.offset))
         columns["size"].append(int(info.size))
         for name in opt.schema.columns:
-            columns[name].append(int(buf.columns[name][info.slot]))
+            columns[name].append(buf.columns[name][info.slot].item())
     return columns
 
 
@@ -206,9 +206,9 @@ def _state_problems(opt: Optimizer) -> list[str]:
     for buf in opt.buffers:
         where = f"param group {buf.group} {buf.dtype} buffer"
         found = column_problems(opt.schema, buf.columns, len(buf), where)
-        marker = buf.columns[opt.schema.marker]
+        stateful = opt.schema.stateful(buf.columns)
         for name, flat in buf.state.items():
             found += [f"{where}: {problem}" for problem in slot_value_problems(
-                opt.schema, name, flat, buf.offsets, buf.sizes, marker, buf.paths)]
+                opt.schema, name, flat, buf.offsets, buf.sizes, stateful, buf.paths)]
         problems += found
     return problems
