@@ -87,4 +87,5 @@ class Roofline:
         self.scalars = np.zeros(0, buffer.dtype)
 
     def step(self) -> None:
-        self.kernels.step(self.arrays, self.scalars, (), self.flags, self.layout)
+        self.kernels.step(self.arrays, self.scalars, (), self.flags, self.layout,
+                          self.scalars.dtype.type(1), False)

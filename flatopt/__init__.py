@@ -18,6 +18,8 @@ from .optimizers import (SGD, Adadelta, AdadeltaParamState, Adam, Adamax, Adamax
                          AdamParamState, AdamW, Lion, LionParamState, RAdam, RAdamParamState,
                          RMSprop, RMSpropParamState, Rprop, RpropParamState, SGDParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
+from ._stepping import StepResult
+from .training import EMA, GradScaler, clip_grad_norm, scale_gradients
 
 from . import lr_scheduler  # noqa: E402 (it builds on the optimizer classes above)
 
@@ -27,6 +29,7 @@ __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
+    "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
     "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",

@@ -92,6 +92,37 @@ class Gradients(Mapping):
     def __len__(self) -> int:
         return len(self._opt.index)
 
+    def add(self, grads: Mapping[str, Any]) -> None:
+        """Accumulate gradients (``{path: array}``, e.g. one micro-batch's): a missing gradient
+        becomes the value and is marked present, a present one gets the value added. All are
+        checked before any is added. After ``k`` micro-batches, ``opt.step(grad_scale=k)``
+        steps on their mean; a parameter that got a gradient in only some micro-batches counts
+        zero in the others (as ``.grad`` accumulation does in torch), one that got none stays
+        missing."""
+        if not isinstance(grads, Mapping):
+            raise GradientError(f"add() takes a dict {{path: array}}, got "
+                                f"{type(grads).__name__}")
+        located = []
+        for path, value in grads.items():
+            info = self._locate(path)
+            problem = gradient_problem(info, value)
+            if problem:
+                raise GradientError(problem)
+            located.append((info, value))
+        with self._opt.lock:
+            # values that are views of the gradient buffer are read before anything is added
+            located = [(info, value.copy() if any(np.may_share_memory(value, buf.grads)
+                                                 for buf in self._opt.buffers) else value)
+                       for info, value in located]
+            for info, value in located:
+                buf = self._opt.buffers[info.buffer]
+                view = self._views[info.path]
+                if buf.present[info.slot]:
+                    view += value
+                else:
+                    view[...] = value
+                    buf.present[info.slot] = 1
+
     def mark_present(self, paths: Iterable[str] | None = None) -> None:
         """Mark gradients as present (all of them when ``paths`` is None)."""
         self._mark(paths, 1)

@@ -62,10 +62,15 @@ def group_by_pattern(params: Mapping[str, Any], rules: Sequence[Mapping[str, Any
                         f"{all_patterns}); add a rule or pass rest={{}}: "
                         + ", ".join(repr(p) for p in unmatched))
     if not allow_unused_rules:
-        for number, group_members in enumerate(members):
-            if not group_members:
-                problems.append(f"rule {number} {patterns[number]} matches no parameter; fix "
+        for number, rule_patterns in enumerate(patterns):
+            if not members[number]:
+                problems.append(f"rule {number} {rule_patterns} matches no parameter; fix "
                                 "the pattern or pass allow_unused_rules=True")
+                continue
+            for pattern in rule_patterns:  # each pattern of a list must match something too
+                if not any(fnmatchcase(path, pattern) for path in members[number]):
+                    problems.append(f"rule {number}: pattern {pattern!r} matches no parameter "
+                                    f"(a typo?); fix it or pass allow_unused_rules=True")
     if problems:
         raise GroupAssignmentError("\n".join(problems))
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _params, _restore
+from . import _params, _restore, _stepping
+from ._stepping import StepResult
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._restore import BufferState
 from ._views import Gradients, ParamViews, gradient_problem
@@ -57,6 +59,22 @@ def _locked(method):
     return wrapper
 
 
+def _torch_implementation_arguments(name: str, arguments: dict) -> None:
+    """torch's implementation switches: ``foreach`` and ``fused`` are accepted and ignored
+    (flatopt's step is always one fused kernel per buffer), so torch code ports unchanged;
+    ``capturable`` and ``differentiable`` have no meaning here and are refused when set."""
+    for key in ("foreach", "fused"):
+        value = arguments.pop(key, None)
+        if value is not None and not isinstance(value, bool):
+            raise HyperparameterError(f"{name}: {key} must be None, True or False, got {value!r}")
+    for key, why in (("capturable", "there are no CUDA graphs to capture"),
+                     ("differentiable", "flatopt steps are not part of an autograd graph")):
+        value = arguments.pop(key, False)
+        if value is not False:
+            raise HyperparameterError(f"{name}: {key}={value!r} has no meaning in flatopt "
+                                      f"({why}); leave it out")
+
+
 def _raise(problems: list[str], error: type[Exception]) -> None:
     if problems:
         raise error("\n".join(problems))
@@ -65,11 +83,12 @@ def _raise(problems: list[str], error: type[Exception]) -> None:
 class _Plan:
     """A buffer's kernel arguments for one validated settings dict (rebuilt when it changes)."""
 
-    __slots__ = ("settings", "scalars", "prepare_scalars", "flags", "used", "arrays")
+    __slots__ = ("settings", "scalars", "prepare_scalars", "flags", "used", "arrays", "one")
 
     def __init__(self, settings, scalars, prepare_scalars, flags, used):
         self.settings = settings
         self.scalars = scalars
+        self.one = scalars.dtype.type(1)  # the gradient multiplier of a plain step
         self.prepare_scalars = prepare_scalars
         self.flags = flags
         self.used = used
@@ -88,6 +107,7 @@ class Optimizer:
 
     def __init__(self, params: Any, **defaults: Any):
         name = f"{type(self).__name__}()"
+        _torch_implementation_arguments(name, defaults)
         values, problems = self.schema.check_group(self.schema.defaults(**defaults), name,
                                                    extras=())
         _raise(problems, HyperparameterError)
@@ -100,6 +120,7 @@ class Optimizer:
         self._group_paths: list[tuple[str, ...]] = []
         self._validated: list[tuple[tuple, dict]] = []
         self._plans: list[_Plan | None] = []
+        self._warned_no_gradient = False
         self.lock = threading.RLock()
         """Held by step, zero_grad, add_param_group, state_dict, load_state_dict, restore and
         by flatopt.save / flatopt.load for the whole save or load: one optimizer is safe to
@@ -305,18 +326,42 @@ class Optimizer:
         return plan.arrays
 
     @_locked
-    def step(self, grads: Mapping[str, np.ndarray | None] | None = None) -> None:
+    def step(self, grads: Mapping[str, np.ndarray | None] | None = None, *,
+             max_grad_norm: float | None = None, norm_type: float = 2.0,
+             grad_scale: float | None = None, skip_nonfinite: bool = False,
+             error_if_nonfinite: bool = False) -> StepResult:
         """Take one optimization step.
 
-        Without arguments, steps on the flat gradient buffer (``opt.grads``), updating exactly
+        Without ``grads``, steps on the flat gradient buffer (``opt.grads``), updating exactly
         the parameters whose gradients are marked present. With ``grads`` (path -> array), the
         arrays are copied in first and define presence: an absent path, or ``None``, is a
         missing gradient. Nothing changes if any gradient or hyperparameter is invalid.
+
+        Options, each applied to the present gradients inside the step's own pass over them
+        (the gradient buffer then holds the gradients the update used, as torch leaves them):
+
+        - ``grad_scale``: the gradients are ``grad_scale`` times the true ones (a loss scale,
+          or the number of accumulated micro-batches): divided out.
+        - ``max_grad_norm`` (``norm_type``): clip the total norm of the gradients (after the
+          scale is removed) as ``torch.nn.utils.clip_grad_norm_`` does: multiply by
+          ``min(1, max_grad_norm / (norm + 1e-6))``. One extra reading pass computes the norm.
+        - ``skip_nonfinite``: when a present gradient holds NaN or infinity, skip the whole
+          step: no parameter, state or step count changes.
+        - ``error_if_nonfinite``: raise :class:`GradientError` instead (nothing changes).
+
+        Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``).
         """
         settings = self.settings()
         if grads is not None:
             self._stage_gradients(grads)
+        multiplier, result = _stepping.gradient_multiplier(
+            self, max_grad_norm=max_grad_norm, norm_type=norm_type, grad_scale=grad_scale,
+            skip_nonfinite=skip_nonfinite, error_if_nonfinite=error_if_nonfinite)
+        if result.skipped:
+            return result
+        scale = multiplier != 1.0
         kernels = self._kernels
+        stepped = False
         for buf in self.buffers:
             plan = self._plans[buf.number]
             if plan is None or plan.settings is not settings[buf.group]:
@@ -328,7 +373,17 @@ class Optimizer:
                 arrays = self._arrays(buf, plan)
             if kernels.prepare(buf.present, buf.kernel_columns, plan.prepare_scalars,
                                plan.flags):
-                kernels.step(arrays, plan.scalars, buf.kernel_columns, plan.flags, buf)
+                stepped = True
+                kernels.step(arrays, plan.scalars, buf.kernel_columns, plan.flags, buf,
+                              buf.dtype.type(multiplier) if scale else plan.one, scale)
+        if not stepped and not self._warned_no_gradient:
+            self._warned_no_gradient = True
+            warnings.warn(f"{type(self).__name__}.step(): no gradient is marked present, so "
+                          "nothing was updated. Gradients written into opt.grads[path] (with "
+                          "out= or [...] =) must be marked with opt.grads.mark_present(); "
+                          "opt.grads[path] = value and step(grads) mark them for you. (Said "
+                          "once per optimizer.)", stacklevel=3)
+        return result
 
     def _known(self, path: Any, what: str, problems: list[str]) -> ParamInfo | None:
         """The index record of ``path``, or None after adding a message naming it."""
@@ -381,7 +436,9 @@ class Optimizer:
         if not self.schema.stateful({name: column[slot] for name, column in buf.columns.items()
                                      if name in self.schema.columns}):
             return None
-        entry: dict[str, Any] = {name: int(buf.columns[name][slot])
+        # .item(): a Python int for an integer column, a float for a float one (NAdam's
+        # mu_product), as the schema's checks of an entry expect
+        entry: dict[str, Any] = {name: buf.columns[name][slot].item()
                                  for name in self.schema.state_dict_columns}
         for name in self.schema.slots:
             flat = buf.state.get(name)

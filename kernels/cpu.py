@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 from numba import get_num_threads, njit, prange, uint64
 
 from .._layout import aligned_zeros
@@ -54,16 +55,27 @@ def _prepare_walk(present, columns, scalars, flags):
     return n_present
 
 
+@njit(inline="always", error_model="numpy")
+def _scale(g, start, stop, multiplier):
+    for i in range(start, stop):
+        g[i] = g[i] * multiplier
+
+
 def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_first,
-               chunk_size, serial):
+               chunk_size, serial, grad_multiplier, scale_grads):
+    """``scale_grads``: each segment's gradients are first multiplied in place by
+    ``grad_multiplier`` (loss-scale removal, clipping, averaging), while they are in cache."""
     n_params = offsets.size
     total = arrays[0].size
     one = uint64(1)
     if serial:
         for k in range(n_params):
             if present[k] != 0:
-                span(arrays, scalars, columns, flags, k, uint64(offsets[k]),  # noqa: F821
-                     uint64(offsets[k] + sizes[k]), one)
+                a = uint64(offsets[k])
+                b = uint64(offsets[k] + sizes[k])
+                if scale_grads:
+                    _scale(arrays[1], a, b, grad_multiplier)
+                span(arrays, scalars, columns, flags, k, a, b, one)  # noqa: F821 (bound)
         return
     for c in prange(chunk_first.size):
         lo = c * chunk_size
@@ -71,9 +83,92 @@ def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_f
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                span(arrays, scalars, columns, flags, k, uint64(max(lo, offsets[k])),  # noqa: F821
-                     uint64(min(hi, offsets[k] + sizes[k])), one)
+                a = uint64(max(lo, offsets[k]))
+                b = uint64(min(hi, offsets[k] + sizes[k]))
+                if scale_grads:
+                    _scale(arrays[1], a, b, grad_multiplier)
+                span(arrays, scalars, columns, flags, k, a, b, one)  # noqa: F821 (bound)
             k += 1
+
+
+# Gradient reductions: what a norm or a non-finite check needs of the present gradients.
+COUNT_NONFINITE, SUM_SQUARES, SUM_POWERS, MAX_ABS = 0, 1, 2, 3
+
+
+@njit(inline="always", error_model="numpy")
+def _reduce_segment(g, start, stop, power, mode):
+    """(sum of |g|**power or of g*g, or max |g|; how many values are NaN or infinite), in
+    float64, over g[start:stop]."""
+    value = 0.0
+    bad = 0
+    if mode == SUM_SQUARES:
+        for i in range(start, stop):
+            x = float(g[i])
+            value += x * x
+            bad += not (x - x == 0)
+    elif mode == SUM_POWERS:
+        for i in range(start, stop):
+            x = abs(float(g[i]))
+            value += x ** power
+            bad += not (x - x == 0)
+    elif mode == MAX_ABS:
+        for i in range(start, stop):
+            x = abs(float(g[i]))
+            if not (x <= value):  # NaN propagates, as torch's max does
+                value = x
+            bad += not (x - x == 0)
+    else:
+        for i in range(start, stop):
+            x = g[i]
+            bad += not (x - x == 0)
+    return value, bad
+
+
+@njit(inline="always", error_model="numpy")
+def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, mode, c):
+    lo = c * chunk_size
+    hi = min(lo + chunk_size, g.size)
+    k = chunk_first[c]
+    value = 0.0
+    bad = 0
+    while k < offsets.size and offsets[k] < hi:
+        if present[k] != 0:
+            v, n = _reduce_segment(g, max(lo, offsets[k]), min(hi, offsets[k] + sizes[k]),
+                                   power, mode)
+            if mode == MAX_ABS:
+                if not (v <= value):
+                    value = v
+            else:
+                value += v
+            bad += n
+        k += 1
+    return value, bad
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power, mode, serial):
+    """One pass over the present gradients of a buffer: (value, non-finite count), ``value``
+    per ``mode`` (see the constants). Partial results are combined in chunk order whatever the
+    thread count, so the result does not depend on it."""
+    n_chunks = chunk_first.size
+    partial = np.zeros(n_chunks)
+    partial_bad = np.zeros(n_chunks, np.int64)
+    if serial:
+        for c in range(n_chunks):
+            partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
+                                                       chunk_size, power, mode, c)
+    else:
+        for c in prange(n_chunks):
+            partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
+                                                       chunk_size, power, mode, c)
+    value = 0.0
+    for c in range(n_chunks):
+        if mode == MAX_ABS:
+            if not (partial[c] <= value):
+                value = partial[c]
+        else:
+            value += partial[c]
+    return value, partial_bad.sum()
 
 
 def run_serially(n_elements: int) -> bool:
@@ -90,10 +185,12 @@ class CompiledRule(NamedTuple):
     def prepare(self, present, columns, scalars, flags) -> int:
         return self.prepare_kernel(present, columns, scalars, flags)
 
-    def step(self, arrays, scalars, columns, flags, layout) -> None:
+    def step(self, arrays, scalars, columns, flags, layout, grad_multiplier,
+             scale_grads: bool) -> None:
+        """``grad_multiplier`` is a scalar of the buffer's dtype."""
         self.step_kernel(arrays, scalars, columns, flags, layout.present, layout.offsets,
                          layout.sizes, layout.chunk_first, layout.chunk_size,
-                         run_serially(layout.length))
+                         run_serially(layout.length), grad_multiplier, scale_grads)
 
 
 _compiled: dict[tuple[str, bool], CompiledRule] = {}

@@ -29,17 +29,22 @@ def _prepare_walk(present, columns, scalars, flags):
 
 
 def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_first,
-               chunk_size):
+               chunk_size, grad_multiplier, scale_grads):
     n_params = offsets.size
     total = arrays[0].size
+    g = arrays[1]
     for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                span(arrays, scalars, columns, flags, k,  # noqa: F821 (bound per rule)
-                     max(lo, offsets[k]) + cuda.threadIdx.x, min(hi, offsets[k] + sizes[k]),
+                a = max(lo, offsets[k]) + cuda.threadIdx.x
+                b = min(hi, offsets[k] + sizes[k])
+                if scale_grads:  # each thread scales the elements its span then reads
+                    for i in range(a, b, cuda.blockDim.x):
+                        g[i] = g[i] * grad_multiplier
+                span(arrays, scalars, columns, flags, k, a, b,  # noqa: F821 (bound per rule)
                      cuda.blockDim.x)
             k += 1
 
@@ -58,12 +63,13 @@ class CompiledRule(NamedTuple):
                 present, columns, scalars, flags)
         return n_present
 
-    def step(self, arrays, scalars, columns, flags, layout, threads=THREADS_PER_BLOCK) -> None:
+    def step(self, arrays, scalars, columns, flags, layout, grad_multiplier, scale_grads,
+             threads=THREADS_PER_BLOCK) -> None:
         n_chunks = layout.chunk_first.size
         if n_chunks:
             self.step_kernel[max(1, min(n_chunks, MAX_BLOCKS)), threads](
                 arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
-                layout.chunk_first, layout.chunk_size)
+                layout.chunk_first, layout.chunk_size, grad_multiplier, scale_grads)
 
 
 _compiled: dict[str, CompiledRule] = {}

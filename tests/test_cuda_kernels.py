@@ -40,11 +40,12 @@ def test_cuda_backend_matches_cpu(name, seed, dtype):
     cuda_opt._set_backend("cuda")
     use_small_chunks(cuda_opt)
     rng = np.random.default_rng(100 + seed)
-    for _ in range(4):
+    for step in range(4):
         grads = {k: rng.standard_normal(s).astype(dtype) for k, s in SHAPES.items()
                  if rng.random() < 0.7}
-        cpu_opt.step(grads)
-        cuda_opt.step(grads)
+        scale = 2.0 if step % 2 else None  # the walk's gradient multiplier too
+        cpu_opt.step(grads, grad_scale=scale)
+        cuda_opt.step(grads, grad_scale=scale)
         for path in SHAPES:
             np.testing.assert_allclose(cuda_opt.params[path], cpu_opt.params[path],
                                        **TOLERANCE[dtype], err_msg=path)
