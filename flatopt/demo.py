@@ -1,7 +1,6 @@
-"""Demo: train a small NumPy MLP on generated data with flatopt, print the loss curve and the
-optimizer's step throughput.
-
-    python -m flatopt.demo [--steps 300] [--hidden 256] [--seed 0] [--checkpoint PATH]
+"""Demo: train a small NumPy MLP with flatopt (AdamW, warm-up + cosine schedule, gradient
+clipping inside the step, an EMA of the weights) and print the loss curve and the optimizer's
+step time.
 
 Backprop writes every gradient straight into flatopt's flat gradient buffer (``out=``), so the
 optimizer step reads and writes contiguous memory with no copies.
@@ -39,12 +38,16 @@ def init_mlp(rng: np.random.Generator, d_in: int, hidden: int) -> dict[str, np.n
     }
 
 
-def forward_backward(p, g, x, y) -> float:
-    """Mean squared error of a 2-hidden-layer tanh MLP; writes gradients into ``g``."""
+def forward(p, x) -> tuple[np.ndarray, tuple]:
     h0 = np.tanh(x @ p["encoder.0.weight"] + p["encoder.0.bias"])
     s0 = h0 * p["encoder.norm.scale"]
     h1 = np.tanh(s0 @ p["encoder.1.weight"] + p["encoder.1.bias"])
-    out = h1 @ p["head.weight"] + p["head.bias"]
+    return h1 @ p["head.weight"] + p["head.bias"], (h0, s0, h1)
+
+
+def forward_backward(p, g, x, y) -> float:
+    """Mean squared error of a 2-hidden-layer tanh MLP; writes gradients into ``g``."""
+    out, (h0, s0, h1) = forward(p, x)
     diff = out - y
     loss = float(np.mean(diff * diff))
     d_out = (2.0 / diff.size) * diff
@@ -68,55 +71,103 @@ def build_optimizer(params: dict[str, np.ndarray], lr: float) -> flatopt.AdamW:
     return flatopt.AdamW(groups, lr=lr, weight_decay=0.05)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
+def build_schedule(opt: flatopt.Optimizer, steps: int):
+    """Linear warm-up over the first 5% of the steps, then cosine decay to 1% of the lr."""
+    schedulers = flatopt.lr_scheduler
+    warmup = max(1, steps // 20)
+    cosine_steps = max(1, steps - warmup)
+    eta_min = 0.01 * opt.param_groups[0]["lr"]
+    return schedulers.SequentialLR(opt, [
+        schedulers.LinearLR(opt, start_factor=0.01, total_iters=warmup),
+        schedulers.CosineAnnealingLR(opt, T_max=cosine_steps, eta_min=eta_min)],
+        milestones=[warmup])
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m flatopt.demo",
+        description="Train a small NumPy MLP with flatopt: AdamW with warm-up + cosine, "
+                    "gradient clipping inside the step and an EMA of the weights; prints the "
+                    "loss curve and the optimizer's step time.")
+    parser.add_argument("--steps", type=_positive_int, default=300,
+                        help="training steps (default 300)")
+    parser.add_argument("--hidden", type=_positive_int, default=256,
+                        help="hidden layer width (default 256)")
+    parser.add_argument("--batch", type=_positive_int, default=512,
+                        help="examples per step (default 512)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="max gradient norm, clipped inside the step (default 1.0)")
+    parser.add_argument("--ema", type=float, default=0.99,
+                        help="EMA decay of the weights, with warm-up (default 0.99)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--checkpoint", metavar="PATH",
                         help="save a checkpoint there at the end (inspect it with "
                              "`flatopt inspect PATH`)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    x, y = make_data(rng, 8192, 32)
+    x, y = make_data(rng, 8192 + 2048, 32)
+    x, y, x_eval, y_eval = x[:8192], y[:8192], x[8192:], y[8192:]  # a held-out split
     opt = build_optimizer(init_mlp(rng, 32, args.hidden), args.lr)
+    sched = build_schedule(opt, args.steps)
+    ema = flatopt.EMA(opt, decay=args.ema, warmup=True)
     p, g = opt.params, opt.grads
     n_elements = sum(info.size for info in opt.index)
     print(f"flatopt {flatopt.__version__} demo: AdamW on a {len(opt.index)}-tensor MLP, "
-          f"{n_elements:,} parameters in {len(opt.buffers)} flat buffers")
+          f"{n_elements:,} parameters in {len(opt.buffers)} flat buffers; warm-up + cosine, "
+          f"clip {args.clip}, EMA {args.ema}")
     for number, group in enumerate(opt.param_groups):
         print(f"  group {number} {group.get('label', '')!r}: {len(group['params'])} tensors, "
-              f"lr={group['lr']}, weight_decay={group['weight_decay']}")
+              f"weight_decay={group['weight_decay']}")
 
     step_seconds = []
-    compile_start = time.perf_counter()
+    start = time.perf_counter()
+    loss = float("nan")
     for step in range(1, args.steps + 1):
         batch = rng.integers(0, len(x), args.batch)
         loss = forward_backward(p, g, x[batch], y[batch])
         g.mark_present()
-        start = time.perf_counter()
-        opt.step()
-        elapsed = time.perf_counter() - start
+        t0 = time.perf_counter()
+        result = opt.step(max_grad_norm=args.clip)
+        elapsed = time.perf_counter() - t0
+        ema.update()
+        sched.step()
         if step == 1:
-            print(f"first step (includes kernel compile or cache load): "
-                  f"{time.perf_counter() - compile_start:.2f} s")
+            print(f"first step (includes loading or compiling the kernels): "
+                  f"{time.perf_counter() - start:.2f} s")
         else:
             step_seconds.append(elapsed)
         if step == 1 or step % max(1, args.steps // 15) == 0 or step == args.steps:
             bar = "#" * max(1, int(40 * min(loss, 1.0)))
-            print(f"step {step:5d}  loss {loss:.5f}  {bar}")
-    median = float(np.median(step_seconds)) if step_seconds else float("nan")
-    print(f"optimizer step: median {median * 1e6:.1f} us, "
-          f"{n_elements / median / 1e6:.1f} M elements/s")
+            print(f"step {step:5d}  loss {loss:.5f}  |g| {result.grad_norm:7.3f}  "
+                  f"lr {sched.get_last_lr()[0]:.2e}  {bar}")
+    eval_loss = float(np.mean((forward(p, x_eval)[0] - y_eval) ** 2))
+    with ema.swapped():
+        ema_loss = float(np.mean((forward(p, x_eval)[0] - y_eval) ** 2))
+    print(f"held-out loss: weights {eval_loss:.5f}, EMA weights {ema_loss:.5f}")
+    if step_seconds:
+        median = float(np.median(step_seconds))
+        print(f"optimizer step (AdamW + clipping): median {median * 1e6:.1f} us, "
+              f"{n_elements / median / 1e6:.1f} M elements/s")
+    else:
+        print("optimizer step: one step only, no steady-state timing (use --steps 2 or more)")
     if args.checkpoint:
-        start = time.perf_counter()
-        flatopt.save(args.checkpoint, opt, metadata={"step": args.steps, "seed": args.seed,
-                                                      "loss": loss})
-        print(f"checkpoint saved to {args.checkpoint} in "
-              f"{time.perf_counter() - start:.3f} s (flatopt inspect {args.checkpoint})")
+        t0 = time.perf_counter()
+        flatopt.save(args.checkpoint, opt, scheduler=sched,
+                     metadata={"step": args.steps, "seed": args.seed, "loss": loss})
+        print(f"checkpoint saved to {args.checkpoint} in {time.perf_counter() - t0:.3f} s "
+              f"(flatopt inspect {args.checkpoint})")
     return 0
 
 

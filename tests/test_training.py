@@ -255,3 +255,16 @@ def test_a_step_with_no_gradient_present_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()  # said once per optimizer
+
+
+def test_the_demo_trains_with_its_tools_and_handles_edge_values(capsys):
+    from flatopt import demo
+    assert demo.main(["--steps", "1", "--hidden", "8", "--batch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "one step only" in out and "nan" not in out
+    with pytest.raises(SystemExit):
+        demo.main(["--steps", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
+    assert demo.main(["--steps", "40", "--hidden", "16", "--batch", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "EMA weights" in out and "|g|" in out
