@@ -83,7 +83,8 @@ def _raise(problems: list[str], error: type[Exception]) -> None:
 class _Plan:
     """A buffer's kernel arguments for one validated settings dict (rebuilt when it changes)."""
 
-    __slots__ = ("settings", "scalars", "prepare_scalars", "flags", "used", "arrays", "one")
+    __slots__ = ("settings", "scalars", "prepare_scalars", "flags", "used", "arrays", "one",
+                 "sums")
 
     def __init__(self, settings, scalars, prepare_scalars, flags, used):
         self.settings = settings
@@ -93,6 +94,7 @@ class _Plan:
         self.flags = flags
         self.used = used
         self.arrays = None  # (params, grads, *slots), once the used slots are allocated
+        self.sums = None  # per-parameter totals of a rule with a reduce pass
 
 
 class Optimizer:
@@ -164,6 +166,9 @@ class Optimizer:
                 seen[path] = where
                 array = np.asarray(array) if isinstance(array, np.generic) else array
                 problem = _params.array_problem(path, array)
+            if problem is None and self.schema.param_problem is not None:
+                reason = self.schema.param_problem(array.shape)
+                problem = f"parameter {path!r} {reason}" if reason else None
             if problem is None and any(np.shares_memory(array, buf.params)
                                        for buf in self.buffers):
                 problem = (f"parameter {path!r} is a view of this optimizer's own buffer (it "
@@ -311,6 +316,8 @@ class Optimizer:
         plan = _Plan(settings, np.array(scalars, dtype=buf.dtype),
                      np.array(prepare, dtype=np.float64), tuple(bool(f) for f in flags),
                      self.schema.used_slots(settings))
+        if rule.reductions:
+            plan.sums = np.zeros((len(buf), len(rule.reductions)))
         self._plans[buf.number] = plan
         return plan
 
@@ -374,8 +381,8 @@ class Optimizer:
             if kernels.prepare(buf.present, buf.kernel_columns, plan.prepare_scalars,
                                plan.flags):
                 stepped = True
-                kernels.step(arrays, plan.scalars, buf.kernel_columns, plan.flags, buf,
-                              buf.dtype.type(multiplier) if scale else plan.one, scale)
+                self._update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
+                             else plan.one, scale)
         if not stepped and not self._warned_no_gradient:
             self._warned_no_gradient = True
             warnings.warn(f"{type(self).__name__}.step(): no gradient is marked present, so "
@@ -384,6 +391,27 @@ class Optimizer:
                           "opt.grads[path] = value and step(grads) mark them for you. (Said "
                           "once per optimizer.)", stacklevel=3)
         return result
+
+    def _update(self, buf: FlatBuffer, plan: _Plan, arrays: tuple, multiplier, scale: bool):
+        """The update of one prepared buffer: the rule's reduce and finalize passes when it
+        has per-parameter totals, then its span over every chunk; or, for a rule over whole
+        matrices, its NumPy function per present parameter."""
+        kernels, rule, columns = self._kernels, self.schema.rule, buf.kernel_columns
+        if rule.per_parameter is not None:
+            for k in np.flatnonzero(buf.present):
+                if scale:
+                    buf.view(buf.grads, k)[...] *= multiplier
+                rule.per_parameter(buf.view(buf.params, k), buf.view(buf.grads, k),
+                                   {name: buf.view(buf.state[name], k) for name in plan.used},
+                                   plan.settings)
+            return
+        if rule.reduce is not None:
+            kernels.reduce(arrays, plan.scalars, columns, plan.flags, buf, plan.sums,
+                           multiplier, scale)
+            kernels.finalize(buf.present, columns, plan.prepare_scalars, plan.flags,
+                             plan.sums)
+            scale = False  # the reduce pass scaled the gradients
+        kernels.step(arrays, plan.scalars, columns, plan.flags, buf, multiplier, scale)
 
     def _known(self, path: Any, what: str, problems: list[str]) -> ParamInfo | None:
         """The index record of ``path``, or None after adding a message naming it."""

@@ -214,6 +214,8 @@ class Schema:
     benchmark: dict[str, Any] = field(default_factory=dict)
     """Hyperparameters the benchmark sets besides the defaults, so that the rule does its
     usual work (SGD: momentum)."""
+    param_problem: Callable[[tuple], str | None] | None = None
+    """Why a parameter of this shape cannot be optimized (Muon: not 2-D), or None."""
     eager: bool = False
     """State exists for every parameter from construction (torch's Adagrad): slots start
     from their ``initial`` value, and every parameter has a state-dict entry."""

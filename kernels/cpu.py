@@ -91,6 +91,58 @@ def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_f
             k += 1
 
 
+def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_first,
+                 chunk_size, sums, grad_multiplier, scale_grads):
+    """The rule's ``reduce`` over every present segment, in parallel over chunks; each
+    segment's partial totals are kept apart and added into ``sums[k]`` in chunk order, so the
+    totals do not depend on the thread count. Gradients are scaled here when asked (the step
+    that follows then leaves them alone)."""
+    n_chunks = chunk_first.size
+    n_params = offsets.size
+    total = arrays[0].size
+    first_segment = np.zeros(n_chunks + 1, np.int64)
+    for c in range(n_chunks):
+        hi = min(c * chunk_size + chunk_size, total)
+        k = chunk_first[c]
+        count = 0
+        while k < n_params and offsets[k] < hi:
+            count += 1
+            k += 1
+        first_segment[c + 1] = first_segment[c] + count
+    partial = np.zeros((first_segment[n_chunks], sums.shape[1]))
+    one = uint64(1)
+    for c in prange(n_chunks):
+        lo = c * chunk_size
+        hi = min(lo + chunk_size, total)
+        k = chunk_first[c]
+        segment = first_segment[c]
+        while k < n_params and offsets[k] < hi:
+            if present[k] != 0:
+                a = uint64(max(lo, offsets[k]))
+                b = uint64(min(hi, offsets[k] + sizes[k]))
+                if scale_grads:
+                    _scale(arrays[1], a, b, grad_multiplier)
+                values = reduce(arrays, scalars, columns, flags, k, a, b, one)  # noqa: F821
+                for j in range(sums.shape[1]):
+                    partial[segment, j] = values[j]
+            k += 1
+            segment += 1
+    sums[...] = 0.0
+    for c in range(n_chunks):
+        hi = min(c * chunk_size + chunk_size, total)
+        k = chunk_first[c]
+        segment = first_segment[c]
+        while k < n_params and offsets[k] < hi:
+            for j in range(sums.shape[1]):
+                sums[k, j] += partial[segment, j]
+            k += 1
+            segment += 1
+
+
+def _finalize_walk(present, columns, scalars, flags, sums):
+    finalize(present, columns, scalars, flags, 0, present.size, 1, sums)  # noqa: F821
+
+
 # Gradient reductions: what a norm or a non-finite check needs of the present gradients.
 COUNT_NONFINITE, SUM_SQUARES, SUM_POWERS, MAX_ABS = 0, 1, 2, 3
 
@@ -177,10 +229,22 @@ def run_serially(n_elements: int) -> bool:
 
 
 class CompiledRule(NamedTuple):
-    """A rule's two CPU kernels (Numba dispatchers, compiled on first call or loaded)."""
+    """A rule's CPU kernels (Numba dispatchers, compiled on first call or loaded from the
+    cache): prepare and step, and reduce and finalize for rules with per-parameter totals."""
 
     prepare_kernel: object
     step_kernel: object
+    reduce_kernel: object = None
+    finalize_kernel: object = None
+
+    def reduce(self, arrays, scalars, columns, flags, layout, sums, grad_multiplier,
+               scale_grads: bool) -> None:
+        self.reduce_kernel(arrays, scalars, columns, flags, layout.present, layout.offsets,
+                           layout.sizes, layout.chunk_first, layout.chunk_size, sums,
+                           grad_multiplier, scale_grads)
+
+    def finalize(self, present, columns, scalars, flags, sums) -> None:
+        self.finalize_kernel(present, columns, scalars, flags, sums)
 
     def prepare(self, present, columns, scalars, flags) -> int:
         return self.prepare_kernel(present, columns, scalars, flags)
@@ -207,7 +271,13 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
             _prepare_walk, f"prepare_{key}", prepare=functions[rule.prepare.__name__]))
         step = njit(parallel=True, cache=cache, error_model="numpy")(instantiate(
             _step_walk, f"step_{key}", span=functions[rule.span.__name__]))
-        compiled = _compiled[key, cache] = CompiledRule(prepare, step)
+        reduce = finalize = None
+        if rule.reduce is not None:
+            reduce = njit(parallel=True, cache=cache, error_model="numpy")(instantiate(
+                _reduce_walk, f"reduce_{key}", reduce=functions[rule.reduce.__name__]))
+            finalize = njit(cache=cache)(instantiate(
+                _finalize_walk, f"finalize_{key}", finalize=functions[rule.finalize.__name__]))
+        compiled = _compiled[key, cache] = CompiledRule(prepare, step, reduce, finalize)
     return compiled
 
 

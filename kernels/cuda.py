@@ -49,11 +49,60 @@ def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_f
             k += 1
 
 
+def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_first,
+                 chunk_size, sums, grad_multiplier, scale_grads):
+    """Each thread reduces its strided elements of each segment and adds its partial totals
+    into ``sums[k]`` atomically (the order of additions is not fixed, unlike the CPU's)."""
+    n_params = offsets.size
+    total = arrays[0].size
+    g = arrays[1]
+    for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
+        lo = c * chunk_size
+        hi = min(lo + chunk_size, total)
+        k = chunk_first[c]
+        while k < n_params and offsets[k] < hi:
+            if present[k] != 0:
+                a = max(lo, offsets[k]) + cuda.threadIdx.x
+                b = min(hi, offsets[k] + sizes[k])
+                if scale_grads:
+                    for i in range(a, b, cuda.blockDim.x):
+                        g[i] = g[i] * grad_multiplier
+                if a < b:
+                    values = reduce(arrays, scalars, columns, flags, k, a, b,  # noqa: F821
+                                    cuda.blockDim.x)
+                    for j in range(sums.shape[1]):
+                        cuda.atomic.add(sums, (k, j), values[j])
+            k += 1
+
+
+def _finalize_walk(present, columns, scalars, flags, sums):
+    k = cuda.grid(1)
+    if k < present.size:
+        finalize(present, columns, scalars, flags, k, k + 1, 1, sums)  # noqa: F821 (bound)
+
+
 class CompiledRule(NamedTuple):
-    """A rule's two CUDA kernels, with the launch configuration."""
+    """A rule's CUDA kernels, with the launch configuration."""
 
     prepare_kernel: object
     step_kernel: object
+    reduce_kernel: object = None
+    finalize_kernel: object = None
+
+    def reduce(self, arrays, scalars, columns, flags, layout, sums, grad_multiplier,
+               scale_grads, threads=THREADS_PER_BLOCK) -> None:
+        sums[...] = 0.0
+        n_chunks = layout.chunk_first.size
+        if n_chunks:
+            self.reduce_kernel[max(1, min(n_chunks, MAX_BLOCKS)), threads](
+                arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
+                layout.chunk_first, layout.chunk_size, sums, grad_multiplier, scale_grads)
+
+    def finalize(self, present, columns, scalars, flags, sums) -> None:
+        n = present.size
+        if n:
+            self.finalize_kernel[-(-n // THREADS_PER_BLOCK), THREADS_PER_BLOCK](
+                present, columns, scalars, flags, sums)
 
     def prepare(self, present, columns, scalars, flags) -> int:
         n_present = int(np.count_nonzero(present))  # presence lives on the host
@@ -84,7 +133,13 @@ def compile_rule(rule: Rule) -> CompiledRule:
                                        prepare=functions[rule.prepare.__name__]))
         step = cuda.jit(instantiate(_step_walk, f"step_{key}",
                                     span=functions[rule.span.__name__]))
-        compiled = _compiled[key] = CompiledRule(prepare, step)
+        reduce = finalize = None
+        if rule.reduce is not None:
+            reduce = cuda.jit(instantiate(_reduce_walk, f"reduce_{key}",
+                                          reduce=functions[rule.reduce.__name__]))
+            finalize = cuda.jit(instantiate(_finalize_walk, f"finalize_{key}",
+                                            finalize=functions[rule.finalize.__name__]))
+        compiled = _compiled[key] = CompiledRule(prepare, step, reduce, finalize)
     return compiled
 
 

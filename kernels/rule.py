@@ -14,6 +14,18 @@ An update rule is a few plain Python functions (``kernels/rules/<name>.py``):
   ``scalars`` are float64, laid out as ``Rule.prepare_scalars``.
 - helpers they call (the element-wise rule body itself, shared by every backend).
 
+Rules whose update needs per-parameter totals (LAMB's trust ratio ||p|| / ||update||) add:
+
+- ``reduce(arrays, scalars, columns, flags, k, start, stop, stride)``: run over every segment
+  of a present parameter before ``span`` (it may update state); returns a tuple of
+  ``len(Rule.reductions)`` float64 partial sums, which the backend adds up per parameter;
+- ``finalize(present, columns, scalars, flags, start, stop, stride, sums)``: like prepare, with
+  ``sums[k, j]`` the totals of parameter ``k``; it stores what ``span`` needs in columns.
+
+Rules that work on whole matrices (Muon's Newton-Schulz iteration) give ``per_parameter``, a
+NumPy function ``(param, grad, state, settings, step)`` called for each present parameter with
+views shaped like the parameter, after ``prepare``; their ``span`` does nothing.
+
 Backends (``kernels.cpu``, ``kernels.cuda``) compile those functions for their target and plug
 ``span`` and ``prepare`` into their one chunk walk. The layouts are NamedTuple classes: the
 optimizer builds values by name, the kernel reads them by name through :func:`positions`, and no
@@ -62,13 +74,21 @@ class Rule:
     scalars: type = NoScalars
     prepare_scalars: type = NoScalars
     flags: type = NoScalars
+    reduce: Callable | None = None
+    finalize: Callable | None = None
+    reductions: tuple[str, ...] = ()
+    """Names of the per-parameter totals ``reduce`` returns, in order."""
+    per_parameter: Callable | None = None
     fingerprint: str = field(init=False)
     """A digest of the rule's source: compiled kernels are cached under it, so editing a
     rule can never load a stale kernel from Numba's on-disk cache."""
 
     def __post_init__(self) -> None:
+        if (self.reduce is None) != (self.finalize is None) or \
+                (self.reduce is not None) != bool(self.reductions):
+            raise TypeError(f"rule {self.name!r}: reduce, finalize and reductions go together")
         digest = hashlib.sha256()
-        for function in self.functions:
+        for function in (*self.functions, *filter(None, [self.per_parameter])):
             digest.update(inspect.getsource(function).encode())
         for layout in (self.scalars, self.prepare_scalars, self.flags):
             digest.update(repr(layout._fields).encode())
@@ -77,7 +97,9 @@ class Rule:
 
     @property
     def functions(self) -> tuple[Callable, ...]:
-        return (self.span, self.prepare, *self.helpers)
+        """The functions a backend compiles."""
+        return (self.span, self.prepare, *filter(None, [self.reduce, self.finalize]),
+                *self.helpers)
 
     def column_dtype(self, name: str, param_dtype: np.dtype) -> np.dtype:
         kind = self.columns[name]

@@ -1,0 +1,118 @@
+"""LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), as apex's FusedLAMB:
+Adam's moments, then a per-parameter trust ratio ||p|| / ||update||."""
+
+import math
+from typing import NamedTuple
+
+from ..rule import Rule, positions
+
+
+class Scalars(NamedTuple):
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+
+
+class PrepareScalars(NamedTuple):
+    lr: float
+    beta1: float
+    beta2: float
+
+
+class Flags(NamedTuple):
+    bias_correction: bool
+    adapt: bool
+    maximize: bool
+
+
+class Columns(NamedTuple):
+    step: int
+    bias_correction1: float
+    bias_correction2: float
+    neg_step_size: float
+
+
+S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
+              positions(Columns))
+
+
+def lamb_direction(p, m, v, bias_correction1, bias_correction2, eps, weight_decay):
+    """The update direction ``m_hat / (sqrt(v_hat) + eps) + weight_decay * p``."""
+    return (m / bias_correction1) / (math.sqrt(v / bias_correction2) + eps) + weight_decay * p
+
+
+def lamb_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
+    """Moments, then the totals of p**2 and direction**2 over the segment (float64)."""
+    p, g, m, v = arrays
+    beta1 = scalars[S.beta1]
+    one_minus_beta1 = scalars[S.one_minus_beta1]
+    beta2 = scalars[S.beta2]
+    one_minus_beta2 = scalars[S.one_minus_beta2]
+    eps = scalars[S.eps]
+    weight_decay = scalars[S.weight_decay]
+    bc1 = columns[C.bias_correction1][k]
+    bc2 = columns[C.bias_correction2][k]
+    maximize = flags[F.maximize]
+    param_sq = 0.0
+    direction_sq = 0.0
+    for i in range(start, stop, stride):
+        gi = -g[i] if maximize else g[i]
+        mi = beta1 * m[i] + one_minus_beta1 * gi
+        vi = beta2 * v[i] + (one_minus_beta2 * gi) * gi
+        m[i] = mi
+        v[i] = vi
+        r = lamb_direction(p[i], mi, vi, bc1, bc2, eps, weight_decay)
+        param_sq += float(p[i]) * float(p[i])
+        direction_sq += float(r) * float(r)
+    return param_sq, direction_sq
+
+
+def lamb_finalize(present, columns, scalars, flags, start, stop, stride, sums):
+    """The step size ``lr * ||p|| / ||direction||`` (lr when either norm is zero, or when the
+    ratio does not apply: no weight decay and not ``always_adapt``, as apex does)."""
+    neg_step_size = columns[C.neg_step_size]
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            ratio = 1.0
+            if flags[F.adapt] and sums[k, 0] > 0 and sums[k, 1] > 0:
+                ratio = math.sqrt(sums[k, 0]) / math.sqrt(sums[k, 1])
+            neg_step_size[k] = -(scalars[P.lr] * ratio)
+
+
+def lamb_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    p, g, m, v = arrays
+    eps = scalars[S.eps]
+    weight_decay = scalars[S.weight_decay]
+    bc1 = columns[C.bias_correction1][k]
+    bc2 = columns[C.bias_correction2][k]
+    step_size = columns[C.neg_step_size][k]
+    for i in range(start, stop, stride):
+        p[i] = p[i] + step_size * lamb_direction(p[i], m[i], v[i], bc1, bc2, eps, weight_decay)
+
+
+def lamb_prepare(present, columns, scalars, flags, start, stop, stride):
+    """The parameter's own step count and its bias corrections ``1 - beta**t`` (1 without
+    bias correction), in float64, stored in the buffer's dtype."""
+    steps = columns[C.step]
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            steps[k] += 1
+            t = float(steps[k])
+            if flags[F.bias_correction]:  # float64 on purpose, literals too
+                columns[C.bias_correction1][k] = 1.0 - scalars[P.beta1] ** t
+                columns[C.bias_correction2][k] = 1.0 - scalars[P.beta2] ** t
+            else:
+                columns[C.bias_correction1][k] = 1.0
+                columns[C.bias_correction2][k] = 1.0
+
+
+RULE = Rule(name="lamb", span=lamb_span, prepare=lamb_prepare, helpers=(lamb_direction,),
+            slots=("exp_avg", "exp_avg_sq"),
+            columns={"step": "int64", "bias_correction1": "param",
+                     "bias_correction2": "param", "neg_step_size": "param"},
+            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags,
+            reduce=lamb_reduce, finalize=lamb_finalize,
+            reductions=("param_norm_sq", "direction_norm_sq"))

@@ -1,0 +1,83 @@
+"""Muon (torch.optim.Muon): momentum, then Newton-Schulz orthogonalisation of each 2-D update.
+
+The orthogonalisation needs whole matrices, so this rule's update is ``muon_update``, a NumPy
+function run per present parameter (``Rule.per_parameter``); its kernels only mark which
+parameters have a momentum buffer."""
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from ..rule import Rule, positions
+
+
+class Columns(NamedTuple):
+    momentum_initialized: int
+
+
+C = positions(Columns)
+
+
+def muon_prepare(present, columns, scalars, flags, start, stop, stride):
+    initialized = columns[C.momentum_initialized]
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            initialized[k] = 1
+
+
+def muon_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    pass  # the update is muon_update, per parameter
+
+
+def _lerp(start, end, weight, dtype):
+    """torch's lerp, from the nearer end, with the weight in the tensors' dtype."""
+    w = dtype.type(weight)
+    if abs(float(w)) < 0.5:
+        return start + w * (end - start)
+    return end - (dtype.type(1) - w) * (end - start)
+
+
+def zeropower_via_newtonschulz(update: np.ndarray, coefficients, steps: int,
+                               eps: float) -> np.ndarray:
+    """torch's ``_zeropower_via_newtonschulz`` in the update's own dtype (torch: bfloat16)."""
+    a, b, c = (update.dtype.type(x) for x in coefficients)
+    x = update.T if update.shape[0] > update.shape[1] else update
+    x = x / max(update.dtype.type(np.linalg.norm(x)), update.dtype.type(eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T if update.shape[0] > update.shape[1] else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    else:  # "match_rms_adamw"
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    return lr * ratio
+
+
+def muon_update(param, grad, state, settings):
+    """One parameter's step (torch's ``_single_tensor_muon``)::
+
+        buf = lerp(buf, g, 1 - momentum)
+        u = lerp(g, buf, momentum) if nesterov else buf
+        O = NewtonSchulz(u)
+        p = p * (1 - lr * weight_decay) - adjusted_lr * O
+    """
+    dtype = param.dtype
+    buf = state["momentum_buffer"]
+    momentum = settings["momentum"]
+    buf[...] = _lerp(buf, grad, 1.0 - momentum, dtype)
+    update = _lerp(grad, buf, momentum, dtype) if settings["nesterov"] else buf
+    ortho = zeropower_via_newtonschulz(update, settings["ns_coefficients"],
+                                       settings["ns_steps"], settings["eps"])
+    param *= dtype.type(1.0 - settings["lr"] * settings["weight_decay"])
+    param += dtype.type(-adjusted_lr(settings["lr"], settings["adjust_lr_fn"], param.shape)) * ortho
+
+
+RULE = Rule(name="muon", span=muon_span, prepare=muon_prepare, helpers=(),
+            slots=("momentum_buffer",), columns={"momentum_initialized": "uint8"},
+            per_parameter=muon_update)
