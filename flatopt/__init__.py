@@ -14,8 +14,9 @@ from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, Fla
                      StateDictError, UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
-from .optimizers import (SGD, Adadelta, AdadeltaParamState, Adam, Adamax, AdamaxParamState,
-                         AdamParamState, AdamW, Lion, LionParamState, RAdam, RAdamParamState,
+from .optimizers import (ASGD, SGD, Adadelta, AdadeltaParamState, Adagrad, AdagradParamState,
+                         Adam, Adamax, AdamaxParamState, AdamParamState, AdamW, ASGDParamState,
+                         Lion, LionParamState, NAdam, NAdamParamState, RAdam, RAdamParamState,
                          RMSprop, RMSpropParamState, Rprop, RpropParamState, SGDParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
 from ._stepping import StepResult
@@ -27,12 +28,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
+    "NAdam", "ASGD", "Adagrad",
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
     "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",
+    "NAdamParamState", "ASGDParamState", "AdagradParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",

@@ -1,9 +1,12 @@
 """The optimizers, one module each (schema + class), registered in ``flatopt.registry``."""
 
 from .adadelta import Adadelta, AdadeltaParamState
+from .adagrad import Adagrad, AdagradParamState
 from .adam import Adam, AdamParamState, AdamW
 from .adamax import Adamax, AdamaxParamState
+from .asgd import ASGD, ASGDParamState
 from .lion import Lion, LionParamState
+from .nadam import NAdam, NAdamParamState
 from .radam import RAdam, RAdamParamState
 from .rmsprop import RMSprop, RMSpropParamState
 from .rprop import Rprop, RpropParamState
@@ -12,4 +15,6 @@ from .sgd import SGD, SGDParamState
 __all__ = ["SGD", "SGDParamState", "Adam", "AdamW", "AdamParamState",
            "Adamax", "AdamaxParamState", "RAdam", "RAdamParamState",
            "Adadelta", "AdadeltaParamState", "RMSprop", "RMSpropParamState",
-           "Rprop", "RpropParamState", "Lion", "LionParamState"]
+           "Rprop", "RpropParamState", "Lion", "LionParamState",
+           "NAdam", "NAdamParamState", "ASGD", "ASGDParamState",
+           "Adagrad", "AdagradParamState"]

@@ -1,0 +1,99 @@
+"""NAdam (torch.optim.NAdam semantics): Adam with Nesterov momentum and a momentum schedule."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+
+from ..kernels.rules import nadam as rule
+from ..optimizer import Optimizer
+from ..registry import register
+from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, betas, flag, non_negative
+from .adam import lerp_from_end
+
+
+class NAdamParamState(NamedTuple):
+    """One parameter's NAdam state; arrays are views into the flat state buffers."""
+
+    step: int
+    mu_product: float
+    exp_avg: np.ndarray
+    exp_avg_sq: np.ndarray
+
+
+SCHEMA = Schema(
+    name="NAdam", rule=rule.RULE, torch_name="NAdam", record=NAdamParamState,
+    hyperparameters={
+        "lr": Hyperparameter(2e-3, non_negative, (2e-3, 1e-2)),
+        "betas": Hyperparameter((0.9, 0.999), betas,
+                                ((0.9, 0.999), (0.8, 0.99), (0.5, 0.999), (0.3, 0.9),
+                                 (0.0, 0.999))),
+        "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-6)),
+        "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
+        # 0 keeps mu at beta1 / 2; 0.5 moves it towards beta1 within a short run
+        "momentum_decay": Hyperparameter(4e-3, non_negative, (4e-3, 0.0, 0.5)),
+        "decoupled_weight_decay": Hyperparameter(False, flag, (False, True)),
+        "maximize": Hyperparameter(False, flag, (False, True)),
+    },
+    # mu_product is a product of factors mu_t in [0, beta1), from 1 at the first step.
+    columns={"step": Column("int64", MAX_STEP, marker=True),
+             "mu_product": Column("float64", 1.0)},
+    slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True)},
+)
+
+
+@register
+class NAdam(Optimizer):
+    r"""NAdam (Dozat 2016, "Incorporating Nesterov Momentum into Adam"), with L2 or decoupled
+    weight decay (NAdamW) and maximize, as torch.optim.NAdam.
+
+    For each parameter with a gradient, with ``t`` that parameter's own step count and
+    ``mu_product`` its product of the ``mu`` so far (1 before its first step)::
+
+        g = -grad if maximize else grad
+        t = t + 1
+        p = p * (1 - lr * weight_decay)              decoupled_weight_decay, whatever g is
+        g = g + weight_decay * p                     otherwise (L2 into the gradient)
+        mu = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))
+        mu_next = beta1 * (1 - 0.5 * 0.96 ** ((t + 1) * momentum_decay))
+        mu_product = mu_product * mu
+        m = m + (1 - beta1) * (g - m)
+        v = beta2 * v + (1 - beta2) * g * g
+        denom = sqrt(v / (1 - beta2**t)) + eps
+        p = p - lr * (1 - mu) / (1 - mu_product) * g / denom
+        p = p - lr * mu_next / (1 - mu_product * mu_next) * m / denom
+
+    State: ``step``, ``mu_product`` (a float64 number), ``exp_avg``, ``exp_avg_sq``, as in
+    torch. A missing gradient skips the parameter entirely; a zero gradient is a real step.
+    """
+
+    schema = SCHEMA
+
+    def __init__(self, params: Any, lr: float = 2e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, momentum_decay: float = 4e-3,
+                 decoupled_weight_decay: bool = False, *, maximize: bool = False,
+                 **unknown: Any):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         momentum_decay=momentum_decay,
+                         decoupled_weight_decay=decoupled_weight_decay, maximize=maximize,
+                         **unknown)
+
+    def kernel_scalars(self, s: Mapping[str, Any], dtype: np.dtype) -> rule.Scalars:
+        beta1, beta2 = s["betas"]
+        lr, weight_decay = s["lr"], s["weight_decay"]
+        weight = float(dtype.type(1.0 - beta1))  # torch's lerp weight, in the tensor's dtype
+        return rule.Scalars(
+            lerp_coefficient=weight - 1.0 if lerp_from_end(s) else weight,  # exact: Sterbenz
+            beta2=beta2, one_minus_beta2=1.0 - beta2, eps=s["eps"], weight_decay=weight_decay,
+            decoupled_decay_factor=1.0 - lr * weight_decay)
+
+    def prepare_scalars(self, s: Mapping[str, Any]) -> rule.PrepareScalars:
+        beta1, beta2 = s["betas"]
+        return rule.PrepareScalars(lr=s["lr"], beta1=beta1, beta2=beta2,
+                                   momentum_decay=s["momentum_decay"])
+
+    def kernel_flags(self, s: Mapping[str, Any]) -> rule.Flags:
+        return rule.Flags(has_weight_decay=s["weight_decay"] != 0,
+                          decoupled=s["decoupled_weight_decay"], maximize=s["maximize"],
+                          lerp_from_end=lerp_from_end(s))

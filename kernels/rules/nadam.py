@@ -1,0 +1,153 @@
+"""NAdam (torch.optim.NAdam): Adam with Nesterov momentum and a momentum schedule (Dozat 2016)."""
+
+import math
+from typing import NamedTuple
+
+from ..rule import Rule, positions
+
+
+class Scalars(NamedTuple):
+    lerp_coefficient: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+    decoupled_decay_factor: float
+
+
+class PrepareScalars(NamedTuple):
+    lr: float
+    beta1: float
+    beta2: float
+    momentum_decay: float
+
+
+class Flags(NamedTuple):
+    has_weight_decay: bool
+    decoupled: bool
+    maximize: bool
+    lerp_from_end: bool
+
+
+class Columns(NamedTuple):
+    step: int
+    mu_product: float
+    bias_correction2: float
+    grad_coefficient: float
+    exp_avg_coefficient: float
+
+
+S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
+              positions(Columns))
+
+
+def nadam_rule(p, g, m, v, bias_correction2, grad_coefficient, exp_avg_coefficient,
+               lerp_coefficient, beta2, one_minus_beta2, eps, weight_decay,
+               decoupled_decay_factor, has_weight_decay, decoupled, maximize, lerp_from_end):
+    """One NAdam element update; returns ``(p, m, v)``.
+
+    With the per-parameter values of :func:`nadam_prepare`::
+
+        g = -g                                         if maximize
+        p = p * (1 - lr * weight_decay)                if weight_decay != 0 and decoupled
+        g = g + weight_decay * p                       if weight_decay != 0 and not decoupled
+        m = lerp(m, g, 1 - beta1)                      (torch's lerp, as Adam)
+        v = beta2 * v + (1 - beta2) * g * g
+        denom = sqrt(v / (1 - beta2**t)) + eps
+        p = p + (-lr * (1 - mu_t) / (1 - mu_product_t)) * g / denom
+        p = p + (-lr * mu_{t+1} / (1 - mu_product_t * mu_{t+1})) * m / denom
+
+    in torch's order (two ``addcdiv``: the coefficient times the numerator, divided by
+    ``denom``, then added).
+    """
+    if maximize:
+        g = -g
+    if has_weight_decay:
+        if decoupled:
+            p = p * decoupled_decay_factor
+        else:
+            g = g + weight_decay * p
+    if lerp_from_end:
+        m = g + lerp_coefficient * (g - m)
+    else:
+        m = m + lerp_coefficient * (g - m)
+    v = v * beta2 + (one_minus_beta2 * g) * g
+    denom = math.sqrt(v / bias_correction2) + eps
+    p = p + (grad_coefficient * g) / denom
+    p = p + (exp_avg_coefficient * m) / denom
+    return p, m, v
+
+
+def nadam_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    p, g, m, v = arrays
+    bias_correction2 = columns[C.bias_correction2][k]
+    grad_coefficient = columns[C.grad_coefficient][k]
+    exp_avg_coefficient = columns[C.exp_avg_coefficient][k]
+    lerp_coefficient = scalars[S.lerp_coefficient]
+    beta2 = scalars[S.beta2]
+    one_minus_beta2 = scalars[S.one_minus_beta2]
+    eps = scalars[S.eps]
+    weight_decay = scalars[S.weight_decay]
+    decay_factor = scalars[S.decoupled_decay_factor]
+    has_weight_decay = flags[F.has_weight_decay]
+    decoupled = flags[F.decoupled]
+    maximize = flags[F.maximize]
+    lerp_from_end = flags[F.lerp_from_end]
+    for i in range(start, stop, stride):
+        p[i], m[i], v[i] = nadam_rule(
+            p[i], g[i], m[i], v[i], bias_correction2, grad_coefficient, exp_avg_coefficient,
+            lerp_coefficient, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
+            has_weight_decay, decoupled, maximize, lerp_from_end)
+
+
+def nadam_prepare(present, columns, scalars, flags, start, stop, stride):
+    """Advance each present parameter's own step count ``t`` and its ``mu_product`` (set to 1
+    when ``t`` becomes 1, as torch creates it), and form, in float64 as torch does in Python::
+
+        mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))
+        mu_next = beta1 * (1 - 0.5 * 0.96 ** ((t + 1) * momentum_decay))
+        mu_product = mu_product * mu_t
+        bias_correction2 = 1 - beta2**t
+        grad_coefficient = -lr * (1 - mu_t) / (1 - mu_product)
+        exp_avg_coefficient = (-lr * mu_next) / (1 - mu_product * mu_next)
+
+    The last three are stored in the buffer's dtype. The powers are computed once per
+    distinct step count in a run (the same values, not an approximation).
+    """
+    steps = columns[C.step]
+    mu_product = columns[C.mu_product]
+    bias_correction2 = columns[C.bias_correction2]
+    grad_coefficient = columns[C.grad_coefficient]
+    exp_avg_coefficient = columns[C.exp_avg_coefficient]
+    lr = scalars[P.lr]
+    beta1 = scalars[P.beta1]
+    beta2 = scalars[P.beta2]
+    momentum_decay = scalars[P.momentum_decay]
+    last_step = -1
+    mu = 0.0
+    mu_next = 0.0
+    correction2 = 0.0
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            steps[k] += 1
+            if steps[k] != last_step:
+                # float64 on purpose (the literals too): torch forms these scalars in Python
+                last_step = steps[k]
+                t = float(last_step)
+                correction2 = 1.0 - beta2 ** t
+                mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
+                mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1.0) * momentum_decay)))
+            if steps[k] == 1:
+                mu_product[k] = 1.0
+            product = mu_product[k] * mu
+            mu_product[k] = product
+            bias_correction2[k] = correction2
+            grad_coefficient[k] = -lr * (1.0 - mu) / (1.0 - product)
+            exp_avg_coefficient[k] = (-lr * mu_next) / (1.0 - product * mu_next)
+
+
+RULE = Rule(name="nadam", span=nadam_span, prepare=nadam_prepare, helpers=(nadam_rule,),
+            slots=("exp_avg", "exp_avg_sq"),
+            columns={"step": "int64", "mu_product": "float64", "bias_correction2": "param",
+                     "grad_coefficient": "param", "exp_avg_coefficient": "param"},
+            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)
