@@ -23,6 +23,11 @@ class ReferenceOptimizer:
         self.rule = RULES[kind]
         self.groups = [({k: v.copy() for k, v in params.items()}, dict(hp)) for params, hp in groups]
         self.state: dict[str, dict] = {}
+        initial = INITIAL_STATE.get(kind)
+        if initial is not None:  # eager state: every parameter has state from the start
+            for params, hp in self.groups:
+                for path, p in params.items():
+                    self.state[path] = initial(p, hp)
 
     @property
     def params(self) -> dict[str, np.ndarray]:
@@ -222,7 +227,76 @@ def lion(state, p, g, hp):
     return p
 
 
+def nadam(state, p, g, hp):
+    t = p.dtype.type
+    beta1, beta2 = hp["betas"]
+    lr, wd, momentum_decay = hp["lr"], hp["weight_decay"], hp["momentum_decay"]
+    if not state:
+        state.update(step=0, mu_product=1.0, exp_avg=np.zeros_like(p),
+                     exp_avg_sq=np.zeros_like(p))
+    g = -g if hp["maximize"] else g.copy()
+    state["step"] += 1
+    step = float(state["step"])
+    bias_correction2 = 1 - beta2 ** step
+    if wd != 0:
+        if hp["decoupled_weight_decay"]:
+            p = p * t(1 - lr * wd)
+        else:
+            g = g + t(wd) * p
+    mu = beta1 * (1.0 - 0.5 * (0.96 ** (step * momentum_decay)))
+    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * momentum_decay)))
+    state["mu_product"] *= mu  # a Python float (torch: a 0-d tensor of its default dtype)
+    mu_product = state["mu_product"]
+    m = state["exp_avg"] = _lerp(state["exp_avg"], g, t(1 - beta1))
+    v = state["exp_avg_sq"] = state["exp_avg_sq"] * t(beta2) + t(1 - beta2) * g * g
+    denom = np.sqrt(v / t(bias_correction2)) + t(hp["eps"])
+    p = p + (t(-lr * (1.0 - mu) / (1.0 - mu_product)) * g) / denom
+    return p + (t((-lr * mu_next) / (1.0 - mu_product * mu_next)) * m) / denom
+
+
+def asgd(state, p, g, hp):
+    t = p.dtype.type
+    lr, lambd = hp["lr"], hp["lambd"]
+    if not state:  # created at the parameter's first step: eta = the group's lr then
+        state.update(step=0, eta=lr, mu=1.0, ax=np.zeros_like(p))
+    g = -g if hp["maximize"] else g.copy()
+    state["step"] += 1
+    if hp["weight_decay"] != 0:
+        g = g + t(hp["weight_decay"]) * p
+    eta = state["eta"]
+    p = p * t(1 - lambd * eta)
+    p = p + t(-eta) * g
+    if state["mu"] != 1:
+        state["ax"] = state["ax"] + (p - state["ax"]) * t(state["mu"])
+    else:
+        state["ax"] = np.copy(p)
+    step = float(state["step"])  # eta and mu for the next step, from the new count
+    state["eta"] = lr / ((1 + lambd * lr * step) ** hp["alpha"])
+    state["mu"] = 1 / max(1, step - hp["t0"])
+    return p
+
+
+def adagrad_initial(p, hp):
+    return {"step": 0, "sum": np.full_like(p, hp["initial_accumulator_value"])}
+
+
+def adagrad(state, p, g, hp):
+    t = p.dtype.type
+    state["step"] += 1
+    g = -g if hp["maximize"] else g.copy()
+    if hp["weight_decay"] != 0:
+        g = g + t(hp["weight_decay"]) * p
+    clr = hp["lr"] / (1 + (float(state["step"]) - 1) * hp["lr_decay"])
+    s = state["sum"] = state["sum"] + g * g
+    return p + (t(-clr) * g) / (np.sqrt(s) + t(hp["eps"]))
+
+
 RULES = {"SGD": sgd, "Adam": adam, "AdamW": adamw, "Adamax": adamax, "RAdam": radam,
-         "Adadelta": adadelta, "RMSprop": rmsprop, "Rprop": rprop, "Lion": lion}
+         "Adadelta": adadelta, "RMSprop": rmsprop, "Rprop": rprop, "Lion": lion,
+         "NAdam": nadam, "ASGD": asgd, "Adagrad": adagrad}
 """Registry name -> reference rule ``(state, p, g, hyperparameters) -> new p``; ``state`` is
 the parameter's dict, filled by the rule (empty until the parameter has state)."""
+
+INITIAL_STATE = {"Adagrad": adagrad_initial}
+"""Registry name -> ``(p, hyperparameters) -> state`` for optimizers whose state exists from
+construction (eager schemas): every parameter starts with it, gradient or not."""

@@ -1,7 +1,8 @@
 """Rule-specific behaviour the generic suite (random configurations) may not reach: RAdam's
 rectification switch taken per parameter at its boundary, Rprop's sign-flip handling and
 first-step seeding, Adamax's infinity norm, RMSprop's slots, Lion against hand-computed
-values, and the constructors' signatures and checks."""
+values, NAdam's per-parameter mu_product, ASGD's eta and its switch to averaging after t0,
+Adagrad's eager state and lr_decay, and the constructors' signatures and checks."""
 
 from __future__ import annotations
 
@@ -174,8 +175,185 @@ def test_lion_maximize_ascends_and_a_zero_gradient_still_decays():
     np.testing.assert_allclose(opt.params["b"], [0.9])
 
 
+# ------------------------------------------------------------------------------ NAdam, ASGD
+@pytest.fixture
+def torch_float64():
+    """torch keeps NAdam's mu_product and ASGD's eta and mu in its default dtype; flatopt in
+    float64, which is torch's with float64 as the default dtype."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _mu(beta1, momentum_decay, t):
+    return beta1 * (1.0 - 0.5 * 0.96 ** (t * momentum_decay))
+
+
+def test_nadam_mu_product_is_per_parameter_and_matches_torch(torch_float64):
+    """mu_product starts at 1 at a parameter's own first step and multiplies in mu_t of its
+    own step counts; it is a float in the state dict, survives a state-dict round trip, and
+    equals torch's."""
+    rng = np.random.default_rng(3)
+    values = {"early": rng.standard_normal(6), "late": rng.standard_normal(6)}
+    opt, torch_opt, tensors = _torch_pair("NAdam", values, lr=0.01, momentum_decay=0.2,
+                                          weight_decay=0.1)
+    for step in range(8):
+        grads = {"early": rng.standard_normal(6)}
+        if step >= 5:
+            grads["late"] = rng.standard_normal(6)
+        if step == 6:
+            opt.param_groups[0]["lr"] = torch_opt.param_groups[0]["lr"] = 0.003
+        _step_both(opt, torch_opt, tensors, grads)
+        for path, t in tensors.items():
+            np.testing.assert_allclose(opt.params[path], t.detach().numpy(), rtol=1e-14)
+    expected = {"early": np.prod([_mu(0.9, 0.2, t) for t in range(1, 9)]),
+                "late": np.prod([_mu(0.9, 0.2, t) for t in range(1, 4)])}
+    for path, t in tensors.items():
+        entry = opt.state_dict()["state"][path]
+        assert type(entry["mu_product"]) is float
+        np.testing.assert_allclose(entry["mu_product"], expected[path], rtol=1e-15)
+        np.testing.assert_allclose(entry["mu_product"],
+                                   torch_opt.state[t]["mu_product"].item(), rtol=1e-15)
+    snapshot = opt.state_dict()
+    copy = flatopt.NAdam({k: v.copy() for k, v in opt.params.items()}, lr=0.003,
+                         momentum_decay=0.2, weight_decay=0.1)
+    copy.load_state_dict(snapshot)
+    grads = {k: rng.standard_normal(6) for k in values}
+    opt.step(grads)
+    copy.step(grads)
+    for path in values:
+        np.testing.assert_array_equal(copy.params[path], opt.params[path])
+        assert copy.state_of(path).mu_product == opt.state_of(path).mu_product
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"mu_product": 1.5}, "mu_product"), ({"mu_product": float("nan")}, "mu_product"),
+    ({"mu_product": -0.1}, "mu_product"), ({"mu_product": True}, "mu_product"),
+])
+def test_nadam_mu_product_in_a_state_dict_is_checked(entry, message):
+    opt = flatopt.NAdam({"w": np.zeros(3)})
+    opt.step({"w": np.ones(3)})
+    snapshot = opt.state_dict()
+    snapshot["state"]["w"].update(entry)
+    with pytest.raises(flatopt.StateDictError, match=message):
+        opt.load_state_dict(snapshot)
+
+
+def test_asgd_switches_to_averaging_after_t0_and_matches_torch(torch_float64):
+    """With t0 = 2.5, mu = 1 / max(1, t - t0) is 1 after steps 1 to 3 (ax is a copy of the
+    parameter) and 1/1.5 after step 4, so step 5 is the first averaged one. eta starts at
+    the lr of the parameter's first step and follows the lr of the step before."""
+    rng = np.random.default_rng(4)
+    values = {"w": rng.standard_normal(5), "late": rng.standard_normal(5)}
+    opt, torch_opt, tensors = _torch_pair("ASGD", values, lr=0.1, lambd=0.5, alpha=0.75,
+                                          t0=2.5, weight_decay=0.05)
+    for step in range(1, 9):
+        grads = {"w": rng.standard_normal(5)}
+        if step >= 4:
+            grads["late"] = rng.standard_normal(5)
+        if step == 3:
+            opt.param_groups[0]["lr"] = torch_opt.param_groups[0]["lr"] = 0.05
+        before = opt.state_of("w").ax.copy() if step > 1 else None
+        _step_both(opt, torch_opt, tensors, grads)
+        state = opt.state_of("w")
+        if step <= 4:
+            np.testing.assert_array_equal(state.ax, opt.params["w"])
+        elif step == 5:
+            np.testing.assert_allclose(state.ax, before + (opt.params["w"] - before) / 1.5,
+                                       rtol=1e-15)
+        assert state.mu == 1 / max(1, step - 2.5)
+        for path, t in tensors.items():
+            np.testing.assert_allclose(opt.params[path], t.detach().numpy(), rtol=1e-14)
+            ours, theirs = opt.state_of(path), torch_opt.state.get(t)
+            if ours is None:
+                assert not theirs
+                continue
+            np.testing.assert_allclose(ours.ax, theirs["ax"].numpy(), rtol=1e-14)
+            assert ours.eta == theirs["eta"].item() and ours.mu == theirs["mu"].item()
+    late = opt.state_dict()["state"]["late"]
+    assert late["step"] == 5 and type(late["eta"]) is float
+    # first stepped at step 4, after the lr change: eta then was 0.05, and now follows it
+    assert late["eta"] == 0.05 / (1 + 0.5 * 0.05 * 5) ** 0.75
+
+
+def test_asgd_eta_starts_at_the_lr_of_the_first_step():
+    opt = flatopt.ASGD({"w": np.array([1.0])}, lr=0.5, lambd=0.0)
+    opt.param_groups[0]["lr"] = 0.25
+    opt.step({"w": np.array([2.0])})  # p = p * (1 - 0) - 0.25 * g
+    np.testing.assert_array_equal(opt.params["w"], [0.5])
+    assert opt.state_of("w").eta == 0.25 and opt.state_of("w").mu == 1.0
+
+
+# ------------------------------------------------------------------------------ Adagrad
+def test_adagrad_state_exists_from_construction_like_torchs():
+    values = {"a": np.ones(3, np.float32), "b": np.zeros((2, 2), np.float32)}
+    opt, torch_opt, tensors = _torch_pair("Adagrad", values, initial_accumulator_value=0.5)
+    ours = opt.state_dict()["state"]
+    assert set(ours) == {"a", "b"}
+    for path, t in tensors.items():
+        assert ours[path]["step"] == 0 == torch_opt.state[t]["step"].item()
+        np.testing.assert_array_equal(ours[path]["sum"], torch_opt.state[t]["sum"].numpy())
+        assert ours[path]["sum"].dtype == np.float32
+    _step_both(opt, torch_opt, tensors, {"a": np.ones(3, np.float32)})
+    assert opt.state_of("b").step == 0  # a missing gradient: state untouched
+    np.testing.assert_array_equal(opt.state_of("b").sum, 0.5)
+    np.testing.assert_allclose(opt.params["a"], tensors["a"].detach().numpy(), rtol=1e-6)
+
+
+def test_adagrad_lr_decay_by_hand():
+    """clr = lr / (1 + (t - 1) * lr_decay); sum = sum + g * g; p -= clr * g / (sqrt(sum) + eps)."""
+    opt = flatopt.Adagrad({"w": np.array([0.0])}, lr=1.0, lr_decay=0.5, eps=0.0,
+                          initial_accumulator_value=3.0)
+    opt.step({"w": np.array([1.0])})
+    np.testing.assert_array_equal(opt.params["w"], [-0.5])  # 1 * 1 / sqrt(4)
+    opt.step({"w": np.array([-4.0])})
+    np.testing.assert_allclose(opt.params["w"], [-0.5 + (1 / 1.5) * 4 / np.sqrt(20.0)],
+                               rtol=1e-15)
+    np.testing.assert_array_equal(opt.state_of("w").sum, [20.0])
+    assert opt.state_of("w").step == 2
+
+
+def test_adagrad_fresh_state_comes_from_each_groups_initial_value():
+    """Construction, add_param_group and a state dict lacking an entry all give a parameter
+    step 0 and its group's initial_accumulator_value (torch: always the constructor's, and
+    a later group's state is created at its first gradient)."""
+    opt = flatopt.Adagrad([{"params": {"a": np.zeros(2)}, "initial_accumulator_value": 0.3},
+                           {"params": {"b": np.zeros(2)}}], initial_accumulator_value=0.1)
+    opt.add_param_group({"params": {"c": np.zeros(2)}, "initial_accumulator_value": 0.7})
+    expected = {"a": 0.3, "b": 0.1, "c": 0.7}
+    for path, value in expected.items():
+        assert opt.state_of(path).step == 0
+        np.testing.assert_array_equal(opt.state_of(path).sum, value)
+    opt.step({path: np.ones(2) for path in expected})
+    snapshot = opt.state_dict()
+    del snapshot["state"]["a"]
+    opt.load_state_dict(snapshot)
+    assert opt.state_of("a").step == 0 and opt.state_of("b").step == 1
+    np.testing.assert_array_equal(opt.state_of("a").sum, 0.3)
+    np.testing.assert_array_equal(opt.state_of("c").sum, 1.7)
+    opt.restore({})  # every parameter back to fresh state
+    for path, value in expected.items():
+        assert opt.state_of(path).step == 0
+        np.testing.assert_array_equal(opt.state_of(path).sum, value)
+
+
+def test_adagrad_never_stepped_parameters_round_trip_through_a_checkpoint(tmp_path):
+    opt = flatopt.Adagrad({"a": np.ones(3), "frozen": np.ones(2)}, initial_accumulator_value=0.2)
+    opt.step({"a": np.ones(3)})
+    flatopt.save(tmp_path / "ck.h5", opt)
+    # the saved state wins over the live group's initial value
+    live = flatopt.Adagrad({"a": np.zeros(3), "frozen": np.zeros(2)},
+                           initial_accumulator_value=0.5)
+    flatopt.load(tmp_path / "ck.h5", live, hyperparameters="saved")
+    assert live.param_groups[0]["initial_accumulator_value"] == 0.2
+    assert live.state_of("frozen").step == 0 and live.state_of("a").step == 1
+    np.testing.assert_array_equal(live.state_of("frozen").sum, 0.2)
+    np.testing.assert_array_equal(live.state_of("a").sum, 1.2)
+
+
 # ------------------------------------------------------------------------------ constructors
-KINDS = ["Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop"]
+KINDS = ["Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "NAdam", "ASGD", "Adagrad"]
 TORCH_ONLY = {"foreach", "fused", "capturable", "differentiable"}
 
 
@@ -204,6 +382,13 @@ def test_signature_and_defaults_are_torchs(kind):
     ("RMSprop", {"weight_decay": -1.0}), ("RMSprop", {"alpha": -0.5}),
     ("Rprop", {"lr": -1.0}), ("Rprop", {"etas": (0.0, 1.2)}), ("Rprop", {"etas": (0.5, 1.0)}),
     ("Rprop", {"etas": (1.0, 1.2)}),
+    ("NAdam", {"lr": -1.0}), ("NAdam", {"eps": -1.0}), ("NAdam", {"betas": (1.0, 0.9)}),
+    ("NAdam", {"betas": (0.9, -0.1)}), ("NAdam", {"weight_decay": -1.0}),
+    ("NAdam", {"momentum_decay": -1.0}),
+    ("ASGD", {"lr": -1.0}), ("ASGD", {"weight_decay": -1.0}),
+    ("Adagrad", {"lr": -1.0}), ("Adagrad", {"lr_decay": -1.0}),
+    ("Adagrad", {"weight_decay": -1.0}), ("Adagrad", {"initial_accumulator_value": -1.0}),
+    ("Adagrad", {"eps": -1.0}),
 ])
 def test_torchs_constructor_checks_are_kept(kind, kwargs):
     with pytest.raises(ValueError):
@@ -218,6 +403,7 @@ def test_torchs_constructor_checks_are_kept(kind, kwargs):
     ("RMSprop", {"alpha": 1.5}), ("Rprop", {"step_sizes": (0.1, 0.01)}),
     ("Rprop", {"step_sizes": (-1.0, 1.0)}), ("Lion", {"betas": (0.9, 1.0)}),
     ("Lion", {"lr": -1.0}), ("Lion", {"weight_decay": -1.0}),
+    ("ASGD", {"lambd": -1e-4}), ("ASGD", {"alpha": -0.75}), ("ASGD", {"t0": -1.0}),
 ])
 def test_flatopt_is_stricter_where_torch_checks_nothing(kind, kwargs):
     with pytest.raises(HyperparameterError, match=next(iter(kwargs))):
