@@ -1,12 +1,19 @@
 """Replacing an optimizer's state: the validation and the copy behind
 :meth:`Optimizer.restore`, which ``load_state_dict`` and checkpoint ``load`` both go through.
-Everything is checked before the first change; memory is allocated before it too."""
+Everything is checked before the first change; memory is allocated before it too.
+
+Whole buffers may also arrive as :class:`Fill` sources (a checkpoint's data read straight into
+place, so that a load needs no second copy of the state): ``apply`` runs them first, into the
+optimizer's own arrays (or the slots it allocates), checks what they wrote with the same value
+checks, and on any failure puts back every array it changed, from an undo copy kept within a
+memory budget and beyond it in a temporary file; only then does it change anything else."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -14,14 +21,33 @@ from ._views import gradient_problem
 from .schema import array_problem, column_problems, slot_value_problems
 
 
+class Fill:
+    """Values of a whole flat buffer (``params`` or a state slot of a :class:`BufferState`)
+    that arrive while the restore is applied: ``fill(out)`` writes ``length`` values of
+    ``dtype`` into ``out`` (the optimizer's own array, or a slot it allocates) and raises if
+    they turn out wrong (a checksum); the restore then checks them as it checks arrays
+    (``slot_value_problems``) and, on any failure, puts back everything it changed."""
+
+    def __init__(self, length: int, dtype: np.dtype, fill: Callable[[np.ndarray], None],
+                 what: str = ""):
+        self.length = int(length)
+        self.dtype = np.dtype(dtype)
+        self.fill = fill
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"Fill({self.what or 'values'}, {self.length} x {self.dtype})"
+
+
 @dataclass
 class BufferState:
     """Whole-buffer contents for :meth:`Optimizer.restore` when a saved buffer has exactly
-    the live buffer's layout: ``params`` and each ``state`` slot flat (the buffer's length),
-    ``columns`` one value per parameter for each persisted column of the schema."""
+    the live buffer's layout: ``params`` and each ``state`` slot flat (the buffer's length;
+    an array or a :class:`Fill`), ``columns`` one value per parameter for each persisted
+    column of the schema."""
 
-    params: np.ndarray
-    state: dict[str, np.ndarray] = field(default_factory=dict)
+    params: np.ndarray | Fill
+    state: dict[str, np.ndarray | Fill] = field(default_factory=dict)
     columns: dict[str, np.ndarray] = field(default_factory=dict)
 
 
@@ -60,6 +86,11 @@ def _buffer_problems(opt, number: int, contents: BufferState) -> list[str]:
         if name != "params" and name not in opt.schema.slots:
             problems.append(f"{where}: unknown state slot {name!r}")
             continue
+        if isinstance(flat, Fill):
+            if flat.length != buf.length or flat.dtype != buf.dtype:
+                problems.append(f"{where}: {name} has {flat.length} values of {flat.dtype}, "
+                                f"the buffer {buf.length} of {buf.dtype}")
+            continue
         problem = array_problem(flat, (buf.length,), buf.dtype)
         if problem:
             problems.append(f"{where}: {name} {problem}")
@@ -68,17 +99,23 @@ def _buffer_problems(opt, number: int, contents: BufferState) -> list[str]:
         return problems
     stateful = opt.schema.stateful(contents.columns)
     for name, flat in contents.state.items():
-        problems += [f"{where}: {problem}" for problem in slot_value_problems(
-            opt.schema, name, flat, buf.offsets, buf.sizes, stateful, buf.paths)]
+        if not isinstance(flat, Fill):  # a Fill is checked the same way once it has filled
+            problems += [f"{where}: {problem}" for problem in slot_value_problems(
+                opt.schema, name, flat, buf.offsets, buf.sizes, stateful, buf.paths)]
     return problems
 
 
-def apply(opt, state, settings, params, buffers) -> None:
+def apply(opt, state, settings, params, buffers, *, staging: int | None = None,
+          spill_dir: str | None = None, before_commit: Callable[[], None] | None = None) -> None:
     """Copy validated values in. Memory is allocated (and sources that alias this
-    optimizer's own buffers copied) before the first change."""
+    optimizer's own buffers copied) before the first change. :class:`Fill` sources run first
+    (see :func:`_run_fills`); ``before_commit`` runs after them (its error undoes them too);
+    the rest cannot fail."""
     owned = [flat for buf in opt.buffers for flat in (buf.params, *buf.state.values())]
 
     def detached(value):
+        if isinstance(value, Fill):
+            return value
         return value.copy() if any(np.may_share_memory(value, flat)
                                    for flat in owned) else value
     state = {path: {key: detached(value) if isinstance(value, np.ndarray) else value
@@ -95,6 +132,7 @@ def apply(opt, state, settings, params, buffers) -> None:
     allocated = {key: opt._backend.zeros(opt.buffers[key[0]].length,
                                           opt.buffers[key[0]].dtype)
                  for key in needed if key[1] not in opt.buffers[key[0]].state}
+    _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit)
     for number, values in enumerate(settings or ()):
         if values is not None:
             opt.param_groups[number].update(values)
@@ -109,10 +147,11 @@ def apply(opt, state, settings, params, buffers) -> None:
                 name in contents.columns else 0
         for name, flat in buf.state.items():
             if contents and name in contents.state:
-                np.copyto(flat, contents.state[name])
+                if not isinstance(contents.state[name], Fill):  # a Fill is in place already
+                    np.copyto(flat, contents.state[name])
             else:  # fresh state: zeros, or an eager schema's initial values
                 flat.fill(opt.schema.initial_value(name, live[buf.group]) if live else 0)
-        if contents is not None:
+        if contents is not None and not isinstance(contents.params, Fill):
             np.copyto(buf.params, contents.params)
     for path, entry in state.items():
         info = opt.index[path]
@@ -128,19 +167,120 @@ def apply(opt, state, settings, params, buffers) -> None:
         opt._param_views[path][...] = value
 
 
+def _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit) -> None:
+    """Run every :class:`Fill` into its array: a slot allocated for it (nothing to undo) or
+    the optimizer's own (an undo copy kept first), then check what it wrote with the value
+    checks arrays get in ``restore_problems``; then ``before_commit``. On any error, put every
+    array back and re-raise: nothing of the optimizer has changed."""
+    from .errors import StateDictError
+    fills = []
+    for number, contents in buffers.items():
+        buf = opt.buffers[number]
+        for name, source in (("params", contents.params), *contents.state.items()):
+            if isinstance(source, Fill):
+                new = allocated.get((number, name))
+                target = new if new is not None else (
+                    buf.params if name == "params" else buf.state[name])
+                fills.append((new is None, number, name, source, target, contents))
+    if not fills and before_commit is None:
+        return
+    fills.sort(key=lambda item: item[0])  # fresh arrays first: failing there undoes nothing
+    undo = _Undo(staging, spill_dir)
+    try:
+        for live, number, name, source, target, contents in fills:
+            if live:
+                undo.keep(target)
+            source.fill(target)
+            if name != "params":
+                buf = opt.buffers[number]
+                where = f"buffer {number} (group {buf.group}, {buf.dtype})"
+                problems = [f"{where}: {problem}" for problem in slot_value_problems(
+                    opt.schema, name, target, buf.offsets, buf.sizes,
+                    opt.schema.stateful(contents.columns), buf.paths)]
+                if problems:
+                    raise StateDictError("; ".join(problems))
+        if before_commit is not None:
+            before_commit()
+    except BaseException:
+        undo.restore()
+        raise
+    finally:
+        undo.close()
+
+
+class _Undo:
+    """Copies of arrays about to be overwritten, to put them back: in memory up to ``budget``
+    bytes (None: no limit), the rest in an unnamed temporary file in ``directory``."""
+
+    def __init__(self, budget: int | None, directory: str | None):
+        self.budget = budget
+        self.directory = directory
+        self.used = 0
+        self.kept: list[tuple[np.ndarray, Any]] = []
+        self.file = None
+        self.spilled = 0
+
+    def keep(self, target: np.ndarray) -> None:
+        nbytes = target.nbytes
+        if self.budget is None or self.used + nbytes <= self.budget:
+            copy = np.empty_like(target)
+            np.copyto(copy, target)
+            self.kept.append((target, copy))
+            self.used += nbytes
+            return
+        if self.file is None:
+            self.file = tempfile.TemporaryFile(dir=self.directory)
+        raw = memoryview(target.reshape(-1).view(np.uint8))
+        offset = self.spilled
+        self.file.seek(offset)
+        for start in range(0, len(raw), 64 << 20):
+            self.file.write(raw[start:start + (64 << 20)])
+        self.file.flush()
+        self.kept.append((target, offset))
+        self.spilled += nbytes
+
+    def restore(self) -> None:
+        for target, saved in reversed(self.kept):
+            if isinstance(saved, np.ndarray):
+                np.copyto(target, saved)
+                continue
+            raw = memoryview(target.reshape(-1).view(np.uint8))
+            self.file.seek(saved)
+            done = 0
+            while done < len(raw):
+                got = self.file.readinto(raw[done:])
+                if not got:
+                    raise OSError("the undo file of a failed restore is short")
+                done += got
+        self.kept = []
+
+    def close(self) -> None:
+        self.kept = []
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
 class PendingRestore:
     """A validated :meth:`Optimizer.restore <flatopt.Optimizer.restore>`, made by :meth:`apply` (once)."""
 
     def __init__(self, optimizer, state, settings, params, buffers):
         self._args = (optimizer, state, settings, params, buffers)
 
-    def apply(self) -> None:
+    def apply(self, *, staging: int | None = None, spill_dir: str | None = None,
+              before_commit: Callable[[], None] | None = None) -> None:
+        """Make the restore. With :class:`Fill` sources, the copies kept to undo them use at
+        most ``staging`` bytes of memory (None: no limit), the rest a temporary file in
+        ``spill_dir``; ``before_commit`` runs once they have filled (an error there undoes
+        them). If a Fill or ``before_commit`` fails, nothing has changed and its error
+        propagates; the restore can then not be applied again."""
         if self._args is None:
             raise RuntimeError("this restore was applied already")
         optimizer, state, settings, params, buffers = self._args
         self._args = None
         with optimizer.lock:
-            apply(optimizer, state, settings, params, buffers)
+            apply(optimizer, state, settings, params, buffers, staging=staging,
+                  spill_dir=spill_dir, before_commit=before_commit)
 
 
 def _all_none(entry: Any) -> bool:

@@ -9,8 +9,9 @@ import h5py
 import numpy as np
 
 import flatopt
-from flatopt.checkpoint.format import manifest_digest
-from flatopt.checkpoint.writer import _set_text
+from flatopt.checkpoint.format import (BLOCK_BYTES, hash_block, hashes_digest, manifest_digest,
+                                       n_blocks)
+from flatopt.checkpoint.writer import _create_contiguous, _set_text
 from optimizers import rich_settings
 
 
@@ -34,10 +35,11 @@ DEFAULT_RULES = [{"match": ["*.bias", "norm.*", "empty"], "weight_decay": 0.0, "
                   "label": "no_decay"}]
 
 
-def grouped(params: dict, rules=None) -> list[dict]:
+def grouped(params: dict, rules=None, allow_unused_rules: bool = False) -> list[dict]:
     if rules is None:
         rules = DEFAULT_RULES
-    return flatopt.group_by_pattern(params, rules, rest={"label": "decay"})
+    return flatopt.group_by_pattern(params, rules, rest={"label": "decay"},
+                                    allow_unused_rules=allow_unused_rules)
 
 
 def make_opt(kind: str = "Adam", seed: int = 0, steps: int = 3, params=None, rules=None,
@@ -132,6 +134,38 @@ def _plain(value):
     return value if isinstance(value, (str, int)) else repr(value)
 
 
+def block_hashes_of(values: np.ndarray) -> np.ndarray:
+    raw = memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+    return np.array([hash_block(raw[k * BLOCK_BYTES:(k + 1) * BLOCK_BYTES])
+                     for k in range(n_blocks(len(raw)))], dtype="<u8")
+
+
+def rehash(ds) -> None:
+    """Recompute a format-2 dataset's block checksums and digest from its data, as an
+    attacker (or a tool that rewrote the data through HDF5) could."""
+    hashes = block_hashes_of(ds[...])
+    ds.attrs.create("checksums", data=hashes)
+    _set_text(ds, "digest", hashes_digest(hashes))
+
+
+def add_buffer(parent, name: str, values: np.ndarray):
+    """A format-2 buffer dataset (contiguous, checksummed) with ``values``."""
+    ds = _create_contiguous(parent, name, values.shape, values.dtype)
+    ds[...] = values
+    rehash(ds)
+    return ds
+
+
+def data_extent(data: bytes, name: str) -> tuple[int, int]:
+    """(byte offset, size) of a buffer's data in a checkpoint file."""
+    with h5py.File(io.BytesIO(data), "r") as f:
+        ds = f[name]
+        if ds.chunks:  # format version 1
+            chunk = ds.id.get_chunk_info(0)
+            return chunk.byte_offset, chunk.size
+        return ds.id.get_offset(), ds.id.get_storage_size()
+
+
 def reseal(data: bytes) -> bytes:
     """Recompute the commit digest of an edited checkpoint, as an attacker could, so that the
     loader's structural and semantic checks (not only the digest) are exercised."""
@@ -169,7 +203,19 @@ def reseal(data: bytes) -> bytes:
         if "shape" in columns and "ndim" in columns:
             columns["shape"] = [row[:n] if 0 <= n <= len(row) else row
                                 for row, n in zip(columns["shape"], columns["ndim"])]
-        _set_text(f, "digest", manifest_digest(header, groups, columns, buffers))
+        arrays = None
+        if header.get("format_version", 1) != 1:
+            arrays = {}
+            for number in f.get("arrays", {}):
+                try:
+                    ds = f["arrays"][number]
+                    arrays[ds.name] = [_plain(ds.attrs.get("name")),
+                                       _plain(ds.attrs.get("dtype")),
+                                       [int(d) for d in (ds.shape or ())],
+                                       _plain(ds.attrs.get("digest"))]
+                except Exception:
+                    continue
+        _set_text(f, "digest", manifest_digest(header, groups, columns, buffers, arrays))
     return bio.getvalue()
 
 

@@ -21,10 +21,10 @@ import pytest
 import flatopt
 from flatopt import cli
 from flatopt.checkpoint import writer as writer_mod
-from flatopt.checkpoint.format import crc
 from flatopt.checkpoint.writer import _set_text, _Snapshot
-from checkpoint_helpers import (check_round_trip, edit, grouped, make_opt, model_params,
-                                same_snapshot, snapshot, state_equal, step_with_grads)
+from checkpoint_helpers import (add_buffer, check_round_trip, data_extent, edit, grouped,
+                                make_opt, model_params, same_snapshot, snapshot, state_equal,
+                                step_with_grads)
 from optimizers import NAMES as KINDS
 
 
@@ -172,7 +172,7 @@ def test_newer_format_version_is_refused_naming_both(tmp_path):
     data = edit((tmp_path / "ck.h5").read_bytes(),
                 lambda f: f.attrs.__setitem__("format_version", 7))
     live = fresh_like()
-    with pytest.raises(flatopt.CheckpointMismatch, match=r"format version 7.*up to 1"):
+    with pytest.raises(flatopt.CheckpointMismatch, match=r"format version 7.*up to 2"):
         flatopt.load(data, live)
 
 
@@ -316,10 +316,7 @@ def expect_corrupt(data, match=None):
     return info.value
 
 
-def chunk_offset(data: bytes, name: str) -> tuple[int, int]:
-    with h5py.File(io.BytesIO(data), "r") as f:
-        chunk = f[name].id.get_chunk_info(0)
-        return chunk.byte_offset, chunk.size
+chunk_offset = data_extent
 
 
 def test_flipped_byte_in_data_names_the_buffer(saved):
@@ -329,19 +326,19 @@ def test_flipped_byte_in_data_names_the_buffer(saved):
     for position in (start, start + size // 2, start + size - 5):
         damaged = bytearray(data)
         damaged[position] ^= 0x10
-        exc = expect_corrupt(bytes(damaged), match="checksum|CRC")
+        exc = expect_corrupt(bytes(damaged), match="checksum mismatch")
         assert exc.buffer == name and name in str(exc)
 
 
-def test_library_digest_catches_what_fletcher32_cannot(saved):
+def test_a_rewrite_through_hdf5_fails_the_block_checksums(saved):
     _, data = saved
     name = "/groups/0/float64/params"
 
-    def overwrite(f):  # a rewrite through HDF5 recomputes fletcher32 but not our CRC
+    def overwrite(f):  # a rewrite through HDF5 leaves our block checksums as they were
         values = f[name][...]
         values[0] += 1.0
         f[name][...] = values
-    exc = expect_corrupt(edit(data, overwrite, seal=False), match="CRC mismatch")
+    exc = expect_corrupt(edit(data, overwrite, seal=False), match="checksum mismatch")
     assert exc.buffer == name
 
 
@@ -432,10 +429,8 @@ def resealed_cases(data):
 @pytest.mark.parametrize("edit_newer, what", [
     (lambda f: _set_text(f, "optimizer", "Sophia"), "optimizer 'Sophia'"),
     (lambda f: f.attrs.__setitem__("schema_version", 7), "schema version 7"),
-    (lambda f: _set_text(f["groups/0/float32"].create_dataset("exp_avg_cubed", data=np.zeros(
-        f["groups/0/float32"].attrs["length"], np.float32)), "digest",
-        crc(np.zeros(f["groups/0/float32"].attrs["length"], np.float32))),
-     "slots ['exp_avg_cubed']"),
+    (lambda f: add_buffer(f["groups/0/float32"], "exp_avg_cubed", np.zeros(
+        f["groups/0/float32"].attrs["length"], np.float32)), "slots ['exp_avg_cubed']"),
     (lambda f: f["index"].create_dataset("momentum", data=np.zeros(
         f["index/id"].shape[0], np.int64)), "columns ['momentum']"),
 ])
@@ -629,12 +624,12 @@ def test_cli_inspect_verify_diff(tmp_path, capsys):
 
     assert cli.main(["inspect", str(a)]) == 0
     out = capsys.readouterr().out
-    assert "Adam" in out and "format" in out and "version 1" in out and "'no_decay'" in out
+    assert "Adam" in out and "format" in out and "version 2" in out and "'no_decay'" in out
     assert "lr=0.02" in out and "step counts" in out
     assert cli.main(["inspect", "--json", str(a)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["optimizer"] == "Adam" and info["parameters"] == 7
-    assert info["format_version"] == 1 and info["groups"][1]["hyperparameters"]["lr"] == 0.01
+    assert info["format_version"] == 2 and info["groups"][1]["hyperparameters"]["lr"] == 0.01
     assert (info["step_min"], info["step_max"]) == (min(steps), max(steps))
     assert info["elements"] == sum(v.size for v in model_params().values())
 

@@ -1,15 +1,23 @@
-"""Atomic file handling: a temporary file beside the target, space reserved up front, fsync,
-rename, directory fsync; stale temporary files of killed savers removed."""
+"""File handling: atomic replacement (a temporary file beside the target, space reserved up
+front, fsync, rename, directory fsync; stale temporary files of killed savers removed), and the
+raw block I/O of format version 2 (buffers read and written in blocks on several threads, each
+block hashed as it passes through the cache)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
+import io
 import os
 import re
 import tempfile
+import threading
 from typing import Callable
 
+import numpy as np
+
 from ..errors import CheckpointError
+from .format import BLOCK_BYTES, hash_block, n_blocks
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -169,3 +177,166 @@ def replace_atomically(final: str, write: Callable[[str], None]) -> None:
                                   "at that path is untouched", path=final) from exc
         raise
     fsync_path(directory, directory=True)
+
+
+# ----------------------------------------------------------------------------- block I/O
+def io_threads() -> int:
+    """Threads that read, write and hash blocks at once: hashing and the copies to and from the
+    page cache release the GIL, so they spread over the cores (memory bandwidth caps the gain
+    beyond a few)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+class pool:
+    """A thread pool for one save, load or verify (``threads`` <= 1: no pool, the calling
+    thread does everything). Made per operation, so a forked child never inherits one."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = io_threads() if threads is None else threads
+        self.executor = (concurrent.futures.ThreadPoolExecutor(
+            self.threads, thread_name_prefix="flatopt-io") if self.threads > 1 else None)
+
+    def map(self, fn, items) -> list:
+        if self.executor is None:
+            return [fn(item) for item in items]
+        return list(self.executor.map(fn, items))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+
+
+def _blocks(nbytes: int) -> list[tuple[int, int, int]]:
+    return [(k, k * BLOCK_BYTES, min(BLOCK_BYTES, nbytes - k * BLOCK_BYTES))
+            for k in range(n_blocks(nbytes))]
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes (the array itself for a 0-d or empty one)."""
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+class RawReader:
+    """Reads byte ranges of an open checkpoint (a file descriptor, bytes, or a file object)
+    straight into memory, bypassing HDF5; short reads (a truncated file) raise EOFError."""
+
+    parallel = True
+
+    def readinto(self, view: memoryview, offset: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class _FdReader(RawReader):
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.parallel = hasattr(os, "preadv") or hasattr(os, "pread")
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            if hasattr(os, "preadv"):
+                got = os.preadv(self.fd, [view[done:]], offset + done)
+            else:
+                chunk = os.pread(self.fd, len(view) - done, offset + done)
+                view[done:done + len(chunk)] = chunk
+                got = len(chunk)
+            if got <= 0:
+                raise EOFError(f"the file ends before byte {offset + len(view)}")
+            done += got
+
+
+class _MemoryReader(RawReader):
+    def __init__(self, data: memoryview):
+        self.data = data
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        end = offset + len(view)
+        if end > len(self.data):
+            raise EOFError(f"the file ends before byte {end}")
+        view[:] = self.data[offset:end]
+
+
+class _StreamReader(RawReader):
+    parallel = False
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.lock = threading.Lock()
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        with self.lock:
+            self.stream.seek(offset)
+            done = 0
+            while done < len(view):
+                got = self.stream.readinto(view[done:])
+                if not got:
+                    raise EOFError(f"the file ends before byte {offset + len(view)}")
+                done += got
+
+
+def raw_reader(source, fd: int | None) -> RawReader:
+    """The reader for a checkpoint opened from ``source``: HDF5's own file descriptor for a
+    path (the very file HDF5 parsed, whatever happens to the path since), the bytes
+    themselves for an in-memory checkpoint, the file object otherwise."""
+    if isinstance(source, io.BytesIO):
+        return _MemoryReader(source.getbuffer().toreadonly())
+    if fd is not None and (hasattr(os, "preadv") or hasattr(os, "pread")):
+        return _FdReader(fd)
+    if fd is not None:  # no positional reads (Windows): HDF5's descriptor through a lock
+        return _StreamReader(os.fdopen(os.dup(fd), "rb", buffering=0))
+    return _StreamReader(source)
+
+
+def read_hashed(reader: RawReader, offset: int, out: memoryview, workers: pool) -> np.ndarray:
+    """Read ``len(out)`` bytes at ``offset`` into ``out``, block by block on the pool's
+    threads, each block hashed right after it lands; returns the block hashes."""
+
+    def one(block):
+        k, start, size = block
+        view = out[start:start + size]
+        reader.readinto(view, offset + start)
+        return hash_block(view)
+
+    blocks = _blocks(len(out))
+    hashes = workers.map(one, blocks) if reader.parallel else [one(b) for b in blocks]
+    return np.array(hashes, dtype=np.uint64)
+
+
+def hash_blocks(data: memoryview, workers: pool) -> np.ndarray:
+    """The block hashes of bytes in memory."""
+    return np.array(workers.map(lambda b: hash_block(data[b[1]:b[1] + b[2]]),
+                                _blocks(len(data))), dtype=np.uint64)
+
+
+_WRITE_LOCK = threading.Lock()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        if hasattr(os, "pwrite"):
+            got = os.pwrite(fd, view[done:], offset + done)
+        else:  # Windows: no positional writes
+            with _WRITE_LOCK:
+                os.lseek(fd, offset + done, os.SEEK_SET)
+                got = os.write(fd, view[done:])
+        if got <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += got
+
+
+def write_hashed(fd: int, offset: int, data: memoryview, workers: pool) -> np.ndarray:
+    """Write ``data`` at ``offset``, block by block on the pool's threads, each block hashed
+    just before it is copied out (while it is in the cache); returns the block hashes."""
+
+    def one(block):
+        k, start, size = block
+        view = data[start:start + size]
+        value = hash_block(view)
+        _pwrite_all(fd, view, offset + start)
+        return value
+
+    return np.array(workers.map(one, _blocks(len(data))), dtype=np.uint64)

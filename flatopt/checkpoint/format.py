@@ -1,12 +1,12 @@
 """The checkpoint format: names, versions, limits, digests, JSON, and which optimizer a file
 holds (through the registry). Writer and reader both take everything from here.
 
-File layout (format ``flatopt.checkpoint`` version 1); every string is fixed-length UTF-8::
+File layout (format ``flatopt.checkpoint`` version 2); every string is fixed-length UTF-8::
 
     /                     attrs: format, format_version, flatopt_version, h5py_version,
                                  hdf5_version, optimizer, [schema_version when above 1], digest
-                                 (sha256 over every attribute, the whole index and every buffer
-                                 CRC; written last)
+                                 (sha256 over every attribute, the whole index and every
+                                 buffer's and array's digest; written last)
     /metadata             user metadata as JSON text (scalar string dataset)
     /scheduler            scheduler.state_dict() as JSON text (only when saved with one)
     /index/<column>       one row per parameter in id order: id, path, ndim, shape (2-D, padded
@@ -15,8 +15,15 @@ File layout (format ``flatopt.checkpoint`` version 1); every string is fixed-len
                           momentum_initialized)
     /groups/<g>           attrs: hyperparameters (JSON), [label]
     /groups/<g>/<dtype>   attrs: length (elements, with alignment padding)
-    /groups/<g>/<dtype>/<slot>   params and the schema's state slots: 1-D, chunked (1 MiB),
-                          fletcher32; attr digest = "crc32:<hex>"
+    /groups/<g>/<dtype>/<slot>   params and the schema's state slots: 1-D, contiguous, no
+                          filter; attrs checksums (uint64, the XXH3-64 of each 4 MiB block)
+                          and digest = "xxh3:<16 hex>" (XXH3-64 of the checksums)
+    /arrays/<k>           extra arrays (save(arrays=...)), k = 0, 1, ...: any shape,
+                          contiguous; attrs name, dtype (NumPy's dtype string), checksums,
+                          digest
+
+Version 1 (flatopt 0.1.0) stored each buffer in 1 MiB chunks with HDF5's fletcher32 filter and
+attr digest = "crc32:<hex>" (zlib CRC-32 of the buffer), and had no /arrays; it is still read.
 """
 
 from __future__ import annotations
@@ -28,14 +35,16 @@ from typing import Any, Mapping
 
 import h5py
 import numpy as np
+import xxhash
 
 from .. import registry
 from ..errors import CheckpointError
 from ..schema import Schema
 
 FORMAT = "flatopt.checkpoint"
-FORMAT_VERSION = 1
-CHUNK_BYTES = 1 << 20
+FORMAT_VERSION = 2
+BLOCK_BYTES = 4 << 20     # a buffer's checksum covers one block of this many bytes (version 2)
+CHUNK_BYTES = 1 << 20     # version 1: HDF5 chunk size, each with a fletcher32 sum
 LIBVER = ("v110", "latest")  # superblock v3: checksummed metadata
 FLETCHER32 = h5py.h5z.FILTER_FLETCHER32
 
@@ -46,6 +55,7 @@ MAX_ATTRS = 32
 MAX_MEMBERS = 4096        # members of one HDF5 group: /groups holds one per param group
 MAX_NDIM = 64             # columns of /index/shape: NumPy's own limit
 MAX_JSON = 16 << 20       # bytes of one JSON text (metadata, scheduler state, hyperparameters)
+MAX_NAME = 64 << 10       # bytes of an extra array's name (UTF-8)
 
 BASE_COLUMNS = {"id": np.dtype("<i8"), "path": "str", "ndim": np.dtype("<i8"),
                 "shape": "shape", "dtype": "str", "group": np.dtype("<i8"),
@@ -119,15 +129,115 @@ def jsonable(value: Any) -> Any:
 
 # ----------------------------------------------------------------------------- digests
 def crc(array: np.ndarray) -> str:
+    """Version 1's buffer digest: zlib CRC-32 of the whole buffer."""
     return f"crc32:{zlib.crc32(memoryview(np.ascontiguousarray(array)).cast('B')):08x}"
 
 
-def manifest_digest(header: Mapping, groups: list, index: Mapping, buffers: Mapping) -> str:
-    """sha256 over every attribute, the whole index and every buffer's CRC, canonically."""
-    text = json.dumps({"header": dict(header), "groups": groups, "index": dict(index),
-                       "buffers": dict(buffers)}, sort_keys=True, default=json_default,
-                      allow_nan=True, separators=(",", ":"))
+def hash_block(view) -> int:
+    """The checksum of one block (version 2): XXH3-64, which releases the GIL, so blocks are
+    hashed on several threads at once."""
+    return xxhash.xxh3_64_intdigest(view)
+
+
+def n_blocks(nbytes: int) -> int:
+    return -(-int(nbytes) // BLOCK_BYTES)
+
+
+def hashes_digest(hashes: np.ndarray) -> str:
+    """A buffer's digest (version 2): XXH3-64 of its block checksums (little-endian uint64)."""
+    raw = np.ascontiguousarray(hashes, dtype="<u8").tobytes()
+    return f"xxh3:{xxhash.xxh3_64_intdigest(raw):016x}"
+
+
+def manifest_digest(header: Mapping, groups: list, index: Mapping, buffers: Mapping,
+                    arrays: Mapping | None = None) -> str:
+    """sha256 over every attribute, the whole index and every buffer's digest (and, from
+    version 2, every extra array's name, dtype, shape and digest), canonically."""
+    content = {"header": dict(header), "groups": groups, "index": dict(index),
+               "buffers": dict(buffers)}
+    if arrays is not None:
+        content["arrays"] = dict(arrays)
+    text = json.dumps(content, sort_keys=True, default=json_default, allow_nan=True,
+                      separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- extra arrays
+ARRAY_KINDS = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8)}
+"""Extra arrays hold bool, integer and float data (no object, structured, complex, string or
+datetime data: nothing a reader would have to interpret, nothing pickled)."""
+
+
+def array_dtype_problem(dtype: np.dtype) -> str | None:
+    if dtype.fields is not None or dtype.subdtype is not None:
+        return f"has a structured dtype {dtype}"
+    if dtype.kind not in ARRAY_KINDS or dtype.itemsize not in ARRAY_KINDS[dtype.kind]:
+        return (f"has dtype {dtype} ({dtype.str}): extra arrays hold bool, integer "
+                "(8 to 64 bits) and float (16, 32, 64 bits) data; no object, structured, "
+                "complex, string or datetime data (checkpoints never pickle)")
+    return None
+
+
+def stored_dtype(dtype: np.dtype) -> np.dtype:
+    """How an extra array's dtype is stored: little-endian."""
+    return dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
+
+
+def array_name_problem(name: Any) -> str | None:
+    if not isinstance(name, str):
+        return f"extra array names are strings, got {type(name).__name__} {name!r}"
+    if not name or "\x00" in name or "/" in name:
+        return f"extra array name {name!r} is empty or holds a NUL or '/'"
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"extra array name {name!r} cannot be encoded as UTF-8 (a lone surrogate?)"
+    if len(raw) > MAX_NAME:
+        return f"extra array name of {len(raw):,} bytes (at most {MAX_NAME:,})"
+    return None
+
+
+def checked_arrays(arrays: Any) -> dict[str, np.ndarray]:
+    """``save(arrays=...)`` checked: name -> contiguous array of an allowed dtype, at most
+    ``MAX_MEMBERS`` of them, each of at most ``MAX_NDIM`` dimensions. Raises CheckpointError
+    naming every problem (nothing is written)."""
+    if arrays is None:
+        return {}
+    if not isinstance(arrays, Mapping):
+        raise CheckpointError(f"arrays must be a dict {{name: ndarray}}, got "
+                              f"{type(arrays).__name__}")
+    problems, out = [], {}
+    if len(arrays) > MAX_MEMBERS:
+        problems.append(f"{len(arrays)} extra arrays: a checkpoint holds at most {MAX_MEMBERS}")
+    for name, value in arrays.items():
+        problem = array_name_problem(name)
+        if problem:
+            problems.append(problem)
+            continue
+        if not isinstance(value, np.ndarray):
+            if hasattr(value, "__array__") or isinstance(value, (list, tuple, int, float, bool)):
+                try:
+                    value = np.asarray(value)
+                except Exception as exc:
+                    problems.append(f"extra array {name!r} cannot be converted to an array: {exc}")
+                    continue
+            else:
+                problems.append(f"extra array {name!r} is a {type(value).__name__}, not a NumPy "
+                                "array")
+                continue
+        problem = array_dtype_problem(value.dtype)
+        if problem:
+            problems.append(f"extra array {name!r} {problem}")
+            continue
+        if value.ndim > MAX_NDIM:
+            problems.append(f"extra array {name!r} has {value.ndim} dimensions (at most "
+                            f"{MAX_NDIM})")
+            continue
+        out[name] = value
+    if problems:
+        raise CheckpointError("cannot save these extra arrays (nothing was written): "
+                              + "; ".join(problems[:20]))
+    return out
 
 
 def text_dtype(raw: bytes | list[bytes]) -> np.dtype:

@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
+from .._restore import Fill
 from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, StateDictError
 from ..optimizer import BufferState, Optimizer
-from . import validate
+from . import files, validate
 from .compare import Comparison, Difference, compare, is_relaxed, mismatch_message
+from .format import DTYPES
 from .reader import Contents, open_file, parse_structure
 
 
@@ -33,13 +36,16 @@ class LoadResult:
     metadata: Any
     scheduler_state: Any
     info: dict = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    """The extra arrays saved with ``save(arrays=...)``: name -> a fresh array of the saved
+    dtype and shape (verified like every buffer)."""
 
 
 def parse(source) -> Contents:
     """Open and check a checkpoint: structure, digest, meaning (no buffer data read)."""
-    file, name, size = open_file(source)
+    file, name, size, raw = open_file(source)
     try:
-        ck = parse_structure(file, name, size)
+        ck = parse_structure(file, name, size, raw)
         validate.interpret(ck)
         return ck
     except CheckpointError:
@@ -67,28 +73,63 @@ class open_checkpoint:
             pass
 
 
-def read_verified(ck: Contents) -> dict:
-    """Every buffer of the file, its checksums verified and its values checked."""
+def _guarded(ck: Contents, read: Callable):
+    """Run ``read()``; anything but a CheckpointError (h5py, numpy, the OS on a damaged or
+    vanishing file) becomes CheckpointCorrupt."""
     try:
-        staged = ck.read_all()
+        return read()
     except CheckpointError:
         raise
     except Exception as exc:
         raise ck.corrupt(f"{type(exc).__name__}: {exc}") from exc
-    validate.check_data(ck, staged)
+
+
+def largest_buffer(ck: Contents) -> int:
+    """Bytes of the file's largest buffer (one state slot of one group and dtype)."""
+    return max((saved.length * DTYPES[saved.dtype].itemsize for saved in ck.buffers.values()),
+               default=0)
+
+
+def verify_buffers(ck: Contents, keys, workers, keep: set = frozenset()) -> dict:
+    """Read and verify every slot of the buffers ``keys`` (checksums, then the state values
+    as ``flatopt verify`` checks them); returns the slots named in ``keep`` as fresh arrays,
+    the others pass through one scratch array of the largest one's size and are dropped."""
+    staged, scratch = {}, {}
+    for key in keys:
+        saved = ck.buffers[key]
+        for slot in saved.datasets:
+            if (key, slot) in keep:
+                flat = staged[key, slot] = _guarded(ck, lambda: ck.read(key, slot, workers))
+            else:
+                dtype = DTYPES[saved.dtype]
+                if scratch.get(dtype) is None or scratch[dtype].size < saved.length:
+                    scratch[dtype] = None  # drop the smaller one first
+                    scratch[dtype] = np.empty(max(saved.length, 1), dtype)
+                flat = scratch[dtype][:saved.length]
+                _guarded(ck, lambda: ck.read_into(key, slot, flat, workers))
+            validate.check_data(ck, {(key, slot): flat})
     return staged
 
 
-def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, staged: dict):
-    """What to hand to ``opt.restore``: whole buffers where the saved layout is the live one,
-    per-path values elsewhere."""
+def _fill(ck: Contents, key: tuple[int, str], slot: str, workers) -> Fill:
+    """A buffer of the file read straight into the optimizer's array during the restore."""
+    saved = ck.buffers[key]
+    return Fill(saved.length, DTYPES[saved.dtype],
+                lambda out: _guarded(ck, lambda: ck.read_into(key, slot, out, workers)),
+                saved.datasets[slot].name)
+
+
+def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, workers):
+    """What to hand to ``opt.restore``: whole buffers (read into place while the restore is
+    applied) where the saved layout is the live one, per-path values (read and verified
+    here) elsewhere. Every other buffer of the file is verified here too."""
     schema = opt.schema
     by_buffer: dict[int, list] = {}
     for info, entry in plan.matches:
         by_buffer.setdefault(info.buffer, []).append((info, entry))
     buffers: dict[int, BufferState] = {}
-    state: dict[str, dict] = {}
-    params: dict[str, np.ndarray] = {}
+    whole: set = set()
+    per_path: list = []
     for number, pairs in by_buffer.items():
         buf = opt.buffers[number]
         keys = {(entry.group, entry.dtype) for _, entry in pairs}
@@ -100,27 +141,36 @@ def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, staged: d
                     info.slot == k and saved.members[k] is entry
                     for k, (info, entry) in enumerate(ordered)):
                 buffers[number] = BufferState(
-                    staged[key, "params"],
-                    {slot: staged[key, slot] for slot in saved.datasets if slot != "params"},
+                    _fill(ck, key, "params", workers),
+                    {slot: _fill(ck, key, slot, workers)
+                     for slot in saved.datasets if slot != "params"},
                     {name: np.array([entry.columns[name] for _, entry in ordered],
                                     dtype=buf.columns[name].dtype) for name in schema.columns})
+                whole.add(key)
                 continue
-        for info, entry in pairs:
-            key = (entry.group, entry.dtype)
-            window = slice(entry.offset, entry.offset + entry.size)
-            params[info.path] = staged[key, "params"][window].reshape(info.shape)
-            if schema.stateful(entry.columns):
-                state[info.path] = {
-                    **{name: entry.columns[name] for name in schema.state_dict_columns},
-                    **{slot: staged[key, slot][window].reshape(info.shape)
-                       for slot in ck.buffers[key].datasets if slot != "params"}}
+        per_path += pairs
+    needed = {(entry.group, entry.dtype) for _, entry in per_path}
+    keep = {(key, slot) for key in needed for slot in ck.buffers[key].datasets}
+    staged = verify_buffers(ck, [key for key in sorted(ck.buffers) if key not in whole],
+                            workers, keep)
+    state: dict[str, dict] = {}
+    params: dict[str, np.ndarray] = {}
+    for info, entry in per_path:
+        key = (entry.group, entry.dtype)
+        window = slice(entry.offset, entry.offset + entry.size)
+        params[info.path] = staged[key, "params"][window].reshape(info.shape)
+        if schema.stateful(entry.columns):
+            state[info.path] = {
+                **{name: entry.columns[name] for name in schema.state_dict_columns},
+                **{slot: staged[key, slot][window].reshape(info.shape)
+                   for slot in ck.buffers[key].datasets if slot != "params"}}
     return state, params, buffers
 
 
 def load(source, opt: Optimizer, *, strict: bool = True,
          rename: Mapping[str, str] | Callable[[str], str | None] | None = None,
          hyperparameters: str | None = None, regroup: bool = False,
-         scheduler: Any = None) -> LoadResult:
+         scheduler: Any = None, staging: int | None = None) -> LoadResult:
     """Load a checkpoint into ``opt`` in place, matched by path, never by position.
 
     The whole file is verified (structure, sizes, digests, every buffer's checksums and
@@ -141,7 +191,15 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     A parameter whose id changed (the model was built in another order) still loads by path,
     whatever ``strict`` says; the change is listed in the result's ``differences``.
     ``source`` is a path, bytes or a binary file object. With ``scheduler``, its
-    ``load_state_dict`` receives the saved scheduler state. Returns a :class:`LoadResult`.
+    ``load_state_dict`` receives the saved scheduler state. Returns a :class:`LoadResult`
+    (with the extra arrays saved by ``save(arrays=...)``).
+
+    Memory: a buffer whose saved layout is the live one is read straight into the optimizer's
+    array (or into the state slot the load allocates), checked as it lands; to put the
+    optimizer back if anything fails, the load keeps a copy of each array it overwrites, in
+    memory up to ``staging`` bytes (default: the size of the file's largest buffer) and in a
+    temporary file beside the checkpoint beyond that. Peak memory is the live state plus
+    ``staging`` (plus the buffers a partial, renamed or regrouped load takes per path).
     """
     if hyperparameters not in (None, "saved", "live"):
         raise ValueError(f"hyperparameters must be None, 'saved' or 'live', got "
@@ -162,26 +220,44 @@ def load(source, opt: Optimizer, *, strict: bool = True,
             raise CheckpointMismatch(mismatch_message(ck.name, opt, blocking, relaxed),
                                      path=ck.name, differences=plan.differences)
         settings = _checked_settings(ck, opt, plan)
-        staged = read_verified(ck)
-        state, params, buffers = _restore_arguments(ck, opt, plan, staged)
-        try:
-            pending = opt.prepare_restore(state, settings=settings, params=params,
-                                          buffers=buffers)
-        except StateDictError as exc:
-            raise ck.corrupt(str(exc)) from exc
-        if scheduler is not None and ck.scheduler_state is not None:
+        if staging is not None and (not isinstance(staging, (int, float)) or staging < 0):
+            raise ValueError(f"staging must be a number of bytes >= 0, got {staging!r}")
+        with files.pool() as workers:
+            arrays = _guarded(ck, lambda: ck.read_arrays())
+            state, params, buffers = _restore_arguments(ck, opt, plan, workers)
             try:
-                scheduler.load_state_dict(ck.scheduler_state)
-            except Exception as exc:
-                raise CheckpointError(f"checkpoint {ck.name}: scheduler.load_state_dict() "
-                                      f"failed: {exc}; the optimizer is unchanged",
+                pending = opt.prepare_restore(state, settings=settings, params=params,
+                                              buffers=buffers)
+            except StateDictError as exc:
+                raise ck.corrupt(str(exc)) from exc
+
+            def load_scheduler() -> None:
+                if scheduler is not None and ck.scheduler_state is not None:
+                    try:
+                        scheduler.load_state_dict(ck.scheduler_state)
+                    except Exception as exc:
+                        raise CheckpointError(f"checkpoint {ck.name}: "
+                                              f"scheduler.load_state_dict() failed: {exc}; the "
+                                              "optimizer is unchanged", path=ck.name) from exc
+            budget = largest_buffer(ck) if staging is None else int(min(staging, 1 << 62))
+            directory = os.path.dirname(ck.name) if os.path.isfile(ck.name) else None
+            try:
+                pending.apply(staging=budget, spill_dir=directory or None,
+                              before_commit=load_scheduler)
+            except StateDictError as exc:  # a value check of data read into place
+                raise ck.corrupt(str(exc)) from exc
+            except OSError as exc:  # keeping the undo copy failed (a full disk)
+                raise CheckpointError(f"could not load checkpoint {ck.name}: keeping a copy "
+                                      f"of the state to undo a failed load failed "
+                                      f"({exc}); the optimizer is unchanged; pass a larger "
+                                      "staging= to keep the copy in memory",
                                       path=ck.name) from exc
-        pending.apply()
         loaded = {info.path for info, _ in plan.matches}
         return LoadResult(path=ck.name, loaded=[p for p in opt.index.paths if p in loaded],
                           fresh=[p for p in opt.index.paths if p not in loaded],
                           unused=plan.unused, differences=relaxed, metadata=ck.metadata,
-                          scheduler_state=ck.scheduler_state, info=dict(ck.header))
+                          scheduler_state=ck.scheduler_state, info=dict(ck.header),
+                          arrays=arrays)
 
 
 def _checked_settings(ck: Contents, opt: Optimizer, plan: Comparison) -> list[dict | None]:

@@ -1,12 +1,16 @@
 """Opening a checkpoint and reading its structure, refusing hostile files before anything is
 allocated: external storage, links, virtual datasets, unknown filters, variable-length data,
 sizes the file cannot hold. The commit digest is checked before the contents are interpreted
-(``validate``), so a sound file from a newer flatopt is told apart from a damaged one."""
+(``validate``), so a sound file from a newer flatopt is told apart from a damaged one.
+
+Buffer data is read on demand (:meth:`Contents.read_into`): in format version 2 straight from
+the file's bytes into the destination, block by block on several threads, each block's XXH3
+checked as it lands; in version 1 through HDF5 (fletcher32 per chunk) and a zlib CRC-32."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import io
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,9 +22,12 @@ import numpy as np
 from .._layout import aligned_zeros
 from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch
 from ..schema import Schema
+from . import files
 from .files import file_name
-from .format import (BASE_COLUMNS, DTYPES, FLETCHER32, FORMAT, FORMAT_VERSION, MAX_ATTRS,
-                     MAX_JSON, MAX_MEMBERS, MAX_NDIM, ROOT_ATTRS, crc, manifest_digest)
+from .format import (BASE_COLUMNS, BLOCK_BYTES, DTYPES, FLETCHER32, FORMAT, FORMAT_VERSION,
+                     MAX_ATTRS, MAX_JSON, MAX_MEMBERS, MAX_NAME, MAX_NDIM, ROOT_ATTRS,
+                     array_dtype_problem, array_name_problem, crc, hashes_digest,
+                     manifest_digest, n_blocks, stored_dtype)
 
 
 @dataclass
@@ -45,26 +52,51 @@ class SavedBuffer:
     datasets: dict[str, Any]   # slot -> h5py.Dataset
     digests: dict[str, str]
     members: list[SavedParam] = field(default_factory=list)  # in offset order
+    hashes: dict[str, np.ndarray] = field(default_factory=dict)   # version 2: block hashes
+    offsets: dict[str, int] = field(default_factory=dict)         # version 2: byte offsets
+
+
+@dataclass
+class SavedArray:
+    """An extra array (format version 2): where its bytes are and what they must hash to."""
+
+    name: str
+    dtype: np.dtype     # exactly as saved (byte order included)
+    shape: tuple[int, ...]
+    dataset: Any
+    digest: str
+    hashes: np.ndarray
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class Contents:
     """A checkpoint whose structure, sizes, digest and meaning have been checked; buffer data
-    is read on demand (:meth:`read`, :meth:`read_all`), its checksums verified as it is."""
+    is read on demand (:meth:`read`, :meth:`read_into`, :meth:`read_all`), its checksums
+    verified as it is."""
 
-    def __init__(self, name: str, file: h5py.File, size: int):
+    def __init__(self, name: str, file: h5py.File, size: int,
+                 raw: files.RawReader | None = None):
         self.name = name
         self.file = file
         self.size = size
+        self.raw = raw
+        self.version = 0
         self.header: dict[str, Any] = {}
         self.schema: Schema | None = None
         self.groups: list[dict] = []     # {"hyperparameters": normalised values, "label"}
         self.params: list[SavedParam] = []
         self.by_path: dict[str, SavedParam] = {}
         self.buffers: dict[tuple[int, str], SavedBuffer] = {}
+        self.arrays: dict[str, SavedArray] = {}
         self.metadata: Any = None
         self.scheduler_state: Any = None
         self.raw_columns: dict[str, list] = {}
         self.raw_groups: list[dict] = []
+        self.declared = 0   # bytes of buffers and arrays the structure declares
 
     def corrupt(self, message: str, buffer: str | None = None) -> CheckpointCorrupt:
         where = f" (buffer {buffer})" if buffer else ""
@@ -82,11 +114,39 @@ class Contents:
             differences=[Difference("format", "file", saved=what, live=None,
                                     note="written by a newer flatopt; upgrade flatopt")])
 
-    def _raw(self, key: tuple[int, str], slot: str) -> np.ndarray:
-        """One buffer as a fresh aligned array; HDF5 verifies its fletcher32 chunk sums."""
+    # ------------------------------------------------------------------ data
+    def _read_hashed(self, offset: int, out: np.ndarray, hashes: np.ndarray, where: str,
+                     workers) -> None:
+        """Version 2: the bytes at ``offset`` into ``out``, every block's XXH3 checked."""
+        view = files.byte_view(out)
+        if not len(view):
+            return
+        try:
+            got = files.read_hashed(self.raw, offset, view, workers)
+        except (OSError, EOFError, ValueError) as exc:
+            raise self.corrupt(f"reading failed ({type(exc).__name__}: {exc}); the file is "
+                               "truncated or unreadable", buffer=where) from exc
+        bad = np.flatnonzero(got != hashes)
+        if bad.size:
+            first = int(bad[0])
+            raise self.corrupt(
+                f"checksum mismatch in {bad.size} of {hashes.size} block(s) of "
+                f"{BLOCK_BYTES >> 20} MiB (first: bytes {first * BLOCK_BYTES:,} to "
+                f"{min(len(view), (first + 1) * BLOCK_BYTES):,}); the data was damaged: use "
+                "another copy or an earlier checkpoint", buffer=where)
+
+    def read_into(self, key: tuple[int, str], slot: str, out: np.ndarray,
+                  workers=None) -> np.ndarray:
+        """Buffer ``slot`` of ``key`` read into ``out`` (its length, the buffer's dtype) and
+        verified: every block's XXH3 (version 2), or HDF5's fletcher32 per chunk and the
+        buffer's CRC-32 (version 1). On an error ``out`` holds partial data."""
         saved = self.buffers[key]
         ds = saved.datasets[slot]
-        out = aligned_zeros(saved.length, DTYPES[saved.dtype])
+        if self.version >= 2:
+            with files.pool(None if workers is None else 1) as own:
+                self._read_hashed(saved.offsets[slot], out, saved.hashes[slot], ds.name,
+                                  workers or own)
+            return out
         try:
             if saved.length:
                 ds.read_direct(out)
@@ -94,43 +154,58 @@ class Contents:
             raise self.corrupt(f"reading failed ({type(exc).__name__}: {exc}); a fletcher32 "
                                "checksum mismatch means the data was damaged: use another "
                                "copy or an earlier checkpoint", buffer=ds.name) from exc
-        return out
-
-    def _check_crc(self, key, slot: str, digest: str) -> None:
-        saved = self.buffers[key]
+        digest = crc(out)
         if digest != saved.digests[slot]:
             raise self.corrupt(f"CRC mismatch: stored {saved.digests[slot]}, data {digest}; "
                                "the data was damaged: use another copy or an earlier checkpoint",
-                               buffer=saved.datasets[slot].name)
-
-    def read(self, key: tuple[int, str], slot: str) -> np.ndarray:
-        """One buffer as a fresh aligned array, its fletcher32 chunks and CRC verified."""
-        out = self._raw(key, slot)
-        self._check_crc(key, slot, crc(out))
+                               buffer=ds.name)
         return out
 
+    def read(self, key: tuple[int, str], slot: str, workers=None) -> np.ndarray:
+        """One buffer as a fresh aligned array, its checksums verified."""
+        saved = self.buffers[key]
+        return self.read_into(key, slot, aligned_zeros(saved.length, DTYPES[saved.dtype]),
+                              workers)
+
     def read_all(self, keys=None) -> dict[tuple[tuple[int, str], str], np.ndarray]:
-        """Read and verify every slot of the given buffers (all by default); CRCs overlap the
-        next read."""
+        """Read and verify every slot of the given buffers (all by default)."""
         staged = {}
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = []
+        with files.pool() as workers:
             for key in sorted(self.buffers) if keys is None else keys:
                 for slot in self.buffers[key].datasets:
-                    out = self._raw(key, slot)
-                    pending.append((key, slot, out, pool.submit(crc, out)))
-            for key, slot, out, future in pending:
-                self._check_crc(key, slot, future.result())
-                staged[key, slot] = out
+                    staged[key, slot] = self.read(key, slot, workers)
         return staged
 
+    def read_array(self, name: str, workers=None) -> np.ndarray:
+        """An extra array as a fresh array of its saved dtype and shape, verified."""
+        saved = self.arrays[name]
+        stored = stored_dtype(saved.dtype)
+        out = np.empty(saved.shape, stored)
+        with files.pool(None if workers is None else 1) as own:
+            self._read_hashed(saved.offset, out, saved.hashes, saved.dataset.name,
+                              workers or own)
+        return out if stored == saved.dtype else out.astype(saved.dtype)
 
-def open_file(source) -> tuple[h5py.File, str, int]:
-    """Open a checkpoint read-only: a path, bytes, or a binary file object."""
+    def read_arrays(self) -> dict[str, np.ndarray]:
+        with files.pool() as workers:
+            return {name: self.read_array(name, workers) for name in self.arrays}
+
+
+def open_file(source) -> tuple[h5py.File, str, int, files.RawReader]:
+    """Open a checkpoint read-only: a path, bytes, or a binary file object. Returns the HDF5
+    file, its name, its size and the reader of its raw bytes (the same file, whatever happens
+    to the path meanwhile)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(bytes(source))
     if hasattr(source, "read") and hasattr(source, "seek"):
-        return _open_object(source)
+        file, name, size = _open_object(source)
+        fd = None
+        if not isinstance(source, io.BytesIO):
+            try:
+                fd = source.fileno()
+            except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+                fd = None
+        return file, name, size, files.raw_reader(source, fd)
     name = file_name(source, "a checkpoint is a path, bytes or a binary file object")
     try:
         st = os.stat(name)
@@ -141,7 +216,14 @@ def open_file(source) -> tuple[h5py.File, str, int]:
         raise CheckpointError(f"cannot read checkpoint {name!r}: {exc}", path=name) from exc
     if not os.path.isfile(name):
         raise CheckpointError(f"cannot read checkpoint {name}: not a regular file", path=name)
-    return _h5_open(name, name, st.st_size)
+    file, name, _ = _h5_open(name, name, st.st_size)
+    try:
+        fd = file.id.get_vfd_handle()
+        size = os.fstat(fd).st_size  # the file HDF5 opened, not whatever the path is now
+    except Exception as exc:
+        file.close()
+        raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
+    return file, name, size, files.raw_reader(None, fd)
 
 
 def _open_object(source) -> tuple[h5py.File, str, int]:
@@ -216,10 +298,51 @@ def member(ck: Contents, parent: h5py.Group, name: str, want: str):
     plist = obj.id.get_create_plist()
     for k in range(plist.get_nfilters()):
         filter_id = plist.get_filter(k)[0]
-        if filter_id != FLETCHER32:
-            raise ck.corrupt(f"{where} uses HDF5 filter {filter_id}; only fletcher32 is allowed",
-                             buffer=where)
+        if filter_id != FLETCHER32 or ck.version >= 2:
+            allowed = "only fletcher32" if ck.version < 2 else "none (format version 2)"
+            raise ck.corrupt(f"{where} uses HDF5 filter {filter_id}; filters allowed: "
+                             f"{allowed}", buffer=where)
     return obj
+
+
+def raw_offset(ck: Contents, ds: h5py.Dataset, nbytes: int) -> int:
+    """Format version 2: where a dataset's bytes lie in the file, checked: contiguous storage
+    of exactly ``nbytes`` bytes, inside the file."""
+    where = ds.name
+    if ds.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
+        raise ck.corrupt("its storage is not contiguous (format version 2 stores every buffer "
+                         "contiguously)", buffer=where)
+    if not nbytes:
+        return 0
+    offset = ds.id.get_offset()
+    stored = ds.id.get_storage_size()
+    if offset is None or stored != nbytes:
+        raise ck.corrupt(f"{stored} of its {nbytes} bytes are stored (an incomplete or "
+                         "altered write)", buffer=where)
+    if not 0 <= offset <= ck.size - nbytes:
+        raise ck.corrupt(f"its bytes [{offset}, {offset + nbytes}) lie outside the file of "
+                         f"{ck.size} bytes", buffer=where)
+    return int(offset)
+
+
+def block_hashes(ck: Contents, ds: h5py.Dataset, nbytes: int, digest: str) -> np.ndarray:
+    """Format version 2: a dataset's block checksums (attribute ``checksums``), checked against
+    its digest before use."""
+    where = ds.name
+    if "checksums" not in ds.attrs:
+        raise ck.corrupt("its block checksums are missing", buffer=where)
+    aid = ds.attrs.get_id("checksums")
+    want = n_blocks(nbytes)
+    if aid.shape != (want,) or aid.dtype != np.dtype("<u8"):
+        raise ck.corrupt(f"its checksums should be {want} uint64 values, are {aid.dtype} "
+                         f"{aid.shape}", buffer=where)
+    hashes = np.empty(want, np.dtype("<u8"))
+    if want:
+        aid.read(hashes)
+    if hashes_digest(hashes) != digest:
+        raise ck.corrupt("its block checksums do not match its digest (damaged attributes)",
+                         buffer=where)
+    return hashes.astype(np.uint64)
 
 
 def attr(ck: Contents, obj, name: str, kind: type, *, required: bool = True):
@@ -311,6 +434,10 @@ def read_header(ck: Contents) -> str:
                                     note="the file is newer than this flatopt; upgrade flatopt")])
     if version < 1:
         raise ck.corrupt(f"format_version {version} is not a valid version")
+    ck.version = version
+    if ck.file.userblock_size:
+        raise ck.corrupt(f"it has a user block of {ck.file.userblock_size} bytes; flatopt "
+                         "writes none")
     digest = attr(ck, root, "digest", str, required=False)
     if digest is None:
         raise ck.corrupt("it has no commit digest, so the save that wrote it did not finish "
@@ -331,9 +458,11 @@ def read_header(ck: Contents) -> str:
         if key in root or key == "metadata":
             header[key] = text_dataset(ck, root, key)
     members = set(root)
-    if members - {"scheduler"} != {"index", "groups", "metadata"}:
+    optional = {"scheduler", "arrays"} if version >= 2 else {"scheduler"}
+    if members - optional != {"index", "groups", "metadata"}:
         raise ck.corrupt(f"the root should hold 'index', 'groups', 'metadata' and maybe "
-                         f"'scheduler', holds {sorted(members)[:10]}")
+                         f"{' and '.join(repr(k) for k in sorted(optional))}, holds "
+                         f"{sorted(members)[:10]}")
     ck.header = header
     return digest
 
@@ -363,18 +492,20 @@ def read_index(ck: Contents) -> dict[str, list]:
     return columns
 
 
-_DIGEST = re.compile(r"crc32:[0-9a-f]{8}")
+_DIGESTS = {1: re.compile(r"crc32:[0-9a-f]{8}"), 2: re.compile(r"xxh3:[0-9a-f]{16}")}
+_DATA_ATTRS = {1: {"digest"}, 2: {"digest", "checksums"}}
 
 
 def read_groups(ck: Contents) -> dict[str, list]:
     """Group attributes and buffer datasets (attributes only: no data read); returns the
     buffer table the commit digest covers."""
+    version = min(ck.version, 2)
     groups_obj = member(ck, ck.file, "groups", "group")
     n_groups = len(groups_obj)
     if set(groups_obj) != {str(k) for k in range(n_groups)}:
         raise ck.corrupt(f"groups are named {sorted(groups_obj)[:10]}, expected 0..{n_groups - 1}")
     table: dict[str, list] = {}
-    declared = 0
+    declared = ck.declared = 0
     for number in range(n_groups):
         g = member(ck, groups_obj, str(number), "group")
         hyper_text = attr(ck, g, "hyperparameters", str)
@@ -391,7 +522,7 @@ def read_groups(ck: Contents) -> dict[str, list]:
                 raise ck.corrupt(f"{b.name} has unexpected attributes")
             if length < 0:
                 raise ck.corrupt(f"{b.name} declares a negative length {length}")
-            datasets, digests = {}, {}
+            datasets, digests, offsets, hashes = {}, {}, {}, {}
             for slot in b:
                 ds = member(ck, b, slot, "dataset")
                 where = ds.name
@@ -405,30 +536,94 @@ def read_groups(ck: Contents) -> dict[str, list]:
                 if declared > ck.size:
                     raise ck.corrupt(f"declares {declared} bytes of buffers, more than the "
                                      f"file's {ck.size} bytes", buffer=where)
-                if length and ds.id.get_storage_size() < nbytes:
+                if version == 1 and length and ds.id.get_storage_size() < nbytes:
                     raise ck.corrupt(f"only {ds.id.get_storage_size()} of {nbytes} bytes are "
                                      "stored (an incomplete write)", buffer=where)
-                if set(ds.attrs) != {"digest"}:
+                if set(ds.attrs) != _DATA_ATTRS[version]:
                     raise ck.corrupt(f"unexpected attributes {sorted(ds.attrs)}", buffer=where)
                 digest = attr(ck, ds, "digest", str)
-                if not _DIGEST.fullmatch(digest):
+                if not _DIGESTS[version].fullmatch(digest):
                     raise ck.corrupt(f"bad digest attribute {digest!r}", buffer=where)
+                if version >= 2:
+                    offsets[slot] = raw_offset(ck, ds, nbytes)
+                    hashes[slot] = block_hashes(ck, ds, nbytes, digest)
                 datasets[slot], digests[slot] = ds, digest
                 table[where] = [ds.dtype.name, int(length), digest]
             if "params" not in datasets:
                 raise ck.corrupt(f"{b.name} has no params dataset")
             ck.buffers[number, dtype_name] = SavedBuffer(number, dtype_name, length, datasets,
-                                                         digests)
+                                                         digests, hashes=hashes,
+                                                         offsets=offsets)
+    ck.declared = declared
     return table
 
 
-def parse_structure(file: h5py.File, name: str, size: int) -> Contents:
+_ARRAY_ATTRS = {"name", "dtype", "digest", "checksums"}
+
+
+def read_arrays(ck: Contents) -> dict[str, list]:
+    """Format version 2: the extra arrays' datasets (no data read), guarded like buffers;
+    returns the table the commit digest covers."""
+    table: dict[str, list] = {}
+    if ck.version < 2 or "arrays" not in ck.file:
+        return table
+    group = member(ck, ck.file, "arrays", "group")
+    if len(group.attrs):
+        raise ck.corrupt(f"/arrays has unexpected attributes {sorted(group.attrs)[:5]}")
+    count = len(group)
+    if set(group) != {str(k) for k in range(count)}:
+        raise ck.corrupt(f"extra arrays are named {sorted(group)[:10]}, expected "
+                         f"0..{count - 1}")
+    for number in range(count):
+        ds = member(ck, group, str(number), "dataset")
+        where = ds.name
+        if set(ds.attrs) != _ARRAY_ATTRS:
+            raise ck.corrupt(f"unexpected attributes {sorted(ds.attrs)}", buffer=where)
+        name = attr(ck, ds, "name", str)
+        problem = array_name_problem(name) if len(name) <= MAX_NAME else "name too long"
+        if problem:
+            raise ck.corrupt(problem, buffer=where)
+        if name in ck.arrays:
+            raise ck.corrupt(f"extra array name {name!r} appears twice", buffer=where)
+        text = attr(ck, ds, "dtype", str)
+        try:
+            dtype = np.dtype(text) if len(text) <= 8 else None
+        except (TypeError, ValueError):
+            dtype = None
+        if dtype is None or dtype.str != text or array_dtype_problem(dtype):
+            raise ck.corrupt(f"extra array {name!r} has dtype {text[:40]!r}: not a bool, "
+                             "integer or float dtype", buffer=where)
+        if ds.dtype != stored_dtype(dtype):
+            raise ck.corrupt(f"extra array {name!r} is stored as {ds.dtype}, not "
+                             f"{stored_dtype(dtype)}", buffer=where)
+        shape = tuple(int(d) for d in ds.shape) if ds.shape is not None else None
+        if shape is None or len(shape) > MAX_NDIM:
+            raise ck.corrupt(f"extra array {name!r} has no shape or more than {MAX_NDIM} "
+                             "dimensions", buffer=where)
+        nbytes = math.prod(shape) * dtype.itemsize
+        ck.declared += nbytes
+        if ck.declared > ck.size:
+            raise ck.corrupt(f"declares {ck.declared} bytes of buffers and arrays, more than "
+                             f"the file's {ck.size} bytes", buffer=where)
+        digest = attr(ck, ds, "digest", str)
+        if not _DIGESTS[2].fullmatch(digest):
+            raise ck.corrupt(f"bad digest attribute {digest!r}", buffer=where)
+        offset = raw_offset(ck, ds, nbytes)
+        hashes = block_hashes(ck, ds, nbytes, digest)
+        ck.arrays[name] = SavedArray(name, dtype, shape, ds, digest, hashes, offset)
+        table[where] = [name, dtype.str, list(shape), digest]
+    return table
+
+
+def parse_structure(file: h5py.File, name: str, size: int,
+                    raw: files.RawReader | None = None) -> Contents:
     """The file's structure, read and guarded; the commit digest verified over all of it."""
-    ck = Contents(name, file, size)
+    ck = Contents(name, file, size, raw)
     digest = read_header(ck)
     columns = read_index(ck)
     table = read_groups(ck)
-    if manifest_digest(ck.header, ck.raw_groups, columns, table) != digest:
+    arrays = read_arrays(ck) if ck.version >= 2 else None
+    if manifest_digest(ck.header, ck.raw_groups, columns, table, arrays) != digest:
         raise ck.corrupt("its metadata digest does not match (attributes or index were modified "
                          "or damaged)")
     ck.raw_columns = columns
