@@ -16,7 +16,7 @@ from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
 from .optimizers import (ASGD, SGD, Adadelta, AdadeltaParamState, Adagrad, AdagradParamState,
                          Adam, Adamax, AdamaxParamState, AdamParamState, AdamW, ASGDParamState,
-                         Lion, LionParamState, NAdam, NAdamParamState, RAdam, RAdamParamState,
+                         LAMB, LAMBParamState, Lion, LionParamState, Muon, MuonParamState, NAdam, NAdamParamState, RAdam, RAdamParamState,
                          RMSprop, RMSpropParamState, Rprop, RpropParamState, SGDParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
 from ._stepping import StepResult
@@ -28,14 +28,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
-    "NAdam", "ASGD", "Adagrad",
+    "NAdam", "ASGD", "Adagrad", "LAMB", "Muon",
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
     "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",
-    "NAdamParamState", "ASGDParamState", "AdagradParamState",
+    "NAdamParamState", "ASGDParamState", "AdagradParamState", "LAMBParamState",
+    "MuonParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",

@@ -12,7 +12,7 @@ import flatopt
 from flatopt.checkpoint.format import (BLOCK_BYTES, hash_block, hashes_digest, manifest_digest,
                                        n_blocks)
 from flatopt.checkpoint.writer import _create_contiguous, _set_text
-from optimizers import rich_settings
+from optimizers import fit_params, rich_settings
 
 
 def model_params(seed: int = 0, extra: dict | None = None) -> dict[str, np.ndarray]:
@@ -46,7 +46,7 @@ def make_opt(kind: str = "Adam", seed: int = 0, steps: int = 3, params=None, rul
              **hyper) -> flatopt.Optimizer:
     """A small optimizer with two groups, two dtypes, a 0-d and a zero-size parameter, stepped
     ``steps`` times with some gradients missing (so step counts differ per parameter)."""
-    params = model_params(seed) if params is None else params
+    params = fit_params(kind, model_params(seed) if params is None else params)
     cls = flatopt.registry.lookup(kind)
     known = (*cls.schema.hyperparameters, "match", "label")
     rules = [{k: v for k, v in rule.items() if k in known}

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import flatopt
-from optimizers import random_settings, rich_settings
+from optimizers import fit_params, random_settings, rich_settings
 
 SPLIT, TOTAL = 5, 11
 
@@ -36,6 +36,7 @@ def build(kind: str) -> flatopt.Optimizer:
     rules = [{"match": ["*.bias", "scale"], "label": "no_decay",
               **random_settings(kind, np.random.default_rng(1))},
              {"match": "late.*", "label": "late", **rich_settings(kind, seed=2)}]
+    params = fit_params(kind, params)
     groups = flatopt.group_by_pattern(params, rules,
                                       rest={"label": "decay", **rich_settings(kind, seed=3)})
     return flatopt.registry.lookup(kind)(groups)

@@ -39,3 +39,32 @@ def rich_settings(name: str, seed: int = 0) -> dict:
         if len(schema.used_slots(best)) == len(schema.slots):
             break
     return best
+
+
+def fit_shape(name: str, shape: tuple) -> tuple:
+    """``shape``, or a 2-D shape with the same elements when the optimizer takes only
+    matrices (Muon): the generic tests' parameters, fitted to what a schema accepts."""
+    schema = schema_of(name)
+    if schema.param_problem is None or schema.param_problem(tuple(shape)) is None:
+        return tuple(shape)
+    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else (shape[0] if shape
+                                                                            else 1)
+    fitted = (rows, shape[-1]) if len(shape) > 1 else (rows, 1)
+    assert schema.param_problem(fitted) is None, (name, shape, fitted)
+    return fitted
+
+
+def fit_params(name: str, params: dict) -> dict:
+    """The arrays of ``params`` reshaped by :func:`fit_shape` (same values, same order)."""
+    return {path: np.ascontiguousarray(array).reshape(fit_shape(name, array.shape))
+            for path, array in params.items()}
+
+
+def build(name: str, groups, **kwargs):
+    """The registered optimizer ``name`` over group dicts (or one params dict), each
+    parameter fitted to the schema."""
+    cls = registry.lookup(name)
+    if isinstance(groups, dict) and "params" not in groups:
+        return cls(fit_params(name, groups), **kwargs)
+    return cls([{**group, "params": fit_params(name, dict(group["params"]))}
+                for group in groups], **kwargs)

@@ -291,9 +291,68 @@ def adagrad(state, p, g, hp):
     return p + (t(-clr) * g) / (np.sqrt(s) + t(hp["eps"]))
 
 
+def lamb(state, p, g, hp):
+    """You et al. 2020, Algorithm 2, as apex's FusedLAMB: Adam's direction plus decoupled
+    weight decay, scaled per tensor by ||p|| / ||direction|| (norms in float64)."""
+    t = p.dtype.type
+    beta1, beta2 = hp["betas"]
+    if not state:
+        state.update(step=0, exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p))
+    g = -g if hp["maximize"] else g.copy()
+    state["step"] += 1
+    m = state["exp_avg"] = t(beta1) * state["exp_avg"] + t(1 - beta1) * g
+    v = state["exp_avg_sq"] = t(beta2) * state["exp_avg_sq"] + (t(1 - beta2) * g) * g
+    if hp["bias_correction"]:
+        m_hat = m / t(1 - beta1 ** state["step"])
+        v_hat = v / t(1 - beta2 ** state["step"])
+    else:
+        m_hat, v_hat = m, v
+    direction = m_hat / (np.sqrt(v_hat) + t(hp["eps"])) + t(hp["weight_decay"]) * p
+    ratio = 1.0
+    if hp["weight_decay"] != 0 or hp["always_adapt"]:
+        p_norm = np.sqrt(np.sum(p.astype(np.float64) ** 2))
+        d_norm = np.sqrt(np.sum(direction.astype(np.float64) ** 2))
+        if p_norm > 0 and d_norm > 0:
+            ratio = p_norm / d_norm
+    return p + t(-(hp["lr"] * ratio)) * direction
+
+
+def _orthogonalise(u, hp):
+    """Newton-Schulz (torch.optim._muon._zeropower_via_newtonschulz) in u's dtype."""
+    t = u.dtype.type
+    a, b, c = (t(x) for x in hp["ns_coefficients"])
+    tall = u.shape[0] > u.shape[1]
+    x = u.T if tall else u
+    x = x / max(t(np.sqrt(np.sum(x * x))), t(hp["eps"]))
+    for _ in range(hp["ns_steps"]):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T if tall else x
+
+
+def muon(state, p, g, hp):
+    """torch.optim.Muon's ``_single_tensor_muon`` (Newton-Schulz in the parameter's dtype,
+    where torch uses bfloat16)."""
+    t = p.dtype.type
+    momentum = hp["momentum"]
+    if not state:
+        state["momentum_buffer"] = np.zeros_like(p)
+    if p.size == 0:
+        return p
+    buf = state["momentum_buffer"] = _lerp(state["momentum_buffer"], g, t(1 - momentum))
+    update = _lerp(g, buf, t(momentum)) if hp["nesterov"] else buf
+    rows, cols = p.shape
+    if hp["adjust_lr_fn"] == "match_rms_adamw":
+        adjusted = hp["lr"] * 0.2 * np.sqrt(max(rows, cols))
+    else:
+        adjusted = hp["lr"] * np.sqrt(max(1, rows / cols))
+    p = p * t(1 - hp["lr"] * hp["weight_decay"])
+    return p + t(-adjusted) * _orthogonalise(update, hp)
+
+
 RULES = {"SGD": sgd, "Adam": adam, "AdamW": adamw, "Adamax": adamax, "RAdam": radam,
          "Adadelta": adadelta, "RMSprop": rmsprop, "Rprop": rprop, "Lion": lion,
-         "NAdam": nadam, "ASGD": asgd, "Adagrad": adagrad}
+         "NAdam": nadam, "ASGD": asgd, "Adagrad": adagrad, "LAMB": lamb, "Muon": muon}
 """Registry name -> reference rule ``(state, p, g, hyperparameters) -> new p``; ``state`` is
 the parameter's dict, filled by the rule (empty until the parameter has state)."""
 

@@ -16,7 +16,7 @@ import pytest
 
 import flatopt
 from optimizers import NAMES as KINDS
-from optimizers import random_settings, schema_of
+from optimizers import fit_shape, random_settings, schema_of
 from reference import ReferenceOptimizer
 
 DTYPES = [np.float32, np.float64]
@@ -33,7 +33,7 @@ def random_problem(seed: int, kind: str, dtype):
     for _ in range(n_groups):
         params = {}
         for _ in range(int(rng.integers(1, 5))):
-            shape = SHAPES[int(rng.integers(len(SHAPES)))]
+            shape = fit_shape(kind, SHAPES[int(rng.integers(len(SHAPES)))])
             params[f"layer{counter}.w"] = rng.standard_normal(shape).astype(dtype)
             counter += 1
         groups.append((params, random_settings(kind, rng)))

@@ -9,7 +9,7 @@ import pytest
 
 import flatopt
 from flatopt._layout import chunk_table
-from optimizers import NAMES, random_settings
+from optimizers import NAMES, fit_shape, random_settings
 
 pytest.importorskip("numba.cuda")
 
@@ -20,7 +20,8 @@ TOLERANCE = {np.float32: dict(rtol=2e-5, atol=1e-6), np.float64: dict(rtol=1e-12
 
 def build(name, dtype, seed):
     rng = np.random.default_rng(seed)
-    params = {k: rng.standard_normal(s).astype(dtype) for k, s in SHAPES.items()}
+    params = {k: rng.standard_normal(fit_shape(name, s)).astype(dtype)
+              for k, s in SHAPES.items()}
     groups = [{"params": {k: params[k] for k in ("a", "b", "c")}, **random_settings(name, rng)},
               {"params": {k: params[k] for k in ("d", "e")}, **random_settings(name, rng)}]
     return flatopt.registry.lookup(name)(groups)
@@ -41,8 +42,8 @@ def test_cuda_backend_matches_cpu(name, seed, dtype):
     use_small_chunks(cuda_opt)
     rng = np.random.default_rng(100 + seed)
     for step in range(4):
-        grads = {k: rng.standard_normal(s).astype(dtype) for k, s in SHAPES.items()
-                 if rng.random() < 0.7}
+        grads = {k: rng.standard_normal(fit_shape(name, s)).astype(dtype)
+                 for k, s in SHAPES.items() if rng.random() < 0.7}
         scale = 2.0 if step % 2 else None  # the walk's gradient multiplier too
         cpu_opt.step(grads, grad_scale=scale)
         cuda_opt.step(grads, grad_scale=scale)

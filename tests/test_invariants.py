@@ -13,15 +13,14 @@ import sys
 import threading
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 
 import flatopt
 from checkpoint_helpers import edit, make_opt, model_params, grouped, rehash, state_equal
 from flatopt import cli
-from flatopt.checkpoint.writer import _Snapshot, _set_text
-from optimizers import NAMES, random_settings
+from flatopt.checkpoint.writer import _Snapshot
+from optimizers import NAMES, fit_shape, random_settings
 
 PROPERTY_CASES = int(os.environ.get("FLATOPT_PROPERTY_CASES", "300"))
 LABEL_CHARACTERS = "abc xyz_./-é€中\U0001f600\t\x1b\x07\"'\\"
@@ -47,6 +46,7 @@ def random_optimizer(rng: np.random.Generator):
                 shape = (1,) * int(rng.integers(3, 65))  # up to NumPy's 64 dimensions
             else:
                 shape = tuple(int(d) for d in rng.integers(1, 6, size=int(rng.integers(1, 4))))
+            shape = fit_shape(name, shape)
             dtype = np.float32 if rng.random() < 0.6 else np.float64
             params[f"g{number}.p{counter}"] = rng.standard_normal(shape).astype(dtype)
             counter += 1

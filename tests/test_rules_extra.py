@@ -2,7 +2,9 @@
 rectification switch taken per parameter at its boundary, Rprop's sign-flip handling and
 first-step seeding, Adamax's infinity norm, RMSprop's slots, Lion against hand-computed
 values, NAdam's per-parameter mu_product, ASGD's eta and its switch to averaging after t0,
-Adagrad's eager state and lr_decay, and the constructors' signatures and checks."""
+Adagrad's eager state and lr_decay, LAMB's per-tensor trust ratio, Muon against torch (to
+bfloat16's precision) and its refusal of non-matrices, and the constructors' signatures and
+checks."""
 
 from __future__ import annotations
 
@@ -352,8 +354,82 @@ def test_adagrad_never_stepped_parameters_round_trip_through_a_checkpoint(tmp_pa
     np.testing.assert_array_equal(live.state_of("a").sum, 1.2)
 
 
+# ------------------------------------------------------------------------------ LAMB
+def test_lamb_trust_ratio_is_per_tensor_by_hand():
+    """One step from zero moments: m_hat = g, v_hat = g*g, so the direction is
+    g / (|g| + eps) + wd * p, and each tensor moves by lr * ||p|| / ||direction|| along it."""
+    rng = np.random.default_rng(3)
+    values = {"big": 10.0 * rng.standard_normal((4, 5)), "small": 0.1 * rng.standard_normal(7)}
+    grads = {k: rng.standard_normal(v.shape) for k, v in values.items()}
+    lr, wd, eps = 0.01, 0.1, 1e-6
+    opt = flatopt.LAMB({k: v.copy() for k, v in values.items()}, lr=lr, weight_decay=wd,
+                       eps=eps)
+    opt.step(grads)
+    for path, p in values.items():
+        g = grads[path]
+        direction = g / (np.abs(g) + eps) + wd * p
+        ratio = np.linalg.norm(p) / np.linalg.norm(direction)
+        np.testing.assert_allclose(opt.params[path], p - lr * ratio * direction, rtol=1e-12)
+    moved = {k: np.linalg.norm(opt.params[k] - values[k]) / np.linalg.norm(values[k])
+             for k in values}
+    assert moved["big"] == pytest.approx(moved["small"], rel=1e-9)  # the same relative move
+
+
+def test_lamb_without_weight_decay_does_not_adapt_unless_asked():
+    """apex's FusedLAMB: the ratio applies with weight decay or always_adapt; a zero
+    parameter (norm 0) takes the plain lr."""
+    values = {"w": np.array([3.0, -4.0]), "zero": np.zeros(3)}
+    grads = {"w": np.array([1.0, 1.0]), "zero": np.array([1.0, -2.0, 0.5])}
+    plain = flatopt.LAMB({k: v.copy() for k, v in values.items()}, lr=0.1, weight_decay=0.0)
+    adapted = flatopt.LAMB({k: v.copy() for k, v in values.items()}, lr=0.1, weight_decay=0.0,
+                           always_adapt=True)
+    plain.step(grads)
+    adapted.step(grads)
+    direction = grads["w"] / (np.abs(grads["w"]) + 1e-6)
+    np.testing.assert_allclose(plain.params["w"], values["w"] - 0.1 * direction, rtol=1e-12)
+    ratio = 5.0 / np.linalg.norm(direction)
+    np.testing.assert_allclose(adapted.params["w"], values["w"] - 0.1 * ratio * direction,
+                               rtol=1e-12)
+    for opt in (plain, adapted):
+        np.testing.assert_allclose(opt.params["zero"],
+                                   -0.1 * grads["zero"] / (np.abs(grads["zero"]) + 1e-6))
+
+
+# ------------------------------------------------------------------------------ Muon
+def test_muon_matches_torch_to_bfloat16_precision():
+    """torch orthogonalises in bfloat16, flatopt in the parameter's dtype: the momentum
+    buffers agree to rounding (torch's vectorised lerp fuses its multiply-add), the
+    parameter moves to about bfloat16's precision."""
+    rng = np.random.default_rng(4)
+    values = {"wide": rng.standard_normal((6, 10)).astype(np.float32),
+              "tall": rng.standard_normal((12, 5)).astype(np.float32)}
+    opt, torch_opt, tensors = _torch_pair("Muon", values, lr=0.02, weight_decay=0.1,
+                                          adjust_lr_fn="match_rms_adamw")
+    for step in range(3):
+        grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in values.items()
+                 if step != 1 or k == "wide"}  # "tall" misses step 1
+        before = {k: opt.params[k].copy() for k in values}
+        _step_both(opt, torch_opt, tensors, grads)
+        for path, t in tensors.items():
+            np.testing.assert_allclose(opt.state_of(path).momentum_buffer,
+                                       torch_opt.state[t]["momentum_buffer"].numpy(),
+                                       rtol=1e-6, atol=1e-7)
+            ours = opt.params[path] - before[path]
+            theirs = t.detach().numpy() - before[path]
+            if path not in grads:
+                assert not ours.any()
+                continue
+            assert np.linalg.norm(ours - theirs) <= 2e-2 * np.linalg.norm(theirs), path
+            t.data.copy_(torch.from_numpy(opt.params[path].copy()))  # no drift between them
+
+
+def test_muon_refuses_non_matrices_and_names_the_path():
+    with pytest.raises(flatopt.ParamError, match=r"'enc\.bias'.*2-D.*AdamW"):
+        flatopt.Muon({"enc.weight": np.zeros((3, 4)), "enc.bias": np.zeros(4)})
+
+
 # ------------------------------------------------------------------------------ constructors
-KINDS = ["Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "NAdam", "ASGD", "Adagrad"]
+KINDS = ["Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "NAdam", "ASGD", "Adagrad", "Muon"]
 TORCH_ONLY = {"foreach", "fused", "capturable", "differentiable"}
 
 

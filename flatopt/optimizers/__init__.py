@@ -5,7 +5,9 @@ from .adagrad import Adagrad, AdagradParamState
 from .adam import Adam, AdamParamState, AdamW
 from .adamax import Adamax, AdamaxParamState
 from .asgd import ASGD, ASGDParamState
+from .lamb import LAMB, LAMBParamState
 from .lion import Lion, LionParamState
+from .muon import Muon, MuonParamState
 from .nadam import NAdam, NAdamParamState
 from .radam import RAdam, RAdamParamState
 from .rmsprop import RMSprop, RMSpropParamState
@@ -17,4 +19,4 @@ __all__ = ["SGD", "SGDParamState", "Adam", "AdamW", "AdamParamState",
            "Adadelta", "AdadeltaParamState", "RMSprop", "RMSpropParamState",
            "Rprop", "RpropParamState", "Lion", "LionParamState",
            "NAdam", "NAdamParamState", "ASGD", "ASGDParamState",
-           "Adagrad", "AdagradParamState"]
+           "Adagrad", "AdagradParamState", "LAMB", "LAMBParamState", "Muon", "MuonParamState"]

@@ -67,6 +67,8 @@ def muon_update(param, grad, state, settings):
         O = NewtonSchulz(u)
         p = p * (1 - lr * weight_decay) - adjusted_lr * O
     """
+    if param.size == 0:
+        return  # nothing to move (torch divides by zero adjusting lr for a 3 x 0 matrix)
     dtype = param.dtype
     buf = state["momentum_buffer"]
     momentum = settings["momentum"]
