@@ -23,6 +23,11 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 OPTIMIZERS = {name.lower(): name for name in registry.names()}
 """Command-line name (lower case) -> registry name."""
+ELEMENTWISE = [name for name, registered in OPTIMIZERS.items()
+               if registry.lookup(registered).schema.rule.per_parameter is None]
+"""The optimizers run by default: memory-bound rules, measured against the roofline. Muon's
+cost is its matrix products (``--optimizers muon`` runs it on the profiles' shapes as
+near-square matrices)."""
 TORCH_IMPLS = ("torch-forloop", "torch-foreach", "torch-fused")
 ALL_IMPLS = ("flatopt", "numpy-loop") + TORCH_IMPLS + ("roofline",)
 
@@ -55,8 +60,12 @@ class Case:
         rng = np.random.default_rng(seed)
         cls = registry.lookup(OPTIMIZERS[optimizer])
 
+        schema = cls.schema
+
         def params():
             for path, shape in profile.shapes:
+                if schema.param_problem is not None and schema.param_problem(shape):
+                    shape = matrix_shape(shape)
                 yield path, np.zeros(shape, self.dtype)
 
         self.opt = cls(list(params()), **self.settings)
@@ -70,6 +79,15 @@ class Case:
 
     def params_copy(self) -> dict[str, np.ndarray]:
         return {path: view.copy() for path, view in self.opt.params.items()}
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """A near-square 2-D shape with ``shape``'s elements (for optimizers of matrices only)."""
+    size = math.prod(shape)
+    cols = 1
+    while cols * 2 <= math.isqrt(size) and size % (cols * 2) == 0:
+        cols *= 2
+    return size // cols, cols
 
 
 class FlatoptImpl:

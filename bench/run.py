@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from . import extras
-from .impls import (OPTIMIZERS, Case, available_impls, bytes_per_element, make_impl,
+from .impls import (ELEMENTWISE, OPTIMIZERS, Case, available_impls, bytes_per_element, make_impl,
                     max_threads, set_threads)
 from .profiles import DEFAULT_ORDER, PROFILES
 
@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="Adam only, fewer rounds, smaller extras (a few minutes)")
     parser.add_argument("--profiles", nargs="+", choices=list(PROFILES), default=DEFAULT_ORDER)
-    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=ELEMENTWISE,
+                        help="default: every element-wise optimizer (Muon on request)")
     parser.add_argument("--impls", nargs="+", default=None,
                         help=f"subset of {available_impls()}")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return replay(args.from_json, args.out)
 
     if args.quick:
-        if args.optimizers == list(OPTIMIZERS):
+        if args.optimizers == ELEMENTWISE:
             args.optimizers = ["adam"]
     rounds = args.rounds or (3 if args.quick else 7)
     threads = args.threads or sorted({1, max_threads()})

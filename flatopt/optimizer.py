@@ -75,9 +75,17 @@ def _torch_implementation_arguments(name: str, arguments: dict) -> None:
                                       f"({why}); leave it out")
 
 
+MAX_PROBLEM_LINES = 20
+
+
 def _raise(problems: list[str], error: type[Exception]) -> None:
+    """One error for every problem, its message cut to the first ``MAX_PROBLEM_LINES``
+    (a 10,000-parameter model with one mistake repeated should not print 10,000 lines)."""
     if problems:
-        raise error("\n".join(problems))
+        shown = problems[:MAX_PROBLEM_LINES]
+        if len(problems) > len(shown):
+            shown.append(f"... and {len(problems) - len(shown)} more problems like these")
+        raise error("\n".join(shown))
 
 
 class _Plan:

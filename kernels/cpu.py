@@ -273,7 +273,10 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
             _step_walk, f"step_{key}", span=functions[rule.span.__name__]))
         reduce = finalize = None
         if rule.reduce is not None:
-            reduce = njit(parallel=True, cache=cache, error_model="numpy")(instantiate(
+            # reassociation lets the sums vectorize (4x here); reduce stores nothing, so
+            # no stored value depends on it (kernels/rule.py)
+            reduce = njit(parallel=True, cache=cache, error_model="numpy",
+                          fastmath={"reassoc"})(instantiate(
                 _reduce_walk, f"reduce_{key}", reduce=functions[rule.reduce.__name__]))
             finalize = njit(cache=cache)(instantiate(
                 _finalize_walk, f"finalize_{key}", finalize=functions[rule.finalize.__name__]))

@@ -17,8 +17,11 @@ An update rule is a few plain Python functions (``kernels/rules/<name>.py``):
 Rules whose update needs per-parameter totals (LAMB's trust ratio ||p|| / ||update||) add:
 
 - ``reduce(arrays, scalars, columns, flags, k, start, stop, stride)``: run over every segment
-  of a present parameter before ``span`` (it may update state); returns a tuple of
-  ``len(Rule.reductions)`` float64 partial sums, which the backend adds up per parameter;
+  of a present parameter before ``span``; returns a tuple of ``len(Rule.reductions)`` float64
+  partial sums, which the backend adds up per parameter. It stores nothing (``span`` updates
+  the state): the CPU compiles it with reassociation allowed, so that its sums vectorize;
+  their order inside a segment is then the compiler's, fixed for a given build and machine,
+  and the totals still do not depend on the thread count;
 - ``finalize(present, columns, scalars, flags, start, stop, stride, sums)``: like prepare, with
   ``sums[k, j]`` the totals of parameter ``k``; it stores what ``span`` needs in columns.
 

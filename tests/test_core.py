@@ -560,3 +560,12 @@ def test_initial_lr_is_validated_where_every_group_value_is():
     opt.param_groups[0]["initial_lr"] = 0.05
     opt.step({"w": f32(2)})
     assert opt.state_of("w").step == 1
+
+
+def test_one_mistake_repeated_over_many_parameters_gives_a_short_message():
+    params = {f"layer{k}.bias": np.zeros(3, np.float32) for k in range(1000)}
+    with pytest.raises(flatopt.ParamError) as caught:
+        flatopt.Muon(params)
+    lines = str(caught.value).splitlines()
+    assert len(lines) == 21 and "'layer0.bias'" in lines[0]
+    assert lines[-1] == "... and 980 more problems like these"

@@ -44,8 +44,15 @@ def lamb_direction(p, m, v, bias_correction1, bias_correction2, eps, weight_deca
     return (m / bias_correction1) / (math.sqrt(v / bias_correction2) + eps) + weight_decay * p
 
 
+def lamb_moments(mi, vi, gi, beta1, one_minus_beta1, beta2, one_minus_beta2):
+    """The moments after one gradient: ``(beta1 * m + (1 - beta1) * g, beta2 * v + (1 -
+    beta2) * g * g)``."""
+    return beta1 * mi + one_minus_beta1 * gi, beta2 * vi + (one_minus_beta2 * gi) * gi
+
+
 def lamb_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
-    """Moments, then the totals of p**2 and direction**2 over the segment (float64)."""
+    """The totals of p**2 and direction**2 over the segment (float64), from the moments the
+    step will store (this pass stores nothing: see ``Rule.reduce``)."""
     p, g, m, v = arrays
     beta1 = scalars[S.beta1]
     one_minus_beta1 = scalars[S.one_minus_beta1]
@@ -60,10 +67,7 @@ def lamb_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
     direction_sq = 0.0
     for i in range(start, stop, stride):
         gi = -g[i] if maximize else g[i]
-        mi = beta1 * m[i] + one_minus_beta1 * gi
-        vi = beta2 * v[i] + (one_minus_beta2 * gi) * gi
-        m[i] = mi
-        v[i] = vi
+        mi, vi = lamb_moments(m[i], v[i], gi, beta1, one_minus_beta1, beta2, one_minus_beta2)
         r = lamb_direction(p[i], mi, vi, bc1, bc2, eps, weight_decay)
         param_sq += float(p[i]) * float(p[i])
         direction_sq += float(r) * float(r)
@@ -83,14 +87,24 @@ def lamb_finalize(present, columns, scalars, flags, start, stop, stride, sums):
 
 
 def lamb_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    """The moments, stored, and the move along the direction by the finalized step size."""
     p, g, m, v = arrays
+    beta1 = scalars[S.beta1]
+    one_minus_beta1 = scalars[S.one_minus_beta1]
+    beta2 = scalars[S.beta2]
+    one_minus_beta2 = scalars[S.one_minus_beta2]
     eps = scalars[S.eps]
     weight_decay = scalars[S.weight_decay]
     bc1 = columns[C.bias_correction1][k]
     bc2 = columns[C.bias_correction2][k]
     step_size = columns[C.neg_step_size][k]
+    maximize = flags[F.maximize]
     for i in range(start, stop, stride):
-        p[i] = p[i] + step_size * lamb_direction(p[i], m[i], v[i], bc1, bc2, eps, weight_decay)
+        gi = -g[i] if maximize else g[i]
+        mi, vi = lamb_moments(m[i], v[i], gi, beta1, one_minus_beta1, beta2, one_minus_beta2)
+        m[i] = mi
+        v[i] = vi
+        p[i] = p[i] + step_size * lamb_direction(p[i], mi, vi, bc1, bc2, eps, weight_decay)
 
 
 def lamb_prepare(present, columns, scalars, flags, start, stop, stride):
@@ -109,7 +123,8 @@ def lamb_prepare(present, columns, scalars, flags, start, stop, stride):
                 columns[C.bias_correction2][k] = 1.0
 
 
-RULE = Rule(name="lamb", span=lamb_span, prepare=lamb_prepare, helpers=(lamb_direction,),
+RULE = Rule(name="lamb", span=lamb_span, prepare=lamb_prepare,
+            helpers=(lamb_moments, lamb_direction),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "bias_correction1": "param",
                      "bias_correction2": "param", "neg_step_size": "param"},
