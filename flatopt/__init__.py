@@ -8,7 +8,7 @@ declared by a schema and found through :mod:`flatopt.registry`.
 from . import registry
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._views import Gradients, ParamViews
-from .checkpoint import Difference, LoadResult, load, save
+from .checkpoint import CheckpointData, Difference, LoadResult, load, read, save
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ParamError,
                      StateDictError, UnknownGradientError, UnknownPathError)
@@ -40,7 +40,7 @@ __all__ = [
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",
-    "save", "load", "LoadResult", "Difference",
+    "save", "load", "read", "LoadResult", "CheckpointData", "Difference",
     "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt",
     "__version__",
 ]

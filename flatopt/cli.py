@@ -1,6 +1,9 @@
 """The ``flatopt`` command: inspect, diff and verify checkpoints.
 
-    flatopt inspect PATH [--json]   optimizer, groups, hyperparameters, sizes, step range
+    flatopt inspect PATH [--json] [--tensors]
+                                    optimizer, groups, hyperparameters, sizes, step range,
+                                    extra arrays; with --tensors every parameter's path,
+                                    shape, dtype, group and persisted columns (step)
     flatopt diff A B [--json]       what differs, by path (exit 0 identical, 1 different)
     flatopt verify PATH [--json]    structure, digests and every buffer's checksums
                                     (exit 0 only when the file is sound)
@@ -70,6 +73,30 @@ def _print_inspect(info: dict) -> None:
         _say(f"  metadata     {json.dumps(info['metadata'])[:200]}")
     if info["scheduler_state"] is not None:
         _say(f"  scheduler    {json.dumps(info['scheduler_state'])[:200]}")
+    if info["arrays"]:
+        _say(f"  arrays       {len(info['arrays'])} extra arrays")
+        _print_table(["name", "shape", "dtype", "bytes"],
+                     [[a["name"], _shape(a["shape"]), a["dtype"], f"{a['bytes']:,}"]
+                      for a in info["arrays"]])
+    if "tensors" in info:
+        _say(f"  tensors      {len(info['tensors'])}")
+        columns = info["columns"]
+        _print_table(["path", "shape", "dtype", "group", *columns],
+                     [[t["path"], _shape(t["shape"]), t["dtype"],
+                       f"{t['group']}" + (f" {t['label']!r}" if t["label"] else ""),
+                       *(str(t[c]) for c in columns)] for t in info["tensors"]])
+
+
+def _shape(shape: list) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Rows indented under a header, columns as wide as their widest (escaped) cell."""
+    cells = [[_escaped(str(cell)) for cell in row] for row in [header, *rows]]
+    widths = [max(len(row[k]) for row in cells) for k in range(len(header))]
+    for row in cells:
+        _say("    " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 def _print_verify(result: dict) -> None:
@@ -128,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("path")
         sub.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "inspect":
+            sub.add_argument("--tensors", action="store_true",
+                             help="also list every parameter: path, shape, dtype, group and "
+                             "its persisted per-parameter values (e.g. Adam's step)")
     sub = commands.add_parser("diff", help="what differs between two checkpoints, by path")
     sub.add_argument("a")
     sub.add_argument("b")
@@ -143,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             emit(result) if args.json else _print_verify(result)
             return 0 if result["ok"] else 1
         if args.command == "inspect":
-            info = inspect_checkpoint(args.path)
+            info = inspect_checkpoint(args.path, tensors=args.tensors)
             emit(info) if args.json else _print_inspect(info)
             return 0
         result = diff_checkpoints(args.a, args.b)

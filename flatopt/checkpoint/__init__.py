@@ -10,15 +10,17 @@ byte of the optimizer changes.
 Modules, one job each: ``format`` (names, versions, limits, digests), ``files`` (atomic
 replace), ``writer`` (save), ``reader`` (opening, hostile-file guards, structure), ``validate``
 (what the contents mean against the optimizer's schema), ``compare`` (differences and the
-options that accept them), ``loader`` (load), ``tools`` (inspect, verify, diff).
+options that accept them), ``loader`` (load), ``offline`` (read), ``tools`` (inspect,
+verify, diff).
 """
 
 from .compare import Difference
 from .format import FORMAT, FORMAT_VERSION
 from .loader import LoadResult, load, open_checkpoint
+from .offline import CheckpointData, read
 from .tools import diff_checkpoints, inspect_checkpoint, verify_checkpoint
 from .writer import save
 
-__all__ = ["save", "load", "LoadResult", "Difference", "open_checkpoint",
-           "inspect_checkpoint", "verify_checkpoint", "diff_checkpoints",
+__all__ = ["save", "load", "read", "LoadResult", "CheckpointData", "Difference",
+           "open_checkpoint", "inspect_checkpoint", "verify_checkpoint", "diff_checkpoints",
            "FORMAT", "FORMAT_VERSION"]

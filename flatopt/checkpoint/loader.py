@@ -73,7 +73,7 @@ class open_checkpoint:
             pass
 
 
-def _guarded(ck: Contents, read: Callable):
+def guarded(ck: Contents, read: Callable):
     """Run ``read()``; anything but a CheckpointError (h5py, numpy, the OS on a damaged or
     vanishing file) becomes CheckpointCorrupt."""
     try:
@@ -90,24 +90,45 @@ def largest_buffer(ck: Contents) -> int:
                default=0)
 
 
+class Scratch:
+    """One reusable array per dtype, grown to the largest buffer passed through it: buffers
+    that are verified and dropped cost the memory of the largest one, not of them all."""
+
+    def __init__(self):
+        self.arrays: dict[np.dtype, np.ndarray] = {}
+
+    def get(self, saved) -> np.ndarray:
+        dtype = DTYPES[saved.dtype]
+        held = self.arrays.get(dtype)
+        if held is None or held.size < saved.length:
+            self.arrays[dtype] = None  # drop the smaller one first
+            held = self.arrays[dtype] = np.empty(max(saved.length, 1), dtype)
+        return held[:saved.length]
+
+
+def verify_one(ck: Contents, key, slot: str, workers, out: np.ndarray | None = None):
+    """One slot of one buffer read (into ``out``, or a fresh array) and verified as ``load``
+    and ``flatopt verify`` verify it: its checksums, then its state values."""
+    if out is None:
+        flat = guarded(ck, lambda: ck.read(key, slot, workers))
+    else:
+        flat = guarded(ck, lambda: ck.read_into(key, slot, out, workers))
+    validate.check_data(ck, {(key, slot): flat})
+    return flat
+
+
 def verify_buffers(ck: Contents, keys, workers, keep: set = frozenset()) -> dict:
     """Read and verify every slot of the buffers ``keys`` (checksums, then the state values
     as ``flatopt verify`` checks them); returns the slots named in ``keep`` as fresh arrays,
     the others pass through one scratch array of the largest one's size and are dropped."""
-    staged, scratch = {}, {}
+    staged, scratch = {}, Scratch()
     for key in keys:
         saved = ck.buffers[key]
         for slot in saved.datasets:
             if (key, slot) in keep:
-                flat = staged[key, slot] = _guarded(ck, lambda: ck.read(key, slot, workers))
+                staged[key, slot] = verify_one(ck, key, slot, workers)
             else:
-                dtype = DTYPES[saved.dtype]
-                if scratch.get(dtype) is None or scratch[dtype].size < saved.length:
-                    scratch[dtype] = None  # drop the smaller one first
-                    scratch[dtype] = np.empty(max(saved.length, 1), dtype)
-                flat = scratch[dtype][:saved.length]
-                _guarded(ck, lambda: ck.read_into(key, slot, flat, workers))
-            validate.check_data(ck, {(key, slot): flat})
+                verify_one(ck, key, slot, workers, scratch.get(saved))
     return staged
 
 
@@ -115,7 +136,7 @@ def _fill(ck: Contents, key: tuple[int, str], slot: str, workers) -> Fill:
     """A buffer of the file read straight into the optimizer's array during the restore."""
     saved = ck.buffers[key]
     return Fill(saved.length, DTYPES[saved.dtype],
-                lambda out: _guarded(ck, lambda: ck.read_into(key, slot, out, workers)),
+                lambda out: guarded(ck, lambda: ck.read_into(key, slot, out, workers)),
                 saved.datasets[slot].name)
 
 
@@ -160,11 +181,18 @@ def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, workers):
         window = slice(entry.offset, entry.offset + entry.size)
         params[info.path] = staged[key, "params"][window].reshape(info.shape)
         if schema.stateful(entry.columns):
-            state[info.path] = {
-                **{name: entry.columns[name] for name in schema.state_dict_columns},
-                **{slot: staged[key, slot][window].reshape(info.shape)
-                   for slot in ck.buffers[key].datasets if slot != "params"}}
+            state[info.path] = saved_state_entry(ck, entry, staged, info.shape)
     return state, params, buffers
+
+
+def saved_state_entry(ck: Contents, entry, staged: dict, shape) -> dict:
+    """A saved parameter's state as ``state_dict()`` holds it (its state-dict columns and
+    each saved slot, shaped), from the verified buffers in ``staged``."""
+    key = (entry.group, entry.dtype)
+    window = slice(entry.offset, entry.offset + entry.size)
+    return {**{name: entry.columns[name] for name in ck.schema.state_dict_columns},
+            **{slot: staged[key, slot][window].reshape(shape)
+               for slot in ck.buffers[key].datasets if slot != "params"}}
 
 
 def load(source, opt: Optimizer, *, strict: bool = True,
@@ -223,7 +251,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
         if staging is not None and (not isinstance(staging, (int, float)) or staging < 0):
             raise ValueError(f"staging must be a number of bytes >= 0, got {staging!r}")
         with files.pool() as workers:
-            arrays = _guarded(ck, lambda: ck.read_arrays())
+            arrays = guarded(ck, lambda: ck.read_arrays())
             state, params, buffers = _restore_arguments(ck, opt, plan, workers)
             try:
                 pending = opt.prepare_restore(state, settings=settings, params=params,

@@ -3,14 +3,15 @@ what these return)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError
+from . import files
 from .format import FORMAT
-from .loader import open_checkpoint
-from .validate import check_data
+from .loader import Scratch, guarded, open_checkpoint, verify_one
 
 
 def _state_summary(schema, members) -> dict:
@@ -29,8 +30,10 @@ def _plain(value):
 
 
 def inspect_checkpoint(source, *, tensors: bool = False) -> dict:
-    """A summary of a checkpoint (structure and digest checked; buffer data not read). With
-    ``tensors``, one row per parameter: path, shape, dtype, group and persisted columns."""
+    """A summary of a checkpoint (structure and digest checked; buffer data not read), with
+    its extra arrays (name, shape, dtype, bytes). With ``tensors``, one row per parameter in
+    id order: id, path, shape, dtype, group, its label and the schema's persisted columns
+    (named in ``columns``: Adam's step, SGD's momentum_initialized)."""
     with open_checkpoint(source) as ck:
         schema = ck.schema
         groups = []
@@ -57,38 +60,48 @@ def inspect_checkpoint(source, *, tensors: bool = False) -> dict:
                 "elements": sum(e.size for e in ck.params), "buffer_bytes": total_bytes,
                 "file_bytes": ck.size, **_state_summary(schema, ck.params), "groups": groups,
                 "metadata": ck.metadata, "scheduler_state": ck.scheduler_state}
+        info["arrays"] = [{"name": name, "shape": list(saved.shape),
+                           "dtype": saved.dtype.name, "bytes": saved.nbytes}
+                          for name, saved in ck.arrays.items()]
         if tensors:
+            info["columns"] = list(schema.columns)
             info["tensors"] = [{"id": e.id, "path": e.path, "shape": list(e.shape),
-                                "dtype": e.dtype, "group": e.group, **e.columns}
-                               for e in ck.params]
+                                "dtype": e.dtype, "group": e.group,
+                                "label": ck.groups[e.group]["label"], **e.columns}
+                               for e in sorted(ck.params, key=lambda e: e.id)]
         return info
 
 
 def verify_checkpoint(source) -> dict:
-    """Check structure, digest, every buffer's checksums and the state's values; ``ok`` only
-    when all are sound. This is exactly what ``load`` verifies before it changes anything."""
+    """Check structure, digest, every buffer's and extra array's checksums and the state's
+    values; ``ok`` only when all are sound. This is exactly what ``load`` verifies before it
+    changes anything. Memory: the largest buffer (or extra array), whatever the file's size."""
     result: dict[str, Any] = {"path": str(source) if not hasattr(source, "read") else
                               getattr(source, "name", "<in-memory checkpoint>"),
                               "ok": False, "problems": [], "buffers": []}
     try:
-        with open_checkpoint(source) as ck:
+        with open_checkpoint(source) as ck, files.pool() as workers:
             result.update(path=ck.name, optimizer=ck.schema.name,
                           format_version=ck.header["format_version"],
                           parameters=len(ck.params))
-            staged = {}
-            for key, saved in ck.buffers.items():
-                for slot in saved.datasets:
-                    entry = {"buffer": saved.datasets[slot].name,
-                             "elements": saved.length, "digest": saved.digests[slot]}
-                    try:
-                        staged[key, slot] = ck.read(key, slot)
-                        entry["ok"] = True
-                    except CheckpointError as exc:
-                        entry["ok"] = False
-                        result["problems"].append(str(exc))
-                    result["buffers"].append(entry)
-            if not result["problems"]:
-                check_data(ck, staged)
+            scratch = Scratch()
+            checks = [({"buffer": saved.datasets[slot].name, "elements": saved.length,
+                        "digest": saved.digests[slot]},
+                       lambda key=key, slot=slot, saved=saved: verify_one(
+                           ck, key, slot, workers, scratch.get(saved)))
+                      for key, saved in sorted(ck.buffers.items()) for slot in saved.datasets]
+            checks += [({"buffer": saved.dataset.name, "array": name,
+                         "elements": math.prod(saved.shape), "digest": saved.digest},
+                        lambda name=name: guarded(ck, lambda: ck.read_array(name, workers)))
+                       for name, saved in ck.arrays.items()]
+            for entry, check in checks:
+                try:
+                    check()
+                    entry["ok"] = True
+                except CheckpointError as exc:
+                    entry["ok"] = False
+                    result["problems"].append(str(exc))
+                result["buffers"].append(entry)
     except CheckpointError as exc:
         result["problems"].append(str(exc))
     result["ok"] = not result["problems"]
