@@ -2,7 +2,8 @@
 that saves checkpoints in a loop, so that the test can SIGKILL it at random moments.
 
 Commands on stdin, one per line: ``save I`` (save once, here), ``fork I`` (a child saving
-I, I+1, ... until killed; prints its pid), ``reap PID`` (wait for it), ``quit``.
+I, I+1, ... until killed; prints its pid), ``forkbg I`` (the same with background saves, each
+next one filled while the previous one writes), ``reap PID`` (wait for it), ``quit``.
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ def main(path: str) -> int:
             fill(opt, int(argument))
             flatopt.save(path, opt, metadata={"i": int(argument)})
             print("saved", flush=True)
-        elif command == "fork":
+        elif command in ("fork", "forkbg"):
             pid = os.fork()
             if pid == 0:  # the saver: runs until killed
                 try:
                     i = int(argument)
                     while True:
-                        fill(opt, i)
-                        flatopt.save(path, opt, metadata={"i": i})
+                        fill(opt, i)  # forkbg: while the previous background save writes
+                        flatopt.save(path, opt, metadata={"i": i},
+                                     background=command == "forkbg")
                         i += 1
                 finally:
                     os._exit(1)
