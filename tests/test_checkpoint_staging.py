@@ -1,0 +1,164 @@
+"""Load with bounded memory: buffers are read straight into the optimizer's arrays, verified as
+they land; the copy kept to undo a failed load stays within ``staging`` bytes of memory (the
+rest goes to a temporary file); any failure after the first overwrite (a checksum, a value
+check, the scheduler) puts every array back."""
+
+from __future__ import annotations
+
+import gc
+import os
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import flatopt
+from flatopt.checkpoint import writer as writer_mod
+from checkpoint_helpers import data_extent, make_opt, same_snapshot, snapshot, state_equal
+
+MB = 1 << 20
+
+
+def big(seed: int, steps: int = 1, n_tensors: int = 16) -> flatopt.Adam:
+    """n_tensors x 1M float32 in one buffer (64 MB per slot for 16), Adam."""
+    rng = np.random.default_rng(seed)
+    opt = flatopt.Adam({f"layer{k}.weight": rng.standard_normal(1 << 20, dtype=np.float32)
+                        for k in range(n_tensors)}, lr=1e-3)
+    for t in range(steps):
+        opt.step({path: rng.standard_normal(view.shape, dtype=np.float32)
+                  for path, view in opt.params.items()})
+    return opt
+
+
+def extra_peak(load) -> tuple[int, object]:
+    """Bytes allocated at the peak of ``load()`` beyond what is still allocated after it (so
+    state slots the load allocates for the optimizer do not count: they are live state)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        result = load()
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak - current, result
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("staging") / "big.h5"
+    opt = big(0, steps=2)
+    flatopt.save(path, opt)
+    return path, opt
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "with-state"])
+@pytest.mark.parametrize("staging", [None, 16 * MB, 0])
+def test_load_peak_memory_stays_within_the_staging_budget(big_file, stepped, staging):
+    path, saved = big_file
+    target = big(1, steps=1 if stepped else 0)
+    budget = 64 * MB if staging is None else staging  # default: the largest buffer (64 MB)
+    extra, result = extra_peak(lambda: flatopt.load(path, target, staging=staging))
+    assert state_equal(saved, target)
+    # a full staging copy of the file would be 192 MB; the slack covers the index, HDF5's
+    # metadata and the Python objects of one load
+    assert extra <= budget + 4 * MB, (extra / MB, budget / MB)
+
+
+def test_fresh_load_of_a_new_optimizer_keeps_no_undo_copy_of_fresh_slots(big_file):
+    path, saved = big_file
+    target = big(1, steps=0)  # no state slots yet: they are allocated and filled in place
+    extra, _ = extra_peak(lambda: flatopt.load(path, target, staging=0))
+    assert state_equal(saved, target)
+    assert extra <= 4 * MB, extra / MB
+
+
+def damaged_copies(data: bytes, names):
+    for name in names:
+        start, size = data_extent(data, name)
+        if not size:
+            continue
+        damaged = bytearray(data)
+        damaged[start + size - 1] ^= 0x20
+        yield name, bytes(damaged)
+
+
+@pytest.mark.parametrize("staging", [0, 64, None, 1 << 40],
+                         ids=["all-spilled", "mostly-spilled", "default", "all-in-memory"])
+def test_a_checksum_failure_in_any_buffer_leaves_the_optimizer_untouched(tmp_path, staging):
+    """Every buffer damaged in turn: fills before it have overwritten live arrays, and the
+    undo copy (in memory, in the spill file, or both) puts them all back."""
+    opt = make_opt("Adam", steps=4)
+    flatopt.save(tmp_path / "ck.h5", opt)
+    data = (tmp_path / "ck.h5").read_bytes()
+    names = [f"/groups/{g}/{d}/{s}" for g, d in ((0, "float32"), (0, "float64"),
+                                                    (1, "float32"))
+             for s in ("params", "exp_avg", "exp_avg_sq")]
+    seen = 0
+    for name, damaged in damaged_copies(data, names):
+        target = make_opt("Adam", seed=7, steps=2)   # has state: fills overwrite live arrays
+        before = snapshot(target)
+        with pytest.raises(flatopt.CheckpointCorrupt, match="checksum mismatch") as info:
+            flatopt.load(damaged, target, staging=staging)
+        assert info.value.buffer == name
+        assert same_snapshot(before, snapshot(target)), name
+        seen += 1
+    assert seen == len(names)
+    assert os.listdir(tmp_path) == ["ck.h5"]
+    target = make_opt("Adam", seed=7, steps=2)
+    flatopt.load(data, target, staging=staging)  # and the sound file loads exactly
+    assert state_equal(opt, target)
+
+
+def test_a_late_checksum_failure_in_a_large_load_puts_back_spilled_buffers(big_file, tmp_path):
+    path, _ = big_file
+    data = path.read_bytes()
+    (name, damaged), = damaged_copies(data, ["/groups/0/float32/exp_avg_sq"])
+    (tmp_path / "bad.h5").write_bytes(damaged)
+    target = big(1, steps=1)
+    before = snapshot(target)
+    with pytest.raises(flatopt.CheckpointCorrupt, match="checksum mismatch"):
+        flatopt.load(tmp_path / "bad.h5", target, staging=16 * MB)  # params and exp_avg spill
+    assert same_snapshot(before, snapshot(target))
+
+
+def test_a_value_check_failure_after_the_fill_leaves_the_optimizer_untouched(tmp_path,
+                                                                             monkeypatch):
+    opt = make_opt("Adam", steps=3)
+    opt.buffers[-1].state["exp_avg_sq"][1] = np.nan  # checksums match: only the value check
+    with monkeypatch.context() as patch:
+        patch.setattr(writer_mod._Snapshot, "value_problems", lambda self: [])
+        flatopt.save(tmp_path / "ck.h5", opt)
+    for staging in (0, None):
+        target = make_opt("Adam", seed=7, steps=2)
+        before = snapshot(target)
+        with pytest.raises(flatopt.CheckpointCorrupt, match="exp_avg_sq"):
+            flatopt.load(tmp_path / "ck.h5", target, staging=staging)
+        assert same_snapshot(before, snapshot(target))
+
+
+def test_a_failing_scheduler_load_undoes_the_filled_buffers(tmp_path):
+    class Scheduler:
+        def state_dict(self):
+            return {"last_epoch": 3}
+
+        def load_state_dict(self, state):
+            raise ValueError("this scheduler refuses")
+
+    opt = make_opt("Adam", steps=3)
+    flatopt.save(tmp_path / "ck.h5", opt, scheduler=Scheduler())
+    target = make_opt("Adam", seed=7, steps=2)
+    before = snapshot(target)
+    with pytest.raises(flatopt.CheckpointError, match="this scheduler refuses.*unchanged"):
+        flatopt.load(tmp_path / "ck.h5", target, scheduler=Scheduler(), staging=0)
+    assert same_snapshot(before, snapshot(target))
+
+
+def test_staging_must_be_a_number_of_bytes(tmp_path):
+    opt = make_opt("Adam")
+    flatopt.save(tmp_path / "ck.h5", opt)
+    target = make_opt("Adam", seed=7, steps=2)
+    before = snapshot(target)
+    for bad in (-1, "1GB"):
+        with pytest.raises(ValueError, match="staging"):
+            flatopt.load(tmp_path / "ck.h5", target, staging=bad)
+    assert same_snapshot(before, snapshot(target))
