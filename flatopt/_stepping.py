@@ -64,11 +64,11 @@ def reduce_present(opt, mode: int, power: float) -> tuple[float, int]:
     return total, bad
 
 
-def total_norm(opt, norm_type: Any) -> tuple[float, int]:
+def total_norm(opt, norm_type: Any, reduce=reduce_present) -> tuple[float, int]:
     """The p-norm of all present gradients (torch's norm of per-tensor norms), and how many
-    values are NaN or infinite."""
+    values are NaN or infinite. ``reduce``: reduce_present, or a distributed one."""
     mode, p = norm_mode(norm_type)
-    value, bad = reduce_present(opt, mode, p)
+    value, bad = reduce(opt, mode, p)
     if mode == cpu.SUM_SQUARES:
         value = math.sqrt(value)
     elif mode == cpu.SUM_POWERS:
@@ -77,18 +77,18 @@ def total_norm(opt, norm_type: Any) -> tuple[float, int]:
 
 
 def gradient_multiplier(opt, *, max_grad_norm, norm_type, grad_scale, skip_nonfinite,
-                        error_if_nonfinite) -> tuple[float, StepResult]:
+                        error_if_nonfinite, reduce=reduce_present) -> tuple[float, StepResult]:
     """The factor every present gradient is multiplied by inside this step, and the result so
     far (``skipped`` set when the step must not happen)."""
     inverse_scale = 1.0 if grad_scale is None else 1.0 / _positive("grad_scale", grad_scale)
     if max_grad_norm is None and not skip_nonfinite and not error_if_nonfinite:
         return inverse_scale, NOT_CHECKED
     if max_grad_norm is None:
-        _, bad = reduce_present(opt, cpu.COUNT_NONFINITE, 0.0)
+        _, bad = reduce(opt, cpu.COUNT_NONFINITE, 0.0)
         norm = None
     else:
         max_norm = _positive("max_grad_norm", max_grad_norm)
-        norm, bad = total_norm(opt, norm_type)
+        norm, bad = total_norm(opt, norm_type, reduce)
         norm *= inverse_scale
     if bad and error_if_nonfinite:
         raise GradientError(f"{bad} gradient value(s) are NaN or infinite, so the gradient norm "

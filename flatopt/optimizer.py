@@ -116,6 +116,18 @@ class Optimizer:
     schema: ClassVar[Schema]
 
     def __init__(self, params: Any, **defaults: Any):
+        # comm= (an mpi4py communicator): data-parallel ZeRO-1, see flatopt.distributed
+        comm = defaults.pop("comm", None)
+        self._sharding = None
+        if comm is None:
+            self._build(params, defaults)
+        else:
+            from . import distributed
+            self._sharding = distributed.build_together(
+                self, comm, lambda: self._build(params, defaults))
+        self.comm = comm
+
+    def _build(self, params: Any, defaults: dict[str, Any]) -> None:
         name = f"{type(self).__name__}()"
         _torch_implementation_arguments(name, defaults)
         values, problems = self.schema.check_group(self.schema.defaults(**defaults), name,
@@ -365,7 +377,12 @@ class Optimizer:
         - ``error_if_nonfinite``: raise :class:`GradientError` instead (nothing changes).
 
         Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``).
+        With ``comm=``, every rank calls ``step`` (see :mod:`flatopt.distributed`).
         """
+        if self._sharding is not None:
+            return self._sharding.step(grads, max_grad_norm=max_grad_norm, norm_type=norm_type,
+                                       grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
+                                       error_if_nonfinite=error_if_nonfinite)
         settings = self.settings()
         if grads is not None:
             self._stage_gradients(grads)
@@ -469,6 +486,8 @@ class Optimizer:
 
     # ----------------------------------------------------------------- state
     def _param_state(self, buf: FlatBuffer, slot: int, copy: bool) -> dict | None:
+        if self._sharding is not None:
+            self._sharding.refuse("state_dict() / state_of()")
         if not self.schema.stateful({name: column[slot] for name, column in buf.columns.items()
                                      if name in self.schema.columns}):
             return None
@@ -524,6 +543,8 @@ class Optimizer:
         the snapshot, which then needs the same grouping; ``"live"`` keeps the optimizer's own
         and loads state only. Data is copied: the snapshot and the optimizer never share memory.
         """
+        if self._sharding is not None:
+            self._sharding.refuse("load_state_dict()")
         if hyperparameters not in ("saved", "live"):
             raise ValueError("hyperparameters must be 'saved' or 'live', got "
                              f"{hyperparameters!r}")
@@ -592,6 +613,8 @@ class Optimizer:
         """Validate a :meth:`restore` without changing anything; ``.apply()`` on the result
         makes it (so a caller can do more between the two, such as loading a scheduler).
         Raises :class:`StateDictError` naming every problem."""
+        if self._sharding is not None:
+            self._sharding.refuse("restore()")
         state = state or {}
         _raise(_restore.restore_problems(self, state, settings, params, buffers), StateDictError)
         return _restore.PendingRestore(self, state, settings, params, buffers)

@@ -1,0 +1,233 @@
+"""The MPI side of tests/test_mpi.py: run as ``mpiexec -n P python tests/mpi_worker.py MODE``.
+
+Every rank checks its own results and prints ``[rank R] ok <what>`` or ``[rank R] FAIL <what>``
+lines; the process exits non-zero on any failure. Each rank's gradients come from a seed of
+(step, rank), so every rank can also compute the single-process reference by itself."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import flatopt  # noqa: E402
+from flatopt import distributed  # noqa: E402
+from optimizers import NAMES, build, random_settings, rich_settings  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+FAILURES: list[str] = []
+
+
+def report(ok: bool, what: str) -> None:
+    print(f"[rank {RANK}] {'ok' if ok else 'FAIL'} {what}", flush=True)
+    if not ok:
+        FAILURES.append(what)
+
+
+# Two groups, two dtypes, buffers of several 16K-element chunks (so every rank owns some at
+# 4 ranks) next to small and empty ones; "frozen" never gets a gradient on any rank.
+SHAPES = [("body.w1", (300, 250), np.float32, 0), ("body.b1", (250,), np.float32, 0),
+          ("body.w2", (40, 30), np.float32, 0), ("body.empty", (0, 4), np.float32, 0),
+          ("body.frozen", (64,), np.float32, 0),
+          ("head.w", (200, 180), np.float64, 1), ("head.b", (180,), np.float32, 1)]
+STEP_OPTIONS = [{}, {"max_grad_norm": 1.0}, {}, {"max_grad_norm": 0.5, "norm_type": np.inf},
+                {"grad_scale": 4.0, "max_grad_norm": 2.0, "norm_type": 3.0}]
+
+
+def initial_params() -> dict:
+    rng = np.random.default_rng(7)
+    return {path: rng.standard_normal(shape).astype(dtype) for path, shape, dtype, _ in SHAPES}
+
+
+def groups_for(name: str, params: dict) -> list[dict]:
+    settings = [rich_settings(name, 0), random_settings(name, np.random.default_rng(1))]
+    return [{**settings[group], "label": f"g{group}",
+             "params": {path: params[path] for path, _, _, g in SHAPES if g == group}}
+            for group in range(2)]
+
+
+def present(path: str, step: int, rank: int) -> bool:
+    """Who has which gradient: b1 is missing on some ranks, w2 is present on rank 0 only at
+    step 1 (missing everywhere else then), frozen never."""
+    if path == "body.frozen":
+        return False
+    if path == "body.b1":
+        return (step + rank) % 3 != 0
+    if path == "body.w2":
+        return step != 1 or rank == 0
+    return True
+
+
+def local_gradients(opt, step: int, rank: int) -> dict:
+    rng = np.random.default_rng(1000 * step + rank)
+    grads = {}
+    for path in opt.index.paths:
+        value = opt.params[path]
+        g = rng.standard_normal(value.shape).astype(value.dtype)
+        if present(path, step, rank):
+            grads[path] = g
+    return grads
+
+
+def mean_gradients(opt, step: int, size: int) -> dict:
+    """The rank-order sum ((g0 + g1) + g2) ... divided by the world size; a gradient missing
+    on some ranks counts as zeros there, one missing on every rank stays missing."""
+    per_rank = [local_gradients(opt, step, rank) for rank in range(size)]
+    mean = {}
+    for path in opt.index.paths:
+        if not any(path in grads for grads in per_rank):
+            continue
+        zeros = np.zeros_like(opt.params[path])
+        total = per_rank[0].get(path, zeros).copy()
+        for grads in per_rank[1:]:
+            total = total + grads.get(path, zeros)
+        mean[path] = total / total.dtype.type(size)
+    return mean
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def state_differences(got: dict, want: dict) -> list[str]:
+    problems = []
+    if set(got["state"]) != set(want["state"]):
+        problems.append(f"state paths {sorted(got['state'])} != {sorted(want['state'])}")
+    for path in set(got["state"]) & set(want["state"]):
+        for key, value in want["state"][path].items():
+            if not same_bits(got["state"][path][key], value):
+                problems.append(f"state {path}.{key} differs")
+    return problems
+
+
+def check_identity() -> None:
+    """Every registered optimizer: parameters and state after several steps equal one
+    process's bits on the rank-order mean gradient; optimizer memory per rank ~ 1/P."""
+    params = initial_params()
+    for name in NAMES:
+        try:
+            groups = groups_for(name, params)
+            opt = build(name, groups, comm=COMM)
+            reference = build(name, groups)
+            problems = []
+            for step, options in enumerate(STEP_OPTIONS):
+                result = opt.step(local_gradients(opt, step, RANK), **options)
+                expected = reference.step(mean_gradients(reference, step, SIZE), **options)
+                if not same_bits(np.float64(result.grad_norm or 0.0),
+                                 np.float64(expected.grad_norm or 0.0)):
+                    problems.append(f"step {step}: grad_norm {result.grad_norm!r} != "
+                                    f"{expected.grad_norm!r}")
+            for path in reference.index.paths:
+                if not same_bits(opt.params[path], reference.params[path]):
+                    problems.append(f"parameter {path} differs")
+            whole = distributed.consolidated(opt)
+            problems += state_differences(whole.state_dict(), reference.state_dict())
+            if SIZE > 1 and opt._sharding is not None and not opt._sharding.replicated:
+                full = sum(a.nbytes for buf in whole.buffers for a in buf.state.values())
+                mine = opt._sharding.state_nbytes
+                # the largest buffer's shards differ by at most one chunk
+                slack = 2 * 16384 * 8 * len(opt.schema.slots) * len(opt.buffers)
+                if not mine <= full / SIZE + slack:
+                    problems.append(f"state bytes {mine} on this rank of {full} in all")
+            report(not problems, f"identity {name} at {SIZE} ranks" +
+                   "".join(f"\n    {p}" for p in problems[:8]))
+        except Exception:
+            report(False, f"identity {name}: {traceback.format_exc()}")
+
+
+def expect_everywhere(error_type, what, action) -> None:
+    try:
+        action()
+    except error_type as error:
+        report(True, f"{what}: {type(error).__name__}")
+        return error
+    except Exception as error:
+        report(False, f"{what}: {type(error).__name__} {error}")
+    else:
+        report(False, f"{what}: no error")
+
+
+def check_mismatches() -> None:
+    """Disagreements and local failures raise on every rank (and nothing hangs)."""
+    params = {"w": np.ones((200, 100), np.float32), "b": np.zeros(100, np.float32)}
+    lr = 0.1 if RANK != SIZE - 1 else 0.2
+    error = expect_everywhere(distributed.RankMismatchError, "construction lr mismatch",
+                              lambda: flatopt.Adam(params, lr=lr, comm=COMM))
+    if error is not None and "lr" not in str(error):
+        report(False, f"the message names lr: {error}")
+    local = dict(params)
+    if RANK == 1:
+        local["extra"] = np.ones(3, np.float32)
+    expect_everywhere(distributed.RankMismatchError, "construction path mismatch",
+                      lambda: flatopt.SGD(local, lr=0.1, comm=COMM))
+    bad = dict(params)
+    if RANK == 0:
+        bad["w"] = np.ones((200, 100), np.int32)
+    expect_everywhere(flatopt.ParamError, "construction fails on rank 0 only",
+                      lambda: flatopt.SGD(bad, lr=0.1, comm=COMM))
+    opt = flatopt.AdamW(params, lr=0.1, comm=COMM)
+    before = {path: opt.params[path].copy() for path in params}
+    grads = {path: np.ones_like(value) for path, value in params.items()}
+    if RANK == SIZE - 1:
+        opt.param_groups[0]["weight_decay"] = 0.5
+    error = expect_everywhere(distributed.RankMismatchError, "step hyperparameter mismatch",
+                              lambda: opt.step(grads))
+    if error is not None and "weight_decay" not in str(error):
+        report(False, f"the message names weight_decay: {error}")
+    opt.param_groups[0]["weight_decay"] = 0.01
+    wrong = dict(grads)
+    if RANK == 0:
+        wrong["w"] = np.ones((3, 3), np.float32)
+    expect_everywhere(flatopt.GradientError, "bad gradient on rank 0 only",
+                      lambda: opt.step(wrong))
+    if RANK == 1:
+        opt.param_groups[0]["lr"] = -1.0
+    expect_everywhere(flatopt.HyperparameterError, "invalid lr on rank 1 only",
+                      lambda: opt.step(grads))
+    opt.param_groups[0]["lr"] = 0.1
+    clip = 1.0 if RANK else 2.0
+    expect_everywhere(distributed.RankMismatchError, "max_grad_norm mismatch",
+                      lambda: opt.step(grads, max_grad_norm=clip))
+    report(all(same_bits(opt.params[p], before[p]) for p in params),
+           "nothing changed by the refused steps")
+    report(opt.step(grads).skipped is False, "a matching step afterwards works")
+    expect_everywhere(distributed.DistributedError, "state_dict refused when sharded",
+                      opt.state_dict)
+    nan = {path: np.full_like(value, np.nan if RANK == 1 else 1.0) for path, value in
+           params.items()}
+    after = {path: opt.params[path].copy() for path in params}
+    result = opt.step(nan, skip_nonfinite=True)
+    report(result.skipped and all(same_bits(opt.params[p], after[p]) for p in params),
+           "a NaN on rank 1 skips the step on every rank")
+
+
+def check_world_size_one() -> None:
+    """A communicator of one rank is a plain optimizer."""
+    params = initial_params()
+    for name in ("Adam", "LAMB"):
+        groups = groups_for(name, params)
+        opt = build(name, groups, comm=MPI.COMM_SELF)
+        reference = build(name, groups)
+        for step, options in enumerate(STEP_OPTIONS):
+            grads = local_gradients(opt, step, RANK)
+            opt.step(grads, **options)
+            reference.step(grads, **options)
+        report(opt._sharding is None and all(
+            same_bits(opt.params[p], reference.params[p]) for p in reference.index.paths)
+            and not state_differences(opt.state_dict(), reference.state_dict()),
+            f"world size 1 is plain ({name})")
+
+
+if __name__ == "__main__":
+    for mode in sys.argv[1:]:
+        {"identity": check_identity, "mismatch": check_mismatches,
+         "single": check_world_size_one}[mode]()
+    COMM.Barrier()
+    sys.exit(1 if FAILURES else 0)
