@@ -236,10 +236,15 @@ class CompiledRule(NamedTuple):
     step_kernel: object
     reduce_kernel: object = None
     finalize_kernel: object = None
+    serial_reduce_kernel: object = None
+    """The same walk compiled without threads (``prange`` is then ``range``), for small
+    buffers: the same segments summed in the same order, so the same totals."""
 
     def reduce(self, arrays, scalars, columns, flags, layout, sums, grad_multiplier,
                scale_grads: bool) -> None:
-        self.reduce_kernel(arrays, scalars, columns, flags, layout.present, layout.offsets,
+        kernel = (self.serial_reduce_kernel if run_serially(layout.length)
+                  else self.reduce_kernel)
+        kernel(arrays, scalars, columns, flags, layout.present, layout.offsets,
                            layout.sizes, layout.chunk_first, layout.chunk_size, sums,
                            grad_multiplier, scale_grads)
 
@@ -271,16 +276,20 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
             _prepare_walk, f"prepare_{key}", prepare=functions[rule.prepare.__name__]))
         step = njit(parallel=True, cache=cache, error_model="numpy")(instantiate(
             _step_walk, f"step_{key}", span=functions[rule.span.__name__]))
-        reduce = finalize = None
+        reduce = finalize = serial_reduce = None
         if rule.reduce is not None:
             # reassociation lets the sums vectorize (4x here); reduce stores nothing, so
             # no stored value depends on it (kernels/rule.py)
-            reduce = njit(parallel=True, cache=cache, error_model="numpy",
-                          fastmath={"reassoc"})(instantiate(
-                _reduce_walk, f"reduce_{key}", reduce=functions[rule.reduce.__name__]))
+            reduce, serial_reduce = (
+                njit(parallel=parallel, cache=cache, error_model="numpy",
+                     fastmath={"reassoc"})(instantiate(
+                         _reduce_walk, f"reduce_{'parallel' if parallel else 'serial'}_{key}",
+                         reduce=functions[rule.reduce.__name__]))
+                for parallel in (True, False))
             finalize = njit(cache=cache)(instantiate(
                 _finalize_walk, f"finalize_{key}", finalize=functions[rule.finalize.__name__]))
-        compiled = _compiled[key, cache] = CompiledRule(prepare, step, reduce, finalize)
+        compiled = _compiled[key, cache] = CompiledRule(prepare, step, reduce, finalize,
+                                                        serial_reduce)
     return compiled
 
 
