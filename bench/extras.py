@@ -1,5 +1,6 @@
 """The runner's other figures: first-step compile time in a fresh process (cold and warm Numba
-cache), per-step latency of the smallest profile, memory overhead, checkpoint throughput."""
+cache), per-step latency of the smallest profile, memory overhead, checkpoint throughput and
+memory (``bench.checkpoint``)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-import flatopt
-
+from . import checkpoint
 from .impls import Case, make_impl, max_threads, schema_of, set_threads
 from .profiles import PROFILES
 
@@ -111,44 +110,10 @@ def latency(profile_name: str = "1000x100", optimizer: str = "adam", dtype="floa
     return out
 
 
-def checkpoint_throughput(profile_name: str = "64x1M", optimizer: str = "adam",
-                          dtype="float32", repeats: int = 3) -> dict:
-    """flatopt.save / flatopt.load against np.save / np.load of the same flat buffers."""
-    case = Case(PROFILES[profile_name], optimizer, dtype)
-    opt = case.opt
-    opt.step()
-    arrays = [buf.params for buf in opt.buffers] + [a for buf in opt.buffers
-                                                    for a in buf.state.values()]
-    nbytes = sum(a.nbytes for a in arrays)
-    res: dict = {"profile": profile_name, "optimizer": optimizer, "bytes": nbytes}
-    with tempfile.TemporaryDirectory(prefix="flatopt-bench-ckpt-") as tmp:
-        tmp = Path(tmp)
-        times = {"flatopt_save": [], "flatopt_load": [], "np_save": [], "np_load": []}
-        for r in range(repeats):
-            path = tmp / f"ckpt{r}.h5"
-            t0 = time.perf_counter()
-            flatopt.save(path, opt)
-            times["flatopt_save"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            flatopt.load(path, opt)
-            times["flatopt_load"].append(time.perf_counter() - t0)
-            res["file_bytes"] = path.stat().st_size
-            path.unlink()
-            paths = [tmp / f"a{r}_{k}.npy" for k in range(len(arrays))]
-            t0 = time.perf_counter()
-            for p, a in zip(paths, arrays):
-                np.save(p, a)
-            times["np_save"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for p in paths:
-                np.load(p)
-            times["np_load"].append(time.perf_counter() - t0)
-            for p in paths:
-                p.unlink()
-    for key, ts in times.items():
-        res[key + "_s"] = float(np.median(ts))
-        res[key + "_gbps"] = nbytes / float(np.median(ts)) / 1e9
-    return res
+def checkpoint_throughput(profiles, dtype="float32", rounds: int = 3) -> dict:
+    """``bench.checkpoint``: save, background-save pause, load and verify against
+    np.save/np.load, with peak RSS, per profile."""
+    return {"profiles": checkpoint.run(profiles, rounds=rounds, dtype=dtype)}
 
 
 def run_all(quick: bool, dtype: str, progress) -> dict:
@@ -156,7 +121,8 @@ def run_all(quick: bool, dtype: str, progress) -> dict:
     for name, fn in [("compile", lambda: compile_times(dtype)),
                      ("latency", lambda: latency(dtype=dtype, steps=500 if quick else 2000)),
                      ("checkpoint", lambda: checkpoint_throughput(
-                         dtype=dtype, repeats=2 if quick else 3))]:
+                         ["64x1M"] if quick else checkpoint.DEFAULT_PROFILES, dtype=dtype,
+                         rounds=2 if quick else 3))]:
         progress.show(f"extras: {name}")
         try:
             out[name] = fn()
@@ -187,11 +153,8 @@ def print_extras(extras: dict) -> None:
             print(f"  {key:<18} median {r['median_us']:.1f} us, p90 {r['p90_us']:.1f} us, "
                   f"p99 {r['p99_us']:.1f} us")
     ck = extras.get("checkpoint", {})
-    print("\nCheckpoint throughput:")
     if "skipped" in ck or "error" in ck:
+        print("\nCheckpoint throughput:")
         print(f"  {ck.get('skipped') or ck.get('error')}")
-    else:
-        print(f"  {ck['profile']} {ck['optimizer']}: {ck['bytes'] / 1e6:.0f} MB of buffers; "
-              f"flatopt.save {ck['flatopt_save_gbps']:.2f} GB/s, np.save {ck['np_save_gbps']:.2f}"
-              f" GB/s; flatopt.load {ck['flatopt_load_gbps']:.2f} GB/s, np.load "
-              f"{ck['np_load_gbps']:.2f} GB/s")
+    elif ck.get("profiles"):
+        checkpoint.print_table(ck["profiles"])
