@@ -9,7 +9,8 @@ from . import registry
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._views import Gradients, ParamViews
 from .checkpoint import CheckpointData, Difference, LoadResult, load, read, save
-from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, FlatoptError,
+from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, DeviceError,
+                     FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ParamError,
                      StateDictError, UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
@@ -38,7 +39,7 @@ __all__ = [
     "NAdamParamState", "ASGDParamState", "AdagradParamState", "LAMBParamState",
     "MuonParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
-    "FlatoptError", "ParamError", "HyperparameterError", "GroupAssignmentError",
+    "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",
     "save", "load", "read", "LoadResult", "CheckpointData", "Difference",
     "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt",

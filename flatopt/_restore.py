@@ -278,7 +278,7 @@ class PendingRestore:
             raise RuntimeError("this restore was applied already")
         optimizer, state, settings, params, buffers = self._args
         self._args = None
-        with optimizer.lock:
+        with optimizer.lock, optimizer._host_side():  # CUDA: the device gets the result
             apply(optimizer, state, settings, params, buffers, staging=staging,
                   spill_dir=spill_dir, before_commit=before_commit)
 

@@ -49,6 +49,8 @@ def norm_mode(norm_type: Any) -> tuple[int, float]:
 
 def reduce_present(opt, mode: int, power: float) -> tuple[float, int]:
     """(sum or max over every buffer, non-finite count) of the present gradients."""
+    if opt._device is not None:
+        return opt._device.reduce_present(opt, mode, power)
     total, bad = 0.0, 0
     for buf in opt.buffers:
         if not buf.chunk_first.size:

@@ -80,6 +80,13 @@ class Gradients(Mapping):
 
     def __setitem__(self, path: str, value: np.ndarray) -> None:
         info = self._locate(path)
+        device = self._opt._device
+        if device is not None:  # NumPy or device arrays (flatopt._device)
+            with self._opt.lock:
+                [(_, source)] = device.sources(self._opt, [(info, value)])
+                device.write_gradient(self._opt, info, source)
+                self._opt.buffers[info.buffer].present[info.slot] = 1
+            return
         problem = gradient_problem(info, value)
         if problem:
             raise GradientError(problem)
@@ -103,12 +110,23 @@ class Gradients(Mapping):
             raise GradientError(f"add() takes a dict {{path: array}}, got "
                                 f"{type(grads).__name__}")
         located = []
+        device = self._opt._device
         for path, value in grads.items():
             info = self._locate(path)
-            problem = gradient_problem(info, value)
+            problem = None if device is not None else gradient_problem(info, value)
             if problem:
                 raise GradientError(problem)
             located.append((info, value))
+        if device is not None:
+            with self._opt.lock:
+                for info, source in device.sources(self._opt, located):
+                    buf = self._opt.buffers[info.buffer]
+                    if buf.present[info.slot]:
+                        device.add_gradient(self._opt, info, source)
+                    else:
+                        device.write_gradient(self._opt, info, source)
+                        buf.present[info.slot] = 1
+            return
         with self._opt.lock:
             # values that are views of the gradient buffer are read before anything is added
             located = [(info, value.copy() if any(np.may_share_memory(value, buf.grads)

@@ -37,6 +37,11 @@ class StateDictError(FlatoptError, ValueError):
     """An in-memory state dict does not fit the optimizer it is loaded into."""
 
 
+class DeviceError(FlatoptError, RuntimeError):
+    """``device="cuda"`` cannot be used (what is missing and how to install it is named), or
+    an array lives on another device than the optimizer's."""
+
+
 class CheckpointError(FlatoptError):
     """A checkpoint could not be saved or loaded. ``path`` names the file (or None)."""
 

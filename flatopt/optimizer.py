@@ -10,6 +10,7 @@ get/set/reset, ``state_dict``/``load_state_dict``, and the contract checkpoints 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import threading
@@ -19,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _params, _restore, _stepping
+from . import _device, _params, _restore, _stepping
 from ._stepping import StepResult
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._restore import BufferState
@@ -130,6 +131,9 @@ class Optimizer:
     def _build(self, params: Any, defaults: dict[str, Any]) -> None:
         name = f"{type(self).__name__}()"
         _torch_implementation_arguments(name, defaults)
+        # where the buffers live (flatopt._device): "cpu" (default), "cuda", or "auto"
+        device, stream = defaults.pop("device", "cpu"), defaults.pop("stream", None)
+        bit_exact = defaults.pop("bit_exact", False)
         values, problems = self.schema.check_group(self.schema.defaults(**defaults), name,
                                                    extras=())
         _raise(problems, HyperparameterError)
@@ -150,12 +154,33 @@ class Optimizer:
         views is the caller's to order)."""
         self._backend = kernel_backend("cpu")
         self._kernels = self._backend.compile(self.schema.rule)
+        self._device, self._device_note = _device.resolve(device, stream, bit_exact,
+                                                          self.schema.rule, name)
         self.params = ParamViews(self._param_views)
         self.grads = Gradients(self, self._grad_views)
         structure: list[str] = []
         groups = _params.split_groups(params, structure)
         _raise(structure, ParamError)
         self._add_groups(groups, require_params=True)
+
+    @property
+    def device(self) -> str:
+        """Where the buffers live and the kernels run: "cpu" or "cuda"."""
+        return "cpu" if self._device is None else "cuda"
+
+    def host_buffers(self) -> list[FlatBuffer]:
+        """``opt.buffers`` with their parameter and state arrays holding the current values in
+        host memory (for checkpoint saves). On the CPU these are the live buffers; on CUDA
+        the host mirror, refreshed from the device now (it waits for queued steps)."""
+        if self._device is not None:
+            self._device.pull(self)
+        return self.buffers
+
+    def _host_side(self):
+        """A context in which host code may rewrite the buffers' host arrays (a restore);
+        on CUDA the device gets the result at its end."""
+        return contextlib.nullcontext() if self._device is None else \
+            self._device.host_side(self)
 
     def _set_backend(self, name: str) -> None:
         """Run the kernels of backend ``name`` ("cpu" or "cuda") from the next step on. The
@@ -236,10 +261,14 @@ class Optimizer:
         # Views are handed out in id order, as the user gave them; new ids come last.
         infos.sort(key=lambda info: info.id)
         self.index._extend(infos)
+        if self._device is not None:
+            self._device.attach(self.buffers[len(self._device.buffers):])
         for info in infos:
             buf = self.buffers[info.buffer]
-            self._param_views[info.path] = buf.view(buf.params, info.slot)
-            self._grad_views[info.path] = buf.view(buf.grads, info.slot)
+            params, grads = (buf.params, buf.grads) if self._device is None else \
+                self._device.flat(buf)
+            self._param_views[info.path] = buf.view(params, info.slot)
+            self._grad_views[info.path] = buf.view(grads, info.slot)
 
     def _build_buffers(self, group: int, entries: list, ids: dict,
                        settings: Mapping[str, Any]) -> list[ParamInfo]:
@@ -347,6 +376,8 @@ class Optimizer:
         for name in plan.used:
             if name not in buf.state:
                 buf.state[name] = self._new_slot(buf, name, plan.settings)
+        if self._device is not None:
+            self._device.allocate(buf, plan.used)
         plan.arrays = (buf.params, buf.grads,
                        *(buf.state[name] if name in plan.used else buf.grads
                          for name in self.schema.rule.slots))
@@ -422,13 +453,11 @@ class Optimizer:
         has per-parameter totals, then its span over every chunk; or, for a rule over whole
         matrices, its NumPy function per present parameter."""
         kernels, rule, columns = self._kernels, self.schema.rule, buf.kernel_columns
+        if self._device is not None:
+            self._device.update(self, buf, plan, multiplier, scale)
+            return
         if rule.per_parameter is not None:
-            for k in np.flatnonzero(buf.present):
-                if scale:
-                    buf.view(buf.grads, k)[...] *= multiplier
-                rule.per_parameter(buf.view(buf.params, k), buf.view(buf.grads, k),
-                                   {name: buf.view(buf.state[name], k) for name in plan.used},
-                                   plan.settings)
+            self._update_per_parameter(buf, plan, multiplier, scale)
             return
         if rule.reduce is not None:
             kernels.reduce(arrays, plan.scalars, columns, plan.flags, buf, plan.sums,
@@ -437,6 +466,16 @@ class Optimizer:
                              plan.sums)
             scale = False  # the reduce pass scaled the gradients
         kernels.step(arrays, plan.scalars, columns, plan.flags, buf, multiplier, scale)
+
+    def _update_per_parameter(self, buf: FlatBuffer, plan: _Plan, multiplier, scale: bool):
+        """A rule over whole matrices: its NumPy function per present parameter, on the
+        buffer's host arrays."""
+        for k in np.flatnonzero(buf.present):
+            if scale:
+                buf.view(buf.grads, k)[...] *= multiplier
+            self.schema.rule.per_parameter(
+                buf.view(buf.params, k), buf.view(buf.grads, k),
+                {name: buf.view(buf.state[name], k) for name in plan.used}, plan.settings)
 
     def _known(self, path: Any, what: str, problems: list[str]) -> ParamInfo | None:
         """The index record of ``path``, or None after adding a message naming it."""
@@ -455,12 +494,23 @@ class Optimizer:
             info = self._known(path, "gradient given for", problems)
             if info is None or value is None:
                 continue
+            if self._device is not None:  # checked with the device's rules below
+                staged.append((info, value))
+                continue
             problem = gradient_problem(info, value)
             if problem:
                 problems.append(problem)
             else:
                 staged.append((info, value))
         _raise(problems, GradientError)
+        if self._device is not None:
+            staged = self._device.sources(self, staged)
+            for buf in self.buffers:
+                buf.present[:] = 0
+            for info, value in staged:
+                self._device.write_gradient(self, info, value)
+                self.buffers[info.buffer].present[info.slot] = 1
+            return
         # A value that is a view of the gradient buffer (opt.grads[other]) is read before
         # any gradient is written, so copying one gradient cannot change another.
         staged = [(info, value.copy() if any(np.may_share_memory(value, buf.grads)
@@ -478,6 +528,9 @@ class Optimizer:
         they are and ignored until marked present again); ``False`` zeroes the gradient buffer
         and leaves presence as it is, like torch, which zeroes existing gradients and leaves a
         missing (None) one missing: a present gradient then makes a real step with zeros."""
+        if self._device is not None and not set_to_none:
+            self._device.zero_grads(self)
+            return
         for buf in self.buffers:
             if set_to_none:
                 buf.present[:] = 0
@@ -513,12 +566,17 @@ class Optimizer:
     def state_of(self, path: str):
         """The live state of one parameter as a typed record of views, or None if it has none."""
         info = self._info(path)
-        entry = self._param_state(self.buffers[info.buffer], info.slot, copy=False)
+        if self._device is not None:  # host copies: the mirror's views would go stale
+            self._device.pull(self)
+        entry = self._param_state(self.buffers[info.buffer], info.slot,
+                                  copy=self._device is not None)
         return None if entry is None else self.schema.record(**entry)
 
     @_locked
     def state_dict(self) -> dict[str, Any]:
-        """A snapshot keyed by path: hyperparameters per group and per-parameter state (copies)."""
+        """A snapshot keyed by path: hyperparameters per group and per-parameter state (copies,
+        in host memory whatever the device)."""
+        self.host_buffers()
         state = {}
         for info in self.index:
             entry = self._param_state(self.buffers[info.buffer], info.slot, copy=True)
@@ -574,7 +632,8 @@ class Optimizer:
             settings = self._saved_settings(saved_groups, problems)
         problems += _restore.restore_problems(self, state, settings, None, None)
         _raise(problems, StateDictError)
-        _restore.apply(self, state, settings, None, None)
+        with self._host_side():
+            _restore.apply(self, state, settings, None, None)
 
     def _saved_settings(self, saved_groups: Any, problems: list[str]) -> list[dict | None]:
         """Each live group's values from the saved group holding exactly its parameters."""
@@ -637,8 +696,9 @@ class Optimizer:
         self.prepare_restore(state, settings=settings, params=params, buffers=buffers).apply()
 
     def __repr__(self) -> str:
+        device = self._device_note or self._device or "cpu"
         lines = [f"{type(self).__name__} ({len(self.index)} parameters, "
-                 f"{len(self.buffers)} buffers)"]
+                 f"{len(self.buffers)} buffers, device={device})"]
         for number, group in enumerate(self.param_groups):
             lines.append(f"Parameter Group {number}")
             for key in sorted(k for k in group if k != "params"):

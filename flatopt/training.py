@@ -57,6 +57,9 @@ def scale_gradients(opt: Optimizer, factor: float) -> None:
     each buffer's dtype)."""
     kernels = cpu.compile_rule(SCALE_GRADIENTS)
     with opt.lock:
+        if opt._device is not None:
+            opt._device.scale_gradients(opt, factor)
+            return
         for buf in opt.buffers:
             kernels.step((buf.params, buf.grads), np.zeros(0, buf.dtype), (), (), buf,
                          buf.dtype.type(factor), True)
@@ -180,10 +183,24 @@ class EMA:
         self.decay = float(decay)
         self.warmup = bool(warmup)
         self.num_updates = 0
+        # on a CUDA optimizer the averages are device arrays too, updated by a device kernel
+        self._device = opt._device
         with opt.lock:
-            self.buffers = [buf.params.copy() for buf in opt.buffers]
+            self.buffers = [self._copy(self._live(buf)) for buf in opt.buffers]
         self.params = {info.path: self.buffers[info.buffer][info.offset:info.offset + info.size]
                        .reshape(info.shape) for info in opt.index}
+
+    def _live(self, buf) -> Any:
+        return buf.params if self._device is None else self._device.flat(buf)[0]
+
+    def _copy(self, flat) -> Any:
+        return flat.copy() if self._device is None else self._device.copy_of(flat)
+
+    def _copy_into(self, target, source) -> None:
+        if self._device is None:
+            np.copyto(target, source)
+        else:
+            self._device.copy_into(target, source)
 
     def current_decay(self) -> float:
         t = self.num_updates
@@ -197,8 +214,9 @@ class EMA:
             for average, buf in zip(self.buffers, self.opt.buffers):
                 w = float(buf.dtype.type(weight))
                 from_end = not abs(w) < 0.5
-                lerp_into(average, buf.params, buf.dtype.type(w - 1.0 if from_end else w),
-                          from_end)
+                lerp = lerp_into if self._device is None else self._device.lerp
+                lerp(average, self._live(buf), buf.dtype.type(w - 1.0 if from_end else w),
+                     from_end)
         self.num_updates += 1
 
     @contextlib.contextmanager
@@ -207,14 +225,14 @@ class EMA:
         afterwards they are what they were."""
         self._check_layout()
         with self.opt.lock:
-            saved = [buf.params.copy() for buf in self.opt.buffers]
+            saved = [self._copy(self._live(buf)) for buf in self.opt.buffers]
             try:
                 for average, buf in zip(self.buffers, self.opt.buffers):
-                    np.copyto(buf.params, average)
+                    self._copy_into(self._live(buf), average)
                 yield
             finally:
                 for kept, buf in zip(saved, self.opt.buffers):
-                    np.copyto(buf.params, kept)
+                    self._copy_into(self._live(buf), kept)
 
     def _check_layout(self) -> None:
         if len(self.buffers) != len(self.opt.buffers):
@@ -224,7 +242,8 @@ class EMA:
     def state_dict(self) -> dict[str, Any]:
         """Settings, count and the averages by path (copies)."""
         return {"decay": self.decay, "warmup": self.warmup, "num_updates": self.num_updates,
-                "averages": {path: view.copy() for path, view in self.params.items()}}
+                "averages": {path: view.copy() if self._device is None else
+                             self._device.to_host(view) for path, view in self.params.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`; every path must match, checked before anything
@@ -251,6 +270,9 @@ class EMA:
         if problems:
             raise StateDictError("\n".join(problems))
         for path, view in self.params.items():
-            view[...] = averages[path]
+            if self._device is None:
+                view[...] = averages[path]
+            elif view.size:
+                view.copy_to_device(np.ascontiguousarray(averages[path]))
         self.decay, self.num_updates = float(decay), count
         self.warmup = bool(state.get("warmup", False))

@@ -5,18 +5,33 @@ chunks), ``chunk_first[c]`` the first parameter reaching into chunk ``c``; the t
 block stride over each parameter segment of the chunk (the span's ``stride``), so loads and
 stores coalesce. Per-parameter bookkeeping runs first in a one-thread-per-parameter kernel.
 Arguments are device arrays (or host arrays under the simulator, ``NUMBA_ENABLE_CUDASIM=1``)
-with the same layouts and dtypes as for ``kernels.cpu``.
+with the same layouts and dtypes as for ``kernels.cpu``. Every launch takes the CUDA stream to
+run on (0: the default stream).
+
+Bit-exact kernels (``compile_rule(rule, exact=True)``): NVVM contracts a multiply followed by
+an add into one fused multiply-add (one rounding instead of two), so a rule compiled as is
+differs from the CPU kernel in the last bit of a few elements per thousand. ``fastmath=False``
+does not stop it and numba-cuda has no flag for it, but libNVVM takes ``-fma=0``: kernels
+compiled with ``exact=True`` carry a marker in their names, and a thin wrapper around
+numba-cuda's ``nvvm.compile_ir`` adds ``fma=0`` to the options of any compilation unit holding
+such a kernel (every other kernel compiles as before). The CPU kernels never contract (LLVM
+does not without fast-math flags), so exact CUDA kernels give the CPU's bits.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import math
+
 import numpy as np
-from numba import cuda
 
 from ._bind import bind, instantiate
+from ._cuda_import import numba_cuda, simulated
+from .cpu import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
 from .rule import Rule
+
+cuda = numba_cuda()
 
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS = 65_535
@@ -90,18 +105,21 @@ class CompiledRule(NamedTuple):
     finalize_kernel: object = None
 
     def reduce(self, arrays, scalars, columns, flags, layout, sums, grad_multiplier,
-               scale_grads, threads=THREADS_PER_BLOCK) -> None:
-        sums[...] = 0.0
+               scale_grads, threads=THREADS_PER_BLOCK, stream=0, zero_sums=True) -> None:
+        """``zero_sums=False``: ``sums`` is already zero (a device array zeroed by the
+        caller, which cannot be assigned to from the host)."""
+        if zero_sums:
+            sums[...] = 0.0
         n_chunks = layout.chunk_first.size
         if n_chunks:
-            self.reduce_kernel[max(1, min(n_chunks, MAX_BLOCKS)), threads](
+            self.reduce_kernel[max(1, min(n_chunks, MAX_BLOCKS)), threads, stream](
                 arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
                 layout.chunk_first, layout.chunk_size, sums, grad_multiplier, scale_grads)
 
-    def finalize(self, present, columns, scalars, flags, sums) -> None:
+    def finalize(self, present, columns, scalars, flags, sums, stream=0) -> None:
         n = present.size
         if n:
-            self.finalize_kernel[-(-n // THREADS_PER_BLOCK), THREADS_PER_BLOCK](
+            self.finalize_kernel[-(-n // THREADS_PER_BLOCK), THREADS_PER_BLOCK, stream](
                 present, columns, scalars, flags, sums)
 
     def prepare(self, present, columns, scalars, flags) -> int:
@@ -113,19 +131,51 @@ class CompiledRule(NamedTuple):
         return n_present
 
     def step(self, arrays, scalars, columns, flags, layout, grad_multiplier, scale_grads,
-             threads=THREADS_PER_BLOCK) -> None:
+             threads=THREADS_PER_BLOCK, stream=0) -> None:
         n_chunks = layout.chunk_first.size
         if n_chunks:
-            self.step_kernel[max(1, min(n_chunks, MAX_BLOCKS)), threads](
+            self.step_kernel[max(1, min(n_chunks, MAX_BLOCKS)), threads, stream](
                 arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
                 layout.chunk_first, layout.chunk_size, grad_multiplier, scale_grads)
 
 
 _compiled: dict[str, CompiledRule] = {}
 
+# In the name of every kernel compiled with exact=True (see the module's docstring).
+NO_FMA_MARKER = "flatoptnofma"
 
-def compile_rule(rule: Rule) -> CompiledRule:
+
+def no_fma_options(llvmir, options: dict) -> dict:
+    """NVVM ``options`` for compiling ``llvmir`` (one module's text or a list of them): with
+    ``fma=False`` added when a kernel in it carries NO_FMA_MARKER."""
+    texts = [llvmir] if isinstance(llvmir, str) else llvmir
+    if any(isinstance(text, str) and NO_FMA_MARKER in text for text in texts):
+        return {**options, "fma": False}
+    return options
+
+
+def _install_no_fma_compile() -> None:
+    """Wrap numba-cuda's NVVM entry point once so that units holding a kernel marked with
+    NO_FMA_MARKER compile with ``-fma=0``. A no-op under the simulator (no NVVM)."""
+    if simulated():
+        return
+    from numba.cuda.cudadrv import nvvm
+    if getattr(nvvm.compile_ir, "flatopt_no_fma", False):
+        return
+    original = nvvm.compile_ir
+
+    def compile_ir(llvmir, **options):
+        return original(llvmir, **no_fma_options(llvmir, options))
+    compile_ir.flatopt_no_fma = True
+    nvvm.compile_ir = compile_ir
+
+
+def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
+    """The rule's CUDA kernels; ``exact=True``: compiled without multiply-add contraction."""
     key = f"{rule.name}_{rule.fingerprint}"
+    if exact:
+        _install_no_fma_compile()
+        key = f"{key}_{NO_FMA_MARKER}"
     compiled = _compiled.get(key)
     if compiled is None:
         functions = bind(rule, cuda.jit(device=True))
@@ -143,9 +193,104 @@ def compile_rule(rule: Rule) -> CompiledRule:
     return compiled
 
 
+# ----------------------------------------------------------------------------- tool kernels
+@cuda.jit(cache=True)
+def lerp_kernel(average, value, weight, from_end):
+    """``kernels.tools.lerp_into`` on the device (the EMA of a device-resident optimizer)."""
+    for i in range(cuda.grid(1), average.size, cuda.gridsize(1)):
+        if from_end:
+            average[i] = value[i] + weight * (value[i] - average[i])
+        else:
+            average[i] = average[i] + weight * (value[i] - average[i])
+
+
+@cuda.jit(cache=True)
+def fill_kernel(target, value):
+    """``target[...] = value`` (zeroing gradients without a host copy)."""
+    for i in range(cuda.grid(1), target.size, cuda.gridsize(1)):
+        target[i] = value
+
+
+@cuda.jit(cache=True)
+def add_kernel(target, value):
+    """``target += value`` (gradient accumulation into the flat gradient buffer)."""
+    for i in range(cuda.grid(1), target.size, cuda.gridsize(1)):
+        target[i] = target[i] + value[i]
+
+
+@cuda.jit(cache=True)
+def reduce_gradients_kernel(g, present, offsets, sizes, chunk_first, chunk_size, power, mode,
+                            out):
+    """``kernels.cpu.reduce_gradients`` on the device: each thread reduces its strided
+    elements of the present segments in float64 and adds (or maxes) them into ``out``:
+    [value, non-finite count, NaN seen]. The order of the additions is not fixed."""
+    n_params = offsets.size
+    value = 0.0
+    bad = 0.0
+    nan = 0.0
+    for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
+        lo = c * chunk_size
+        hi = min(lo + chunk_size, g.size)
+        k = chunk_first[c]
+        while k < n_params and offsets[k] < hi:
+            if present[k] != 0:
+                for i in range(max(lo, offsets[k]) + cuda.threadIdx.x,
+                               min(hi, offsets[k] + sizes[k]), cuda.blockDim.x):
+                    # in the gradient's dtype, as kernels.cpu computes the terms (its
+                    # float(g[i]) keeps a float32 a float32); the sum is float64
+                    x = abs(g[i])
+                    if not (x - x == 0):
+                        bad += 1.0
+                        if x != x:
+                            nan = 1.0
+                    if mode == SUM_SQUARES:
+                        value += x * x
+                    elif mode == SUM_POWERS:
+                        value += x ** power
+                    elif mode == MAX_ABS:
+                        if x > value:
+                            value = x
+            k += 1
+    if mode == MAX_ABS:
+        cuda.atomic.max(out, 0, value)
+    elif mode != COUNT_NONFINITE:
+        cuda.atomic.add(out, 0, value)
+    if bad:
+        cuda.atomic.add(out, 1, bad)
+    if nan:
+        out[2] = 1.0
+
+
+def launch_elementwise(kernel, n: int, stream, *args) -> None:
+    """Launch a grid-striding element-wise kernel over ``n`` elements."""
+    if n:
+        kernel[max(1, min(-(-n // THREADS_PER_BLOCK), MAX_BLOCKS)), THREADS_PER_BLOCK,
+               stream](*args)
+
+
+def reduce_gradients(layout, g, present, power: float, mode: int, out, stream=0):
+    """Launch :func:`reduce_gradients_kernel` over one buffer into ``out`` (zeroed by the
+    caller); the caller reads ``out`` back once for all buffers."""
+    n_chunks = layout.chunk_first.size
+    if n_chunks:
+        reduce_gradients_kernel[max(1, min(n_chunks, MAX_BLOCKS)), THREADS_PER_BLOCK, stream](
+            g, present, layout.offsets, layout.sizes, layout.chunk_first, layout.chunk_size,
+            float(power), mode, out)
+
+
+def combine_reduction(out: np.ndarray, mode: int) -> tuple[float, int]:
+    """(value, non-finite count) from :func:`reduce_gradients`'s ``out``: a NaN seen makes
+    the max-norm NaN, as torch's max propagates it."""
+    value = float(out[0])
+    if mode == MAX_ABS and out[2]:
+        value = math.nan
+    return value, int(out[1])
+
+
 class CudaBackend:
-    """The rules' CUDA kernels. The optimizer classes still keep their buffers in host memory
-    (which the simulator accepts); device-resident buffers are the device issue's work."""
+    """The rules' CUDA kernels, over whatever arrays they are given: the device-resident
+    optimizer (``flatopt._device``) gives them device arrays; tests may give them the host
+    arrays of a CPU optimizer under the simulator (``Optimizer._set_backend("cuda")``)."""
 
     name = "cuda"
 
@@ -161,4 +306,6 @@ class CudaBackend:
         return "CudaBackend()"
 
 
-__all__ = ["CudaBackend", "CompiledRule", "compile_rule", "THREADS_PER_BLOCK"]
+__all__ = ["CudaBackend", "CompiledRule", "compile_rule", "THREADS_PER_BLOCK", "NO_FMA_MARKER",
+           "no_fma_options", "lerp_kernel", "add_kernel", "fill_kernel", "reduce_gradients", "combine_reduction",
+           "launch_elementwise"]

@@ -1,0 +1,527 @@
+"""The device-resident optimizer (``device="cuda"``): flat buffers in GPU memory.
+
+What lives where:
+
+- on the device: every buffer's parameters, gradients and state slots (numba-cuda device
+  arrays), and mirrors of what the kernels read per step: presence, the rule's per-parameter
+  columns, its scalars, and the layout (offsets, sizes, chunk table);
+- on the host: the index, validation, presence and the per-parameter columns, which stay
+  authoritative there. Each step runs the rule's ``prepare`` (step counts, bias corrections) on
+  the host with the CPU kernel, in float64 as the CPU optimizer does, then queues the upload of
+  presence and columns and the kernels on the optimizer's stream: no step waits for the device
+  unless its semantics need a device value on the host (a clipping norm, a non-finite check);
+- a host mirror of the parameter and state buffers (the ``FlatBuffer`` arrays themselves),
+  refreshed from the device only when host code needs it: ``state_dict``, ``state_of``,
+  checkpoint saves (:meth:`Optimizer.host_buffers`) and restores (:meth:`CudaDevice.host_side`,
+  which pushes the result back). The mirror is allocated zero-filled, so its pages cost
+  memory only once something is copied into them.
+
+Rules over whole matrices (``Rule.per_parameter``, Muon's Newton-Schulz in NumPy) are run on
+the host: the present parameters' values, gradients and state are copied to the mirror, updated
+there and copied back (correct, but a round trip per step: documented as not GPU-speed).
+
+Arrays from other libraries: anything exposing ``__cuda_array_interface__`` (CuPy, PyTorch,
+Numba) is wrapped without a copy (:func:`wrap_interface`) and copied device to device into the
+flat buffer; NumPy arrays are copied in from the host. An array on another GPU is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from ._layout import FlatBuffer, ParamInfo
+from .errors import DeviceError, GradientError
+
+DEVICES = ("cpu", "cuda", "auto")
+
+INSTALL_HINT = ("install numba-cuda with the CUDA toolkit libraries for your driver: "
+                "pip install 'flatopt[cuda]' (numba-cuda[cu12], for a CUDA 12 driver) or "
+                "pip install 'numba-cuda[cu13]' for a CUDA 13 driver")
+
+
+# ----------------------------------------------------------------------------- availability
+def cuda_problem() -> str | None:
+    """Why CUDA kernels cannot run here (driver, numba-cuda or toolkit missing), or None."""
+    try:
+        from .kernels._cuda_import import numba_cuda, simulated
+        cuda = numba_cuda()
+    except ImportError as exc:
+        return f"numba-cuda is not installed ({exc}); {INSTALL_HINT}"
+    if simulated():
+        return None
+    try:
+        from numba.cuda.cudadrv.driver import driver
+        if driver.get_device_count() < 1:
+            return ("the CUDA driver found no GPU; check nvidia-smi and CUDA_VISIBLE_DEVICES")
+    except Exception as exc:  # CudaSupportError and friends, worded by numba-cuda
+        return (f"no usable CUDA driver ({type(exc).__name__}: {exc}); install the NVIDIA "
+                "driver (nvidia-smi must list the GPU)")
+    try:
+        from numba.cuda.cudadrv.nvvm import NVVM
+        NVVM()
+    except Exception as exc:
+        return (f"the CUDA toolkit's libNVVM was not found ({type(exc).__name__}: {exc}); "
+                f"{INSTALL_HINT}")
+    try:
+        cuda.get_current_device()
+    except Exception as exc:
+        return f"the GPU cannot be used ({type(exc).__name__}: {exc})"
+    return None
+
+
+def resolve(device: Any, stream: Any, bit_exact: Any, rule, who: str):
+    """(the :class:`CudaDevice` or None for the CPU, a note for ``repr`` or None)."""
+    if device not in DEVICES:
+        raise DeviceError(f"{who}: device must be one of {DEVICES}, got {device!r}")
+    if not isinstance(bit_exact, bool):
+        raise DeviceError(f"{who}: bit_exact must be True or False, got {bit_exact!r}")
+    if device == "cpu":
+        if stream is not None:
+            raise DeviceError(f"{who}: stream= is for device='cuda' (or 'auto'); this "
+                              "optimizer runs on the CPU")
+        return None, None
+    problem = cuda_problem()
+    if problem is None:
+        return CudaDevice(rule, stream, bit_exact, who), None
+    if device == "cuda":
+        raise DeviceError(f"{who}: device='cuda' cannot be used: {problem}. Use device='cpu', "
+                          "or device='auto' to fall back to the CPU")
+    return None, f"auto: running on the CPU because {problem}"
+
+
+# ----------------------------------------------------------------------------- interop
+def _simulator_array_type():
+    from .kernels._cuda_import import simulated
+    if not simulated():
+        return None
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    return FakeCUDAArray
+
+
+def _is_numba_device_array(value: Any) -> bool:
+    fake = _simulator_array_type()
+    if fake is not None:
+        return isinstance(value, fake)
+    from numba import cuda
+    return cuda.is_cuda_ndarray(value)
+
+
+def exporter_device(value: Any, pointer: int | None) -> int | None:
+    """The ordinal of the GPU holding ``value``: from a ``device`` attribute as torch
+    (``.type``, ``.index``) and CuPy (``.id``) give it, else from the driver's pointer
+    attributes; None when it cannot be told (the simulator)."""
+    device = getattr(value, "device", None)
+    if device is not None:
+        if getattr(device, "type", "cuda") != "cuda":
+            return -1  # a torch tensor on the CPU (or another backend)
+        for name in ("index", "id"):
+            ordinal = getattr(device, name, None)
+            if isinstance(ordinal, int):
+                return ordinal
+    if pointer and _simulator_array_type() is None:
+        try:
+            from cuda.bindings import driver as cu
+            err, ordinal = cu.cuPointerGetAttribute(
+                cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, pointer)
+            if int(err) == 0:
+                return int(ordinal)
+        except Exception:  # older bindings: leave it to the copy to fail
+            return None
+    return None
+
+
+def _c_contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
+    """Whether ``strides`` lay ``shape`` out in C order (the stride of a dimension of size 1
+    does not matter, as in NumPy)."""
+    expected = itemsize
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def interface_problem(info: ParamInfo, desc: Any) -> str | None:
+    """Why a ``__cuda_array_interface__`` dict cannot be the gradient of ``info``, or None."""
+    if not isinstance(desc, dict) or not {"shape", "typestr", "data"} <= set(desc):
+        return (f"gradient for {info.path!r}: its __cuda_array_interface__ is not a dict with "
+                "shape, typestr and data")
+    shape = tuple(desc["shape"])
+    if shape != info.shape:
+        return (f"gradient for {info.path!r} has shape {shape}, but the parameter has shape "
+                f"{info.shape}")
+    dtype = np.dtype(desc["typestr"])
+    if dtype != info.dtype:
+        return (f"gradient for {info.path!r} has dtype {dtype}, but the parameter is "
+                f"{info.dtype}; cast it on the device first")
+    strides = desc.get("strides")
+    if strides is not None and not _c_contiguous(shape, tuple(strides), dtype.itemsize):
+        return (f"gradient for {info.path!r} is not C-contiguous (strides {tuple(strides)}); "
+                "make it contiguous on the device first (cupy.ascontiguousarray, "
+                "tensor.contiguous())")
+    if desc.get("mask") is not None:
+        return f"gradient for {info.path!r} has a mask, which flatopt would ignore"
+    return None
+
+
+def wrap_interface(value: Any, desc: dict):
+    """A numba device array over the memory ``value`` exports (no copy). Under the simulator
+    "device" pointers are host pointers, so the memory is wrapped as a NumPy array."""
+    fake = _simulator_array_type()
+    if fake is None:
+        from numba import cuda
+        return cuda.from_cuda_array_interface(desc, owner=value, sync=True)
+    dtype, shape = np.dtype(desc["typestr"]), tuple(desc["shape"])
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    pointer = desc["data"][0]
+    if nbytes == 0:
+        return fake(np.empty(shape, dtype))
+    raw = (ctypes.c_char * nbytes).from_address(pointer)
+    return fake(np.frombuffer(raw, dtype).reshape(shape))
+
+
+# ----------------------------------------------------------------------------- buffers
+@dataclass
+class DeviceLayout:
+    """A buffer's layout as the CUDA walk reads it, with device copies of its arrays."""
+
+    present: Any
+    offsets: Any
+    sizes: Any
+    chunk_first: Any
+    chunk_size: int
+    length: int
+
+
+class DeviceBuffer:
+    """The device side of one :class:`FlatBuffer`."""
+
+    def __init__(self, cuda, buf: FlatBuffer, stream):
+        self.params = cuda.to_device(buf.params, stream=stream)
+        self.grads = cuda.to_device(buf.grads, stream=stream)
+        self.state = {name: cuda.to_device(flat, stream=stream)
+                      for name, flat in buf.state.items()}
+        self.columns = tuple(cuda.to_device(column, stream=stream)
+                             for column in buf.kernel_columns)
+        self.layout = DeviceLayout(cuda.to_device(buf.present, stream=stream),
+                                   cuda.to_device(buf.offsets, stream=stream),
+                                   cuda.to_device(buf.sizes, stream=stream),
+                                   cuda.to_device(buf.chunk_first, stream=stream),
+                                   buf.chunk_size, buf.length)
+        self.plan = None  # the host _Plan the cached device arguments below were made for
+        self.arrays = self.scalars = self.prepare_scalars = self.sums = self.zero_sums = None
+        self.no_scalars = cuda.to_device(np.zeros(0, buf.dtype), stream=stream)
+
+
+class CudaDevice:
+    """One optimizer's device side: its stream, kernels and device buffers."""
+
+    name = "cuda"
+
+    def __init__(self, rule, stream: Any, bit_exact: bool, who: str):
+        from .kernels import cuda as kernels
+        self.cuda = kernels.cuda
+        self.kernels_module = kernels
+        self.stream = self._stream(stream, who)
+        self.bit_exact = bit_exact
+        self.kernels = kernels.compile_rule(rule, exact=bit_exact)
+        self.ordinal = 0 if _simulator_array_type() else self.cuda.get_current_device().id
+        self.buffers: list[DeviceBuffer] = []
+
+    def _stream(self, stream: Any, who: str):
+        cuda = self.cuda
+        if stream is None:
+            return cuda.default_stream()
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            return cuda.external_stream(stream)
+        for attribute in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+            handle = getattr(stream, attribute, None)
+            if isinstance(handle, int):
+                return cuda.external_stream(handle)
+        if hasattr(stream, "synchronize") and hasattr(stream, "handle"):  # a numba stream
+            return stream
+        raise DeviceError(f"{who}: stream must be a numba-cuda stream, a torch.cuda.Stream, "
+                          f"a cupy.cuda.Stream or a raw stream handle (int), got "
+                          f"{type(stream).__name__}")
+
+    def __repr__(self) -> str:
+        exact = ", bit_exact" if self.bit_exact else ""
+        return f"cuda:{self.ordinal}{exact}"
+
+    # ------------------------------------------------------------------- construction
+    def attach(self, buffers: list[FlatBuffer]) -> None:
+        """Upload new buffers (their host arrays hold the initial values)."""
+        for buf in buffers:
+            self.buffers.append(DeviceBuffer(self.cuda, buf, self.stream))
+
+    def flat(self, buf: FlatBuffer) -> tuple[Any, Any]:
+        d = self.buffers[buf.number]
+        return d.params, d.grads
+
+    def refresh_layout(self, buf: FlatBuffer) -> None:
+        """Upload ``buf``'s chunk table again (after tests change the chunk size)."""
+        d = self.buffers[buf.number]
+        d.layout = DeviceLayout(d.layout.present, d.layout.offsets, d.layout.sizes,
+                                self.cuda.to_device(buf.chunk_first, stream=self.stream),
+                                buf.chunk_size, buf.length)
+
+    def allocate(self, buf: FlatBuffer, used) -> None:
+        """Device slots for the slots the settings use (the host mirror's, just allocated,
+        holds their initial values)."""
+        d = self.buffers[buf.number]
+        for name in used:
+            if name not in d.state:
+                d.state[name] = self.cuda.to_device(buf.state[name], stream=self.stream)
+
+    def _bind(self, buf: FlatBuffer, plan, rule) -> DeviceBuffer:
+        """The device arguments of ``plan`` (made once per plan: a settings change)."""
+        d = self.buffers[buf.number]
+        if d.plan is not plan:
+            self.allocate(buf, plan.used)
+            d.arrays = (d.params, d.grads, *(d.state[name] if name in plan.used else d.grads
+                                              for name in rule.slots))
+            d.scalars = self.cuda.to_device(plan.scalars, stream=self.stream)
+            d.prepare_scalars = self.cuda.to_device(plan.prepare_scalars, stream=self.stream)
+            if plan.sums is not None:
+                d.sums = self.cuda.to_device(plan.sums, stream=self.stream)
+                d.zero_sums = np.zeros_like(plan.sums)
+            d.plan = plan
+        return d
+
+    # ------------------------------------------------------------------- stepping
+    def update(self, opt, buf: FlatBuffer, plan, multiplier, scale: bool) -> None:
+        """The device part of one buffer's step, queued on the stream (``prepare`` has run on
+        the host)."""
+        rule = opt.schema.rule
+        if rule.per_parameter is not None:
+            present = np.flatnonzero(buf.present)
+            self._pull(buf, present, ("params", "grads", *plan.used))
+            opt._update_per_parameter(buf, plan, multiplier, scale)
+            self._push(buf, present, ("params", "grads", *plan.used))
+            return
+        d = self._bind(buf, plan, rule)
+        stream = self.stream
+        d.layout.present.copy_to_device(buf.present, stream=stream)
+        for target, column in zip(d.columns, buf.kernel_columns):
+            target.copy_to_device(column, stream=stream)
+        if rule.reduce is not None:
+            d.sums.copy_to_device(d.zero_sums, stream=stream)
+            self.kernels.reduce(d.arrays, d.scalars, d.columns, plan.flags, d.layout, d.sums,
+                                multiplier, scale, stream=stream, zero_sums=False)
+            self.kernels.finalize(d.layout.present, d.columns, d.prepare_scalars, plan.flags,
+                                  d.sums, stream=stream)
+            scale = False  # the reduce pass scaled the gradients
+        self.kernels.step(d.arrays, d.scalars, d.columns, plan.flags, d.layout, multiplier,
+                          scale, stream=stream)
+
+    def reduce_present(self, opt, mode: int, power: float) -> tuple[float, int]:
+        """``_stepping.reduce_present`` on the device: one launch per buffer into one
+        accumulator, read back once (the step's only wait, and only when clipping or checking
+        for non-finite gradients)."""
+        k = self.kernels_module
+        out = self.cuda.to_device(np.zeros(3), stream=self.stream)
+        for buf, d in zip(opt.buffers, self.buffers):
+            d.layout.present.copy_to_device(buf.present, stream=self.stream)
+            k.reduce_gradients(d.layout, d.grads, d.layout.present, power, mode, out,
+                               stream=self.stream)
+        return k.combine_reduction(out.copy_to_host(stream=self.stream), mode)
+
+    def scale_gradients(self, opt, factor: float) -> None:
+        """Multiply every present gradient by ``factor`` (rounded to each buffer's dtype)."""
+        from .kernels.tools import SCALE_GRADIENTS
+        kernels = self.kernels_module.compile_rule(SCALE_GRADIENTS)
+        for buf, d in zip(opt.buffers, self.buffers):
+            d.layout.present.copy_to_device(buf.present, stream=self.stream)
+            kernels.step((d.params, d.grads), d.no_scalars, (), (), d.layout,
+                         buf.dtype.type(factor), True, stream=self.stream)
+
+    # ------------------------------------------------------------------- gradients in
+    def _source(self, opt, info: ParamInfo, value: Any) -> tuple[Any, str | None]:
+        """(the value as a device array or a host NumPy array, or a problem)."""
+        from ._views import gradient_problem
+        if isinstance(value, (np.ndarray, np.generic)):
+            return np.asarray(value), gradient_problem(info, value)
+        if _is_numba_device_array(value):
+            if value.shape != info.shape or value.dtype != info.dtype:
+                return None, (f"gradient for {info.path!r} is a device array of shape "
+                              f"{value.shape} and dtype {value.dtype}; the parameter is "
+                              f"{info.shape} {info.dtype}")
+            return value, None
+        try:
+            desc = value.__cuda_array_interface__
+        except AttributeError:
+            desc = None
+        except Exception as exc:  # torch: a CPU tensor, or one that requires grad
+            return None, (f"gradient for {info.path!r}: {type(value).__name__} cannot be read "
+                          f"on the device ({exc}); pass tensor.detach() on the GPU, or a NumPy "
+                          "array")
+        if desc is None:
+            return None, (f"gradient for {info.path!r} is a {type(value).__name__}; give a "
+                          "NumPy array or a device array with __cuda_array_interface__ (CuPy, "
+                          f"PyTorch, Numba) of shape {info.shape} and dtype {info.dtype}")
+        problem = interface_problem(info, desc)
+        if problem:
+            return None, problem
+        ordinal = exporter_device(value, desc["data"][0])
+        if ordinal is not None and ordinal != self.ordinal:
+            where = "the CPU" if ordinal < 0 else f"GPU {ordinal}"
+            return None, (f"gradient for {info.path!r} is on {where}, but the optimizer's "
+                          f"buffers are on GPU {self.ordinal}; move it there first (or build "
+                          "the optimizer under that device's context)")
+        return wrap_interface(value, desc), None
+
+    def _overlaps_grads(self, source: Any) -> bool:
+        """Whether a device source is (a view of) one of this optimizer's gradient buffers."""
+        if isinstance(source, np.ndarray):
+            return False
+        fake = _simulator_array_type()
+        if fake is not None:
+            return any(np.may_share_memory(source._ary, d.grads._ary) for d in self.buffers)
+        start = source.device_ctypes_pointer.value or 0
+        stop = start + source.nbytes
+        for d in self.buffers:
+            low = d.grads.device_ctypes_pointer.value or 0
+            if start < low + d.grads.nbytes and low < stop:
+                return True
+        return False
+
+    def sources(self, opt, pairs) -> list:
+        """[(info, source)] for [(info, value)]: every value checked (one GradientError naming
+        them all, a DeviceError for a wrong device, before anything is copied), and values
+        that alias the gradient buffer copied first."""
+        problems, sources, wrong_device = [], [], False
+        for info, value in pairs:
+            source, problem = self._source(opt, info, value)
+            if problem:
+                problems.append(problem)
+                wrong_device |= " is on " in problem
+            else:
+                sources.append((info, source))
+        if problems:
+            raise (DeviceError if wrong_device else GradientError)("\n".join(problems))
+        return [(info, self._copy(source) if self._overlaps_grads(source) else source)
+                for info, source in sources]
+
+    def _copy(self, source):
+        copy = self.cuda.device_array(source.shape, source.dtype, stream=self.stream)
+        copy.copy_to_device(source, stream=self.stream)
+        return copy
+
+    def _segment(self, flat, info: ParamInfo):
+        return flat[info.offset:info.offset + info.size]
+
+    def write_gradient(self, opt, info: ParamInfo, source) -> None:
+        """Copy a checked source into the flat gradient buffer (host to device, or device to
+        device on the stream)."""
+        if info.size:
+            d = self.buffers[info.buffer]
+            target = self._segment(d.grads, info)
+            flat = source.reshape(info.size) if not isinstance(source, np.ndarray) else \
+                np.ascontiguousarray(source).reshape(info.size)
+            target.copy_to_device(flat, stream=self.stream)
+
+    def add_gradient(self, opt, info: ParamInfo, source) -> None:
+        if info.size:
+            if isinstance(source, np.ndarray):
+                source = self.cuda.to_device(np.ascontiguousarray(source), stream=self.stream)
+            target = self._segment(self.buffers[info.buffer].grads, info)
+            self.kernels_module.launch_elementwise(self.kernels_module.add_kernel, info.size,
+                                                   self.stream, target,
+                                                   source.reshape(info.size))
+
+    def zero_grads(self, opt) -> None:
+        for buf, d in zip(opt.buffers, self.buffers):
+            self.kernels_module.launch_elementwise(self.kernels_module.fill_kernel, buf.length,
+                                                   self.stream, d.grads, buf.dtype.type(0))
+
+    # ------------------------------------------------------------------- host mirror
+    def _flat(self, d: DeviceBuffer, buf: FlatBuffer, name: str):
+        if name == "params":
+            return d.params, buf.params
+        if name == "grads":
+            return d.grads, buf.grads
+        return d.state[name], buf.state[name]
+
+    def _pull(self, buf: FlatBuffer, slots, names) -> None:
+        """Copy parameters ``slots`` of the named arrays from the device to the mirror."""
+        d = self.buffers[buf.number]
+        for name in names:
+            device, host = self._flat(d, buf, name)
+            for k in slots:
+                a, b = int(buf.offsets[k]), int(buf.offsets[k] + buf.sizes[k])
+                if b > a:
+                    device[a:b].copy_to_host(host[a:b], stream=self.stream)
+        self.stream.synchronize()
+
+    def _push(self, buf: FlatBuffer, slots, names) -> None:
+        d = self.buffers[buf.number]
+        for name in names:
+            device, host = self._flat(d, buf, name)
+            for k in slots:
+                a, b = int(buf.offsets[k]), int(buf.offsets[k] + buf.sizes[k])
+                if b > a:
+                    device[a:b].copy_to_device(host[a:b], stream=self.stream)
+        self.stream.synchronize()  # the host arrays may change as soon as we return
+
+    def pull(self, opt) -> None:
+        """Refresh the host mirror of every parameter and state buffer (whole buffers, one
+        copy each), waiting for the queued steps first."""
+        for buf, d in zip(opt.buffers, self.buffers):
+            d.params.copy_to_host(buf.params, stream=self.stream)
+            for name, flat in d.state.items():
+                flat.copy_to_host(buf.state[name], stream=self.stream)
+        self.stream.synchronize()
+
+    def push(self, opt) -> None:
+        """Upload the host mirror (after a restore changed it): parameters, every state slot
+        (allocating device slots for new ones, dropping removed ones)."""
+        for buf, d in zip(opt.buffers, self.buffers):
+            d.params.copy_to_device(buf.params, stream=self.stream)
+            for name in list(d.state):
+                if name not in buf.state:
+                    del d.state[name]
+            for name, flat in buf.state.items():
+                if name in d.state:
+                    d.state[name].copy_to_device(flat, stream=self.stream)
+                else:
+                    d.state[name] = self.cuda.to_device(flat, stream=self.stream)
+            d.plan = None
+        self.stream.synchronize()
+
+    @contextlib.contextmanager
+    def host_side(self, opt) -> Iterator[None]:
+        """Host code changes the mirror inside the block (a restore: it writes
+        ``buf.params``, ``buf.state`` and ``opt._param_views``, which point at the mirror
+        meanwhile); afterwards the device gets the result (or, if the block failed, what it
+        had: the mirror was refreshed from it first)."""
+        self.pull(opt)
+        device_views = dict(opt._param_views)
+        for info in opt.index:
+            buf = opt.buffers[info.buffer]
+            opt._param_views[info.path] = buf.view(buf.params, info.slot)
+        try:
+            yield
+        finally:
+            opt._param_views.update(device_views)
+            self.push(opt)
+
+    # ------------------------------------------------------------------- EMA support
+    def copy_of(self, flat):
+        return self._copy(flat)
+
+    def copy_into(self, target, source) -> None:
+        target.copy_to_device(source, stream=self.stream)
+
+    def lerp(self, average, value, weight, from_end: bool) -> None:
+        self.kernels_module.launch_elementwise(self.kernels_module.lerp_kernel, average.size,
+                                               self.stream, average, value, weight, from_end)
+
+    def to_host(self, array) -> np.ndarray:
+        host = array.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return host
