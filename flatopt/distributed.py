@@ -419,10 +419,18 @@ class Sharding:
             np.add(total, piece, out=total)
         np.divide(total, buf.dtype.type(size), out=mine)
 
-    def gather(self, shard: BufferShard, flat: np.ndarray) -> None:
-        """Every rank's range of ``flat`` (a whole-buffer array) onto every rank, in place."""
-        kind = _mpi_type(shard.buffer.dtype)
-        self.comm.Allgatherv(_mpi().IN_PLACE, [flat, (shard.counts, shard.displs), kind])
+    def gather(self, shard: BufferShard, flat: np.ndarray | None, root: int | None = None,
+               piece: np.ndarray | None = None) -> None:
+        """Every rank's range of ``flat`` (a whole-buffer array) onto every rank, in place;
+        with ``root``, onto that rank only (the others send ``piece``, their range)."""
+        MPI, kind = _mpi(), _mpi_type(shard.buffer.dtype)
+        where = (shard.counts, shard.displs)
+        if root is None:
+            self.comm.Allgatherv(MPI.IN_PLACE, [flat, where, kind])
+        elif self.rank == root:
+            self.comm.Gatherv(MPI.IN_PLACE, [flat, where, kind], root=root)
+        else:
+            self.comm.Gatherv([piece, kind], None, root=root)
 
     def reduce_present(self, opt, mode: int, power: float) -> tuple[float, int]:
         """_stepping.reduce_present over every rank's averaged gradients: per-chunk partials
@@ -570,32 +578,41 @@ class Sharding:
 
 
 # ------------------------------------------------------------------------ state as a whole
-def consolidated(opt):
+def consolidated(opt, root: int | None = None):
     """A plain single-process optimizer equal to ``opt``: same class, groups, settings,
     parameters, per-parameter columns and the full state, gathered from every rank. A
-    collective: call it on every rank. (``opt`` itself when it is not sharded.)"""
+    collective: call it on every rank. With ``root``, only that rank gets it (the state is
+    gathered there alone) and the others get None. ``opt`` itself when it is not sharded."""
     sharding = getattr(opt, "_sharding", None)
     if sharding is None:
         return opt
-    settings = opt.settings()
-    groups = [{**values, "params": {path: opt.params[path] for path in group["params"]}}
-              for values, group in zip(settings, opt.param_groups)]
-    twin = type(opt)(groups)
-    twin.defaults = dict(opt.defaults)
-    for shard, buf, mine in zip(sharding.shards, twin.buffers, opt.buffers):
-        for name, column in mine.columns.items():
-            buf.columns[name][...] = column
-        buf.state.clear()
+    here = root is None or sharding.rank == root
+    twin = None
+    if here:
+        settings = opt.settings()
+        groups = [{**values, "params": {path: opt.params[path] for path in group["params"]}}
+                  for values, group in zip(settings, opt.param_groups)]
+        twin = type(opt)(groups)
+        twin.defaults = dict(opt.defaults)
+    for shard, mine in zip(sharding.shards, opt.buffers):
+        buf = twin.buffers[mine.number] if here else None
+        if here:
+            for name, column in mine.columns.items():
+                buf.columns[name][...] = column
+            buf.state.clear()
         for name in opt.schema.rule.slots:  # slots are allocated alike on every rank
             if name not in shard.state:
                 continue
-            flat = aligned_zeros(buf.length, buf.dtype)
+            flat = aligned_zeros(mine.length, mine.dtype) if here else None
             if shard.replicated:
-                flat[...] = shard.state[name]
+                if here:
+                    flat[...] = shard.state[name]
             else:
-                flat[shard.lo:shard.hi] = shard.state[name]
-                sharding.gather(shard, flat)
-            buf.state[name] = flat
+                if here:
+                    flat[shard.lo:shard.hi] = shard.state[name]
+                sharding.gather(shard, flat, root=root, piece=shard.state[name])
+            if here:
+                buf.state[name] = flat
     return twin
 
 

@@ -11,7 +11,6 @@ import sys
 import traceback
 
 import numpy as np
-from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,8 +18,8 @@ import flatopt  # noqa: E402
 from flatopt import distributed  # noqa: E402
 from optimizers import NAMES, build, random_settings, rich_settings  # noqa: E402
 
-COMM = MPI.COMM_WORLD
-RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+# set when run under mpiexec (importing this module, as test_mpi.py does, starts no MPI)
+COMM, RANK, SIZE = None, 0, 1
 FAILURES: list[str] = []
 
 
@@ -213,6 +212,7 @@ def check_world_size_one() -> None:
     params = initial_params()
     for name in ("Adam", "LAMB"):
         groups = groups_for(name, params)
+        from mpi4py import MPI
         opt = build(name, groups, comm=MPI.COMM_SELF)
         reference = build(name, groups)
         for step, options in enumerate(STEP_OPTIONS):
@@ -225,9 +225,97 @@ def check_world_size_one() -> None:
             f"world size 1 is plain ({name})")
 
 
+# ---------------------------------------------------------------- checkpoints
+CHECKPOINTED = ("Adam", "LAMB", "Adagrad", "Muon")
+SAVED_AT, STEPS = 3, 6
+
+
+def exact_gradients(opt, step: int) -> dict:
+    """The same gradients on every rank, multiples of 1/256 below 2 in magnitude: their sum
+    over up to 4 ranks and its division by the world size are exact, so the mean gradient is
+    these values at any world size and a run can resume at another one."""
+    rng = np.random.default_rng(step)
+    grads = {}
+    for path in opt.index.paths:
+        value = opt.params[path]
+        g = (rng.integers(-512, 512, value.shape) / 256).astype(value.dtype)
+        if present(path, step, 0):
+            grads[path] = g
+    return grads
+
+
+def checkpointed(name: str, comm):
+    params = initial_params()
+    return build(name, groups_for(name, params), comm=comm)
+
+
+def check_save(directory: str) -> None:
+    """Save at this world size after SAVED_AT steps (rank 0 writes; the others send)."""
+    for name in CHECKPOINTED:
+        opt = checkpointed(name, COMM)
+        for step in range(SAVED_AT):
+            opt.step(exact_gradients(opt, step))
+        flatopt.save(os.path.join(directory, f"{name}.h5"), opt, metadata={"step": SAVED_AT})
+        report(True, f"saved {name}")
+
+
+def check_resume(directory: str) -> None:
+    """Load what another world size saved, step on: the parameters and state equal an
+    uninterrupted single-process run's bits."""
+    for name in CHECKPOINTED:
+        try:
+            opt = checkpointed(name, COMM)
+            result = flatopt.load(os.path.join(directory, f"{name}.h5"), opt)
+            for step in range(SAVED_AT, STEPS):
+                opt.step(exact_gradients(opt, step))
+            reference = checkpointed(name, None)
+            for step in range(STEPS):
+                reference.step(exact_gradients(reference, step))
+            problems = [f"parameter {path} differs" for path in reference.index.paths
+                        if not same_bits(opt.params[path], reference.params[path])]
+            problems += state_differences(distributed.consolidated(opt).state_dict(),
+                                          reference.state_dict())
+            if result.metadata != {"step": SAVED_AT}:
+                problems.append(f"metadata {result.metadata}")
+            report(not problems, f"resumed {name} at {SIZE} ranks" +
+                   "".join(f"\n    {p}" for p in problems[:8]))
+        except Exception:
+            report(False, f"resumed {name}: {traceback.format_exc()}")
+
+
+def check_killed_save(directory: str, killed: int) -> None:
+    """Save, step, then save again with rank ``killed`` killed in the middle (rank 0: its
+    file complete but not yet renamed into place; another rank: before it sends its state)."""
+    import signal
+    opt = checkpointed("Adam", COMM)
+    for step in range(SAVED_AT):
+        opt.step(exact_gradients(opt, step))
+    path = os.path.join(directory, "killed.h5")
+    flatopt.save(path, opt, metadata={"step": SAVED_AT})
+    opt.step(exact_gradients(opt, SAVED_AT))
+    report(True, "first save")
+    if RANK == killed == 0:
+        import flatopt.checkpoint.files as files
+        files.os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    elif RANK == killed:
+        os.kill(os.getpid(), signal.SIGKILL)
+    flatopt.save(path, opt, metadata={"step": SAVED_AT + 1})
+    report(False, "the job went on after a rank was killed")
+
+
 if __name__ == "__main__":
-    for mode in sys.argv[1:]:
+    from mpi4py import MPI
+    COMM = MPI.COMM_WORLD
+    RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+    arguments = sys.argv[1:]
+    directory = arguments.pop(arguments.index("--dir") + 1) if "--dir" in arguments else ""
+    arguments = [a for a in arguments if a != "--dir"]
+    for mode in arguments:
+        if mode.startswith("kill"):
+            check_killed_save(directory, int(mode[len("kill"):]))
+            continue
         {"identity": check_identity, "mismatch": check_mismatches,
-         "single": check_world_size_one}[mode]()
+         "single": check_world_size_one, "save": lambda: check_save(directory),
+         "resume": lambda: check_resume(directory)}[mode]()
     COMM.Barrier()
     sys.exit(1 if FAILURES else 0)

@@ -43,8 +43,9 @@ def _skip_reason() -> str | None:
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
 
 
-def run_job(size: int, *modes: str) -> list[str]:
-    """Run the worker at ``size`` ranks; its output lines (the job must exit 0 in time)."""
+def run_job(size: int, *modes: str, succeed: bool = True) -> list[str]:
+    """Run the worker at ``size`` ranks; its reports (the job must end in time, and exit 0
+    when ``succeed``)."""
     process = subprocess.Popen([_mpiexec(), "-n", str(size), sys.executable, str(WORKER),
                                 *modes], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
@@ -54,7 +55,8 @@ def run_job(size: int, *modes: str) -> list[str]:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         pytest.fail(f"mpiexec -n {size} hung (killed after {TIMEOUT_S} s):\n{output[-4000:]}")
-    assert process.returncode == 0, f"mpiexec -n {size} failed:\n" + output[-6000:]
+    assert (process.returncode == 0) == succeed, \
+        f"mpiexec -n {size} exited with {process.returncode}:\n" + output[-6000:]
     # ranks' lines may interleave: split at every report's "[rank R] " prefix
     return [report.strip() for report in re.split(r"(?=\[rank \d+\] )", output)
             if report.startswith("[rank ")]
@@ -96,3 +98,33 @@ def test_world_size_one_is_a_plain_optimizer():
     ok = checks_by_rank(run_job(1, "single"), 1)
     assert ok.get("world size 1 is plain (Adam)") == {0}
     assert ok.get("world size 1 is plain (LAMB)") == {0}
+
+
+def test_checkpoint_saved_at_3_ranks_resumes_exactly_at_1_2_and_4(tmp_path):
+    ok = checks_by_rank(run_job(3, "save", "--dir", str(tmp_path)), 3)
+    import mpi_worker  # its names; importing it starts no MPI
+    for name in mpi_worker.CHECKPOINTED:
+        assert ok.get(f"saved {name}") == {0, 1, 2}
+    for size in (1, 2, 4):
+        ok = checks_by_rank(run_job(size, "resume", "--dir", str(tmp_path)), size)
+        for name in mpi_worker.CHECKPOINTED:
+            assert ok.get(f"resumed {name} at {size} ranks") == set(range(size)), (name, size)
+
+
+@pytest.mark.parametrize("killed", [0, 2])
+def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path, killed):
+    import flatopt
+    import mpi_worker
+    reports = run_job(3, f"kill{killed}", "--dir", str(tmp_path), succeed=False)
+    ok = checks_by_rank(reports, 3)
+    assert ok.get("first save") == {0, 1, 2}
+    if killed == 0:  # killed with its new file written but not yet renamed into place
+        assert list(tmp_path.glob(".killed.h5.*.tmp"))
+    opt = mpi_worker.checkpointed("Adam", None)
+    result = flatopt.load(tmp_path / "killed.h5", opt)
+    assert result.metadata == {"step": mpi_worker.SAVED_AT}
+    reference = mpi_worker.checkpointed("Adam", None)
+    for step in range(mpi_worker.SAVED_AT):
+        reference.step(mpi_worker.exact_gradients(reference, step))
+    for path in reference.index.paths:
+        assert mpi_worker.same_bits(opt.params[path], reference.params[path]), path

@@ -236,6 +236,11 @@ def load(source, opt: Optimizer, *, strict: bool = True,
         raise TypeError(f"rename must be a dict or a function, got {type(rename).__name__}")
     if not isinstance(opt, Optimizer):
         raise CheckpointError(f"load() takes a flatopt optimizer, got {type(opt).__name__}")
+    if opt._sharding is not None:  # comm= over several ranks: collective
+        from . import sharded
+        return sharded.load(source, opt, strict=strict, rename=rename,
+                            hyperparameters=hyperparameters, regroup=regroup,
+                            scheduler=scheduler, staging=staging)
     with opt.lock, open_checkpoint(source) as ck:
         plan = compare(ck, opt, rename=rename, hyperparameters=hyperparameters,
                        regroup=regroup, scheduler=scheduler)

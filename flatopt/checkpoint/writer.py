@@ -387,6 +387,10 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     optimizer still running is waited for first; so is one that a plain save would overtake.
     At exit, the interpreter waits for a running background save and says so on stderr.
     """
+    if getattr(opt, "_sharding", None) is not None:  # comm= over several ranks: collective
+        from . import sharded
+        return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
+                            background=background)
     final = _checked_target(path, opt)
     saver = _Saver.of(opt, create=background)
     if saver is not None:
