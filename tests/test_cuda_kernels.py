@@ -11,7 +11,10 @@ import flatopt
 from flatopt._layout import chunk_table
 from optimizers import NAMES, fit_shape, random_settings
 
-pytest.importorskip("numba.cuda")
+pytest.importorskip("numba_cuda")
+from flatopt.kernels._cuda_import import numba_cuda  # noqa: E402 (the NumPy 2.5 shim first)
+
+numba_cuda()
 
 SMALL_CHUNK = 64
 SHAPES = {"a": (150,), "b": (), "c": (0,), "d": (3, 41), "e": (7,)}

@@ -1,0 +1,268 @@
+"""One command for a GPU machine: the CUDA tests for real, device results against the CPU
+optimizer, and the full ``opt.step()`` timed against torch's fused CUDA AdamW and a device copy
+of the same bytes. Prints one table; writes ``$OUT/gpu_check.json`` when ``OUT`` is set.
+
+    NUMBA_ENABLE_CUDASIM=0 python -m bench.gpu_check            # on a GPU, < 5 minutes
+    python -m bench.gpu_check --simulate                         # small, in Numba's simulator
+
+Every section runs on its own (an error is reported and the next section runs), and nothing is
+installed: it uses what the machine has (numba-cuda, torch with CUDA if present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+ADAM_BYTES_PER_ELEMENT = 28  # reads p, g, m, v (16 B) and writes p, m, v (12 B) in float32
+
+
+def gpt2_shapes() -> list[tuple[int, ...]]:
+    """GPT-2 small (124M): embeddings, 12 blocks, final layer norm."""
+    shapes = [(50257, 768), (1024, 768)]
+    for _ in range(12):
+        shapes += [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
+                   (768, 3072), (3072,), (3072, 768), (768,)]
+    return shapes + [(768,), (768,)]
+
+
+PROFILES = {
+    "1 x 64M": [(1 << 26,)],
+    "64 x 1M": [(1 << 20,)] * 64,
+    "GPT-2 (124M)": gpt2_shapes(),
+    "10,000 x 1,000": [(1000,)] * 10_000,
+    "1,000 x 100": [(100,)] * 1000,
+}
+SIMULATED_PROFILES = {"1 x 4K": [(4096,)], "8 x 300": [(300,)] * 8}
+
+
+def section(report: dict, name: str):
+    """Run a section, recording its result or its error (with the traceback's last lines)."""
+    def decorate(function):
+        start = time.perf_counter()
+        try:
+            report[name] = {"ok": True, **(function() or {})}
+        except Exception as exc:  # each section stands alone: report and go on
+            report[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback.format_exc().splitlines()[-6:]}
+            print(f"[{name}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+        report[name]["seconds"] = round(time.perf_counter() - start, 1)
+        return function
+    return decorate
+
+
+def environment() -> dict:
+    from flatopt import _device
+    from flatopt.kernels._cuda_import import numba_cuda, simulated
+    import numba
+    cuda = numba_cuda()
+    info = {"python": sys.version.split()[0], "numpy": np.__version__,
+            "numba": numba.__version__, "simulated": simulated(),
+            "cuda_problem": _device.cuda_problem()}
+    try:
+        import numba_cuda as package
+        info["numba_cuda"] = getattr(package, "__version__", "?")
+    except ImportError:
+        info["numba_cuda"] = None
+    if not simulated():
+        device = cuda.get_current_device()
+        info["gpu"] = device.name.decode() if isinstance(device.name, bytes) else device.name
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.cuda.is_available()
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def run_tests(simulate: bool, timeout: float) -> dict:
+    """The CUDA test files, on the GPU (or the simulator): pass/fail counts and the tail."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1" if simulate else "0")
+    selection = ["-k", "Adam and not AdamW or device_argument"] if simulate else []
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-p", "no:cacheprovider",
+               "tests/test_cuda_kernels.py", "tests/test_cuda_device.py", *selection]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+    return {"returncode": done.returncode, "summary": tail[-1] if tail else "", "tail": tail}
+
+
+def host(array) -> np.ndarray:
+    return array if isinstance(array, np.ndarray) else array.copy_to_host()
+
+
+def compare_with_cpu(names, steps: int = 3) -> dict:
+    """Every registered optimizer, float32, two groups, some gradients missing: the device
+    optimizer (plain and bit_exact) against the CPU one. Counts differing elements."""
+    import flatopt
+    rows = {}
+    rng = np.random.default_rng(0)
+    for name in names:
+        cls = flatopt.registry.lookup(name)
+        schema = cls.schema
+        shapes = {"w": (64, 300), "b": (300,), "x": (17, 33)}
+        if schema.param_problem is not None:
+            shapes = {k: s if schema.param_problem(s) is None else (s[0], 1) if len(s) == 1
+                      else s for k, s in shapes.items()}
+        params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()
+                  if k != "x" or step % 2} for step in range(steps)]
+        try:
+            results = {}
+            for label, kwargs in (("cpu", {}), ("cuda", {"device": "cuda"}),
+                                  ("cuda_bit_exact", {"device": "cuda", "bit_exact": True})):
+                opt = cls({k: v.copy() for k, v in params.items()}, **kwargs)
+                for g in grads:
+                    opt.step(g)
+                results[label] = np.concatenate(
+                    [host(opt.params[k]).ravel() for k in shapes] +
+                    [np.asarray(v, np.float64).ravel().astype(np.float32)
+                     for k in shapes for v in (opt.state_of(k) or ())
+                     if isinstance(v, np.ndarray)])
+            row = {}
+            for label in ("cuda", "cuda_bit_exact"):
+                diff = results[label] != results["cpu"]
+                row[label] = {"differing": int(diff.sum()), "of": int(diff.size),
+                              "max_abs": float(np.max(np.abs(results[label] - results["cpu"]),
+                                                      initial=0.0))}
+            rows[name] = row
+        except Exception as exc:
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    exact_ok = all(r.get("cuda_bit_exact", {}).get("differing", 1) == 0
+                   for n, r in rows.items() if n != "LAMB")  # LAMB: atomic sums, any order
+    return {"rows": rows, "bit_exact_equal_except_LAMB": exact_ok}
+
+
+def timed(run, sync, repeats: int) -> float:
+    """Median seconds of ``run`` (after two warm-up calls), each timed to a device sync."""
+    for _ in range(2):
+        run()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return float(np.median(samples))
+
+
+def timings(profiles: dict, simulate: bool) -> dict:
+    import flatopt
+    from flatopt.kernels._cuda_import import numba_cuda
+    cuda = numba_cuda()
+    sync = cuda.synchronize
+    rows = {}
+    for label, shapes in profiles.items():
+        n = int(sum(np.prod(s) for s in shapes))
+        row = {"elements": n, "tensors": len(shapes)}
+        repeats = 3 if simulate else (20 if n > 1 << 24 else 50)
+        rng = np.random.default_rng(1)
+        params = {f"p{k}": rng.standard_normal(s).astype(np.float32) * 0.02
+                  for k, s in enumerate(shapes)}
+        for key, kwargs in (("flatopt_ms", {}), ("flatopt_bit_exact_ms", {"bit_exact": True})):
+            try:
+                opt = flatopt.AdamW(params, lr=1e-3, device="cuda", **kwargs)
+                for path, value in params.items():
+                    opt.grads[path] = value  # copied in once; every step reuses them
+                row[key] = 1e3 * timed(opt.step, sync, repeats)
+                del opt
+            except Exception as exc:
+                row[key] = None
+                row[key + "_error"] = f"{type(exc).__name__}: {exc}"
+        try:  # a device copy of the bytes Adam moves: read 14 B/elem, write 14 B/elem
+            source = cuda.device_array(ADAM_BYTES_PER_ELEMENT // 2 * n // 4, np.float32)
+            target = cuda.device_array_like(source)
+            row["copy_floor_ms"] = 1e3 * timed(lambda: target.copy_to_device(source), sync,
+                                               repeats)
+            del source, target
+        except Exception as exc:
+            row["copy_floor_ms"] = None
+            row["copy_error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            import torch
+            if not torch.cuda.is_available():
+                raise RuntimeError("torch has no CUDA here")
+            tensors = [torch.from_numpy(v).cuda().requires_grad_() for v in params.values()]
+            for t in tensors:
+                t.grad = torch.randn_like(t)
+            fused = torch.optim.AdamW(tensors, lr=1e-3, fused=True)
+            row["torch_fused_ms"] = 1e3 * timed(fused.step, torch.cuda.synchronize, repeats)
+            del tensors, fused
+            torch.cuda.empty_cache()
+        except Exception as exc:
+            row["torch_fused_ms"] = None
+            row["torch_error"] = f"{type(exc).__name__}: {exc}"
+        ms = row.get("flatopt_ms")
+        if ms:
+            row["flatopt_TBps"] = ADAM_BYTES_PER_ELEMENT * n / (ms * 1e-3) / 1e12
+            if row.get("copy_floor_ms"):
+                row["percent_of_copy"] = 100.0 * row["copy_floor_ms"] / ms
+            if row.get("torch_fused_ms"):
+                row["torch_over_flatopt"] = row["torch_fused_ms"] / ms
+        rows[label] = row
+        print(f"[timings] {label}: {row}", flush=True)
+    return {"rows": rows}
+
+
+def table(report: dict) -> str:
+    rows = report.get("timings", {}).get("rows", {})
+    lines = ["| profile | flatopt step | bit_exact step | torch fused AdamW | device copy "
+             "(28 B/elem) | % of copy | torch / flatopt |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+
+    def ms(value):
+        return "n/a" if value is None else f"{value:.3f} ms"
+    for label, row in rows.items():
+        lines.append(
+            f"| {label} | {ms(row.get('flatopt_ms'))} | {ms(row.get('flatopt_bit_exact_ms'))} "
+            f"| {ms(row.get('torch_fused_ms'))} | {ms(row.get('copy_floor_ms'))} | "
+            + (f"{row['percent_of_copy']:.0f}%" if "percent_of_copy" in row else "n/a") + " | "
+            + (f"{row['torch_over_flatopt']:.1f}x" if "torch_over_flatopt" in row else "n/a")
+            + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--simulate", action="store_true",
+                        help="Numba's CUDA simulator, small profiles (no GPU needed)")
+    parser.add_argument("--skip-tests", action="store_true", help="skip the pytest section")
+    parser.add_argument("--tests-timeout", type=float, default=120.0,
+                        help="seconds allowed for the CUDA test files (default 120)")
+    args = parser.parse_args(argv)
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1" if args.simulate else \
+        os.environ.get("NUMBA_ENABLE_CUDASIM", "0")
+    report: dict = {"simulate": args.simulate}
+
+    section(report, "environment")(environment)
+    print(json.dumps(report["environment"], indent=1), flush=True)
+    if not args.skip_tests:
+        section(report, "tests")(lambda: run_tests(args.simulate, args.tests_timeout))
+        print(f"[tests] {report['tests'].get('summary', report['tests'].get('error'))}",
+              flush=True)
+    import flatopt
+    names = ["Adam", "SGD", "LAMB"] if args.simulate else flatopt.registry.names()
+    section(report, "correctness")(lambda: compare_with_cpu(names))
+    print(f"[correctness] {json.dumps(report['correctness'], indent=1)}", flush=True)
+    section(report, "timings")(
+        lambda: timings(SIMULATED_PROFILES if args.simulate else PROFILES, args.simulate))
+    print(table(report))
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "gpu_check.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0 if all(report[k].get("ok") for k in report if isinstance(report[k], dict)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
