@@ -115,60 +115,42 @@ def measure(profile_name: str, optimizer: str = "adam", dtype: str = "float32",
         flatopt.load(ckpt, live)  # from now on it has state: loads overwrite it in place
         np_paths = np_save_all(npdir, arrays)
 
-        def flatopt_save():
-            with PeakRSS() as peak:
-                t0 = time.perf_counter()
-                flatopt.save(ckpt, opt)
-                record("flatopt_save", time.perf_counter() - t0, peak)
-
         def background_save():
-            with PeakRSS() as peak:
-                t0 = time.perf_counter()
-                handle = flatopt.save(ckpt, opt, background=True)
-                record("background_pause", time.perf_counter() - t0)
-                handle.wait()
-                record("background_total", time.perf_counter() - t0, peak)
+            t0 = time.perf_counter()
+            handle = flatopt.save(ckpt, opt, background=True)
+            record("background_pause", time.perf_counter() - t0)  # the training loop's wait
+            handle.wait()
 
-        def np_save():
-            with PeakRSS() as peak:
-                t0 = time.perf_counter()
-                np_save_all(npdir, arrays)
-                record("np_save", time.perf_counter() - t0, peak)
+        def verified():
+            if not verify_checkpoint(ckpt)["ok"]:
+                raise RuntimeError(f"{ckpt} does not verify")
 
-        def load_fresh():
-            target = _empty_like_case(case)
-            with PeakRSS() as peak:
-                t0 = time.perf_counter()
-                flatopt.load(ckpt, target)
-                record("flatopt_load_fresh", time.perf_counter() - t0, peak)
-            del target
+        # name -> (what to build before the clock starts, or None; the measured operation)
+        ops = {"flatopt_save": (None, lambda _: flatopt.save(ckpt, opt)),
+               "np_save": (None, lambda _: np_save_all(npdir, arrays)),
+               "background_total": (None, lambda _: background_save()),
+               "flatopt_load_fresh": (lambda: _empty_like_case(case),
+                                      lambda target: flatopt.load(ckpt, target)),
+               "np_load": (None, lambda _: [np.load(path) for path in np_paths]),
+               "flatopt_load_live": (None, lambda _: flatopt.load(ckpt, live)),
+               "verify": (None, lambda _: verified())}
 
-        def load_live():
+        def sample(name: str) -> None:
+            prepare, operation = ops[name]
+            argument = prepare() if prepare else None
+            os.sync()  # the previous write's dirty pages go to disk now, not in this sample
             with PeakRSS() as peak:
                 t0 = time.perf_counter()
-                flatopt.load(ckpt, live)
-                record("flatopt_load_live", time.perf_counter() - t0, peak)
-
-        def np_load():
-            with PeakRSS() as peak:
-                t0 = time.perf_counter()
-                loaded = [np.load(path) for path in np_paths]
-                record("np_load", time.perf_counter() - t0, peak)
-            del loaded
-
-        def verify():
-            with PeakRSS() as peak:
-                t0 = time.perf_counter()
-                assert verify_checkpoint(ckpt)["ok"]
-                record("verify", time.perf_counter() - t0, peak)
+                result = operation(argument)
+                seconds = time.perf_counter() - t0
+            record(name, seconds, peak)
+            del result, argument
 
         flatopt.save(ckpt, opt, background=True).wait()  # the snapshot memory, allocated
-        ops = [flatopt_save, np_save, background_save, load_fresh, np_load, load_live, verify]
+        names = list(ops)
         for r in range(rounds):
-            for op in ops[r % len(ops):] + ops[:r % len(ops)]:
-                # the previous write's dirty pages go to disk now, not during the next sample
-                os.sync()
-                op()
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                sample(name)
         file_bytes = ckpt.stat().st_size
     res = {"profile": profile_name, "optimizer": optimizer, "dtype": dtype, "bytes": nbytes,
            "file_bytes": file_bytes, "rounds": rounds, "io_threads": files.io_threads(),

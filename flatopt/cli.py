@@ -4,7 +4,8 @@
                                     optimizer, groups, hyperparameters, sizes, step range,
                                     extra arrays; with --tensors every parameter's path,
                                     shape, dtype, group and persisted columns (step)
-    flatopt diff A B [--json]       what differs, by path (exit 0 identical, 1 different)
+    flatopt diff A B [--json]       what differs, by path and extra array (exit 0 identical,
+                                    1 different)
     flatopt verify PATH [--json]    structure, digests and every buffer's checksums
                                     (exit 0 only when the file is sound)
 
@@ -133,6 +134,12 @@ def _print_diff(result: dict) -> None:
                   f"element{'s' if count != 1 else ''} (max abs diff {item['max_abs_diff']:.6g})")
         else:
             _say(f"  {item['path']}: {item['field']}: {item['a']} -> {item['b']}")
+    for item in result.get("arrays", []):
+        if "elements_differing" in item:
+            _say(f"  array {item['array']!r}: values differ in {item['elements_differing']} "
+                 "elements")
+        else:
+            _say(f"  array {item['array']!r}: {item['field']}: {item['a']} -> {item['b']}")
 
 
 def _strict_json(value):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
 import textwrap
@@ -20,10 +19,8 @@ import pytest
 
 import flatopt
 from checkpoint_helpers import make_opt, state_equal
-from checkpoint_kill_helper import build
-from test_checkpoint_crash import check_consistent
+from test_checkpoint_crash import kill_a_saver, kill_helper
 
-HELPER = Path(__file__).with_name("checkpoint_kill_helper.py")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -219,35 +216,15 @@ def test_at_exit_a_failed_background_save_is_reported(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL")
 def test_sigkill_during_background_saves_never_loses_the_previous_checkpoint(tmp_path):
     path = tmp_path / "ck.h5"
-    helper = subprocess.Popen([sys.executable, str(HELPER), str(path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-
-    def ask(line: str) -> str:
-        helper.stdin.write(line + "\n")
-        helper.stdin.flush()
-        return helper.stdout.readline().strip()
-
-    try:
-        assert helper.stdout.readline().strip() == "ready"
-        assert ask("save 1") == "saved"
+    with kill_helper(path) as ask:
         rng = random.Random(20261201)
         last, advanced, start = 1, 0, 10_000
         for _ in range(8):
-            pid = int(ask(f"forkbg {start}"))
-            time.sleep(rng.uniform(0.0, 0.3))
-            os.kill(pid, signal.SIGKILL)
-            ask(f"reap {pid}")
-            target = build()
-            result = flatopt.load(path, target)  # never raises: an intact checkpoint
-            number = check_consistent(target)
-            assert result.metadata == {"i": number} and number >= last
+            number = kill_a_saver(ask, path, f"forkbg {start}", rng.uniform(0.0, 0.3))
+            assert number >= last
             advanced += number != last
             last = number
             start += 10_000
         assert advanced >= 2, advanced
         assert ask(f"save {start}") == "saved"  # the next save removes the killed one's temps
         assert os.listdir(tmp_path) == ["ck.h5"]
-        ask("quit")
-    finally:
-        helper.kill()
-        helper.wait()

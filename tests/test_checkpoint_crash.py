@@ -5,6 +5,7 @@ them up."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -36,9 +37,10 @@ def check_consistent(opt) -> int:
     return int(i)
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL")
-def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
-    path = tmp_path / "ck.h5"
+@contextlib.contextmanager
+def kill_helper(path):
+    """The helper process (``checkpoint_kill_helper.py``), ready and with checkpoint 1 saved;
+    yields ``ask(command) -> its answer``."""
     helper = subprocess.Popen([sys.executable, str(HELPER), str(path)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
 
@@ -50,19 +52,37 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     try:
         assert helper.stdout.readline().strip() == "ready"
         assert ask("save 1") == "saved"
+        yield ask
+        ask("quit")
+    finally:
+        helper.kill()
+        helper.wait()
+
+
+def kill_a_saver(ask, path, command: str, delay: float) -> int:
+    """Fork a saver (``command``: "fork I" or "forkbg I"), SIGKILL it after ``delay`` seconds,
+    load the checkpoint (which must never fail) and return its consistent number."""
+    pid = int(ask(command))
+    time.sleep(delay)
+    os.kill(pid, signal.SIGKILL)
+    ask(f"reap {pid}")
+    target = build()
+    result = flatopt.load(path, target)  # never raises: the old or the new checkpoint
+    number = check_consistent(target)
+    assert result.metadata == {"i": number}
+    return number
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL")
+def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ck.h5"
+    with kill_helper(path) as ask:
         rng = random.Random(20261130)
         last = 1
         start = 10_000
         temp_seen = advanced = 0
         for round_ in range(ROUNDS):
-            pid = int(ask(f"fork {start}"))
-            time.sleep(rng.uniform(0.0, 0.15))
-            os.kill(pid, signal.SIGKILL)
-            ask(f"reap {pid}")
-            target = build()
-            result = flatopt.load(path, target)  # never raises: the old or the new checkpoint
-            number = check_consistent(target)
-            assert result.metadata == {"i": number}
+            number = kill_a_saver(ask, path, f"fork {start}", rng.uniform(0.0, 0.15))
             assert number >= last
             advanced += number != last
             last = number
@@ -84,7 +104,3 @@ def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
         # stale temporary files of killed savers are removed by the next save
         assert ask(f"save {start}") == "saved"
         assert os.listdir(tmp_path) == ["ck.h5"]
-        ask("quit")
-    finally:
-        helper.kill()
-        helper.wait()

@@ -319,3 +319,24 @@ def test_cli_inspect_tensors_of_sgd_lists_its_column(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["columns"] == ["momentum_initialized"]
     assert all(t["momentum_initialized"] in (0, 1) for t in info["tensors"])
+
+
+def test_cli_diff_reports_extra_arrays(tmp_path, capsys):
+    opt = make_opt("Adam")
+    flatopt.save(tmp_path / "a.h5", opt, arrays={"ema": np.zeros(4), "gone": np.ones(2),
+                                                 "kind": np.zeros(2, np.int32)})
+    flatopt.save(tmp_path / "b.h5", opt, arrays={"ema": np.array([0.0, 1.0, 0.0, 2.0]),
+                                                 "new": np.ones(2), "kind": np.zeros(2)})
+    assert cli.main(["diff", "--json", str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["params"] == [] and report["header"] == []
+    by_name = {item["array"]: item for item in report["arrays"]}
+    assert by_name["ema"]["elements_differing"] == 2
+    assert (by_name["gone"]["a"], by_name["gone"]["b"]) == (True, False)
+    assert (by_name["new"]["a"], by_name["new"]["b"]) == (False, True)
+    assert by_name["kind"]["a"] == ["<i4", [2]] and by_name["kind"]["b"] == ["<f8", [2]]
+    assert cli.main(["diff", str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]) == 1
+    assert "array 'ema': values differ in 2 elements" in capsys.readouterr().out
+    flatopt.save(tmp_path / "c.h5", opt, arrays={"ema": np.zeros(4), "gone": np.ones(2),
+                                                 "kind": np.zeros(2, np.int32)})
+    assert cli.main(["diff", str(tmp_path / "a.h5"), str(tmp_path / "c.h5")]) == 0

@@ -19,8 +19,8 @@ from .format import FORMAT, FORMAT_VERSION
 from .loader import LoadResult, load, open_checkpoint
 from .offline import CheckpointData, read
 from .tools import diff_checkpoints, inspect_checkpoint, verify_checkpoint
-from .writer import save
+from .writer import SaveHandle, save
 
-__all__ = ["save", "load", "read", "LoadResult", "CheckpointData", "Difference",
+__all__ = ["save", "load", "read", "LoadResult", "CheckpointData", "SaveHandle", "Difference",
            "open_checkpoint", "inspect_checkpoint", "verify_checkpoint", "diff_checkpoints",
            "FORMAT", "FORMAT_VERSION"]

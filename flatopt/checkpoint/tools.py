@@ -158,7 +158,7 @@ def _slot_difference(path: str, slot: str, va, vb) -> dict | None:
 
 
 def diff_checkpoints(a, b) -> dict:
-    """Every difference between two checkpoints: header, groups, and per path."""
+    """Every difference between two checkpoints: header, groups, per path, extra arrays."""
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         only_a = [e.path for e in ca.params if e.path not in cb.by_path]
         only_b = [e.path for e in cb.params if e.path not in ca.by_path]
@@ -187,6 +187,27 @@ def diff_checkpoints(a, b) -> dict:
                 if found:
                     params.append(found)
         header, groups = _header_differences(ca, cb), _group_differences(ca, cb)
-        identical = not (header or groups or only_a or only_b or params)
+        arrays = _array_differences(ca, cb)
+        identical = not (header or groups or only_a or only_b or params or arrays)
         return {"a": ca.name, "b": cb.name, "identical": identical, "header": header,
-                "groups": groups, "only_in_a": only_a, "only_in_b": only_b, "params": params}
+                "groups": groups, "only_in_a": only_a, "only_in_b": only_b, "params": params,
+                "arrays": arrays}
+
+
+def _array_differences(ca, cb) -> list[dict]:
+    """Extra arrays only in one file, or differing in dtype, shape or values."""
+    out = []
+    for name in [*ca.arrays, *(n for n in cb.arrays if n not in ca.arrays)]:
+        sa, sb = ca.arrays.get(name), cb.arrays.get(name)
+        if sa is None or sb is None:
+            out.append({"array": name, "field": "exists", "a": sa is not None,
+                        "b": sb is not None})
+        elif (sa.dtype.str, sa.shape) != (sb.dtype.str, sb.shape):
+            out.append({"array": name, "field": "dtype and shape",
+                        "a": [sa.dtype.str, list(sa.shape)], "b": [sb.dtype.str, list(sb.shape)]})
+        else:
+            va, vb = (guarded(ck, lambda ck=ck: ck.read_array(name)) for ck in (ca, cb))
+            if not np.array_equal(va, vb, equal_nan=va.dtype.kind == "f"):
+                out.append({"array": name, "field": "values",
+                            "elements_differing": int(np.count_nonzero(va != vb))})
+    return out
