@@ -447,25 +447,25 @@ class CudaDevice:
             return d.grads, buf.grads
         return d.state[name], buf.state[name]
 
-    def _pull(self, buf: FlatBuffer, slots, names) -> None:
-        """Copy parameters ``slots`` of the named arrays from the device to the mirror."""
+    def _segments(self, buf: FlatBuffer, slots, names):
+        """(device segment, host segment) of parameters ``slots`` in the named arrays."""
         d = self.buffers[buf.number]
         for name in names:
             device, host = self._flat(d, buf, name)
             for k in slots:
                 a, b = int(buf.offsets[k]), int(buf.offsets[k] + buf.sizes[k])
                 if b > a:
-                    device[a:b].copy_to_host(host[a:b], stream=self.stream)
+                    yield device[a:b], host[a:b]
+
+    def _pull(self, buf: FlatBuffer, slots, names) -> None:
+        """Copy parameters ``slots`` of the named arrays from the device to the mirror."""
+        for device, host in self._segments(buf, slots, names):
+            device.copy_to_host(host, stream=self.stream)
         self.stream.synchronize()
 
     def _push(self, buf: FlatBuffer, slots, names) -> None:
-        d = self.buffers[buf.number]
-        for name in names:
-            device, host = self._flat(d, buf, name)
-            for k in slots:
-                a, b = int(buf.offsets[k]), int(buf.offsets[k] + buf.sizes[k])
-                if b > a:
-                    device[a:b].copy_to_device(host[a:b], stream=self.stream)
+        for device, host in self._segments(buf, slots, names):
+            device.copy_to_device(host, stream=self.stream)
         self.stream.synchronize()  # the host arrays may change as soon as we return
 
     def pull(self, opt) -> None:
