@@ -107,8 +107,7 @@ def _is_numba_device_array(value: Any) -> bool:
     fake = _simulator_array_type()
     if fake is not None:
         return isinstance(value, fake)
-    from numba import cuda
-    return cuda.is_cuda_ndarray(value)
+    return bool(getattr(value, "__cuda_ndarray__", False))  # numba-cuda's own marker
 
 
 def exporter_device(value: Any, pointer: int | None) -> int | None:
@@ -198,6 +197,26 @@ class DeviceLayout:
     length: int
 
 
+def _packed_views(packed, arrays) -> list:
+    """Views of ``packed`` (uint8, host or device) holding ``arrays`` back to back, each
+    starting on an 8-byte boundary."""
+    views, position = [], 0
+    for array in arrays:
+        views.append(packed[position:position + array.nbytes].view(array.dtype))
+        position += -(-array.nbytes // 8) * 8
+    return views
+
+
+def _packed(cuda, arrays, stream):
+    """(host staging array, device array, device views) for ``arrays`` packed together."""
+    size = sum(-(-array.nbytes // 8) * 8 for array in arrays)
+    staging = np.zeros(max(size, 8), np.uint8)
+    for view, array in zip(_packed_views(staging, arrays), arrays):
+        view[...] = array
+    packed = cuda.to_device(staging, stream=stream)
+    return staging, packed, _packed_views(packed, arrays)
+
+
 class DeviceBuffer:
     """The device side of one :class:`FlatBuffer`."""
 
@@ -206,9 +225,12 @@ class DeviceBuffer:
         self.grads = cuda.to_device(buf.grads, stream=stream)
         self.state = {name: cuda.to_device(flat, stream=stream)
                       for name, flat in buf.state.items()}
-        self.columns = tuple(cuda.to_device(column, stream=stream)
-                             for column in buf.kernel_columns)
-        self.layout = DeviceLayout(cuda.to_device(buf.present, stream=stream),
+        # presence and the columns change every step: they travel in one copy, packed
+        self.staging, self.packed, views = _packed(cuda, (buf.present, *buf.kernel_columns),
+                                                   stream)
+        self.staged = _packed_views(self.staging, (buf.present, *buf.kernel_columns))
+        present, self.columns = views[0], tuple(views[1:])
+        self.layout = DeviceLayout(present,
                                    cuda.to_device(buf.offsets, stream=stream),
                                    cuda.to_device(buf.sizes, stream=stream),
                                    cuda.to_device(buf.chunk_first, stream=stream),
@@ -306,9 +328,11 @@ class CudaDevice:
             return
         d = self._bind(buf, plan, rule)
         stream = self.stream
-        d.layout.present.copy_to_device(buf.present, stream=stream)
-        for target, column in zip(d.columns, buf.kernel_columns):
-            target.copy_to_device(column, stream=stream)
+        for staged, value in zip(d.staged, (buf.present, *buf.kernel_columns)):
+            staged[...] = value
+        # From pageable memory the driver copies the staging array before returning (no
+        # device wait), so the next step may refill it at once.
+        d.packed.copy_to_device(d.staging, stream=stream)
         if rule.reduce is not None:
             d.sums.copy_to_device(d.zero_sums, stream=stream)
             self.kernels.reduce(d.arrays, d.scalars, d.columns, plan.flags, d.layout, d.sums,
@@ -329,7 +353,9 @@ class CudaDevice:
             d.layout.present.copy_to_device(buf.present, stream=self.stream)
             k.reduce_gradients(d.layout, d.grads, d.layout.present, power, mode, out,
                                stream=self.stream)
-        return k.combine_reduction(out.copy_to_host(stream=self.stream), mode)
+        totals = out.copy_to_host(stream=self.stream)
+        self.stream.synchronize()  # the copy above is asynchronous on a stream
+        return k.combine_reduction(totals, mode)
 
     def scale_gradients(self, opt, factor: float) -> None:
         """Multiply every present gradient by ``factor`` (rounded to each buffer's dtype)."""
