@@ -73,10 +73,12 @@ def assert_same(cuda_opt, cpu_opt, dtype=np.float32, exact=EXACT):
 
 class FakeExporter:
     """A device array seen only through ``__cuda_array_interface__`` (as CuPy and torch show
-    theirs); under the simulator the pointer is a host pointer, which the adapter wraps."""
+    theirs). Under the simulator its memory is a host array (the simulator's "device"
+    pointers are host pointers, which the adapter wraps); on a GPU, device memory."""
 
     def __init__(self, array: np.ndarray, device=None, strides=None, typestr=None):
-        self.array = array
+        self.memory = array if simulated() else cuda.to_device(array)
+        self.shape, self.dtype = array.shape, array.dtype
         if device is not None:
             self.device = device
         self._strides = strides
@@ -84,9 +86,11 @@ class FakeExporter:
 
     @property
     def __cuda_array_interface__(self):
-        return {"shape": self.array.shape, "typestr": self._typestr or self.array.dtype.str,
-                "data": (self.array.ctypes.data, False), "strides": self._strides,
-                "version": 3, "stream": None}
+        pointer = self.memory.ctypes.data if simulated() else \
+            self.memory.device_ctypes_pointer.value
+        return {"shape": self.shape, "typestr": self._typestr or self.dtype.str,
+                "data": (pointer, False), "strides": self._strides, "version": 3,
+                "stream": None}
 
 
 # ----------------------------------------------------------------------------- every rule
@@ -115,8 +119,11 @@ def test_float64_and_in_place_gradients():
     rng = np.random.default_rng(3)
     for _ in range(2):
         grads = random_grads("Adam", np.float64, rng, keep=1.0)
-        for path, value in grads.items():
-            cuda_opt.grads[path][...] = value  # the device view, written in place
+        for path, value in grads.items():  # the device view, written in place
+            if value.ndim and value.size:
+                cuda_opt.grads[path].copy_to_device(np.ascontiguousarray(value))
+            else:  # 0-d and empty views: through the setter
+                cuda_opt.grads[path] = value
         cuda_opt.grads.mark_present()
         cpu_opt.step(grads)
         cuda_opt.step()
@@ -143,10 +150,9 @@ def test_gradients_from_device_arrays_and_exporters():
 
 
 def test_interface_adapter_wraps_without_copy():
-    source = np.arange(6, dtype=np.float32).reshape(2, 3)
-    exporter = FakeExporter(source)
+    exporter = FakeExporter(np.arange(6, dtype=np.float32).reshape(2, 3))
     wrapped = _device.wrap_interface(exporter, exporter.__cuda_array_interface__)
-    source[0, 0] = 42.0  # the wrapper sees the exporter's memory
+    exporter.memory[0, 0] = 42.0  # the wrapper sees the exporter's memory
     assert host(wrapped)[0, 0] == 42.0 and wrapped.shape == (2, 3)
 
 
@@ -260,7 +266,6 @@ def test_checkpoints_move_between_cpu_and_cuda(name, tmp_path):
     assert all(isinstance(v, np.ndarray) for v in first.values() if hasattr(v, "shape"))
     fresh = build(name, dtype, 99, device="cuda")
     fresh.load_state_dict(cpu_opt.state_dict())
-    fresh.params  # parameters are not in a state dict: load them through a checkpoint
     for path in cpu_opt.index.paths:
         ours, theirs = fresh.state_of(path), cpu_opt.state_of(path)
         assert (ours is None) == (theirs is None)
