@@ -183,9 +183,10 @@ class Optimizer:
             self._device.host_side(self)
 
     def _set_backend(self, name: str) -> None:
-        """Run the kernels of backend ``name`` ("cpu" or "cuda") from the next step on. The
-        buffers stay where they are: the CUDA backend needs device-resident buffers, which
-        only the simulator stands in for so far (tests use this)."""
+        """Run the kernels of backend ``name`` ("cpu" or "cuda") from the next step on, on
+        the buffers where they are: host buffers with the CUDA backend work only under the
+        simulator (tests/test_cuda_kernels.py uses this); ``device="cuda"`` is the real
+        thing."""
         self._backend = kernel_backend(name)
         self._kernels = self._backend.compile(self.schema.rule)
         self._plans = [None] * len(self.buffers)
