@@ -265,7 +265,7 @@ class CudaDevice:
             handle = getattr(stream, attribute, None)
             if isinstance(handle, int):
                 return cuda.external_stream(handle)
-        if hasattr(stream, "synchronize") and hasattr(stream, "handle"):  # a numba stream
+        if hasattr(stream, "synchronize") and hasattr(stream, "auto_synchronize"):  # numba's
             return stream
         raise DeviceError(f"{who}: stream must be a numba-cuda stream, a torch.cuda.Stream, "
                           f"a cupy.cuda.Stream or a raw stream handle (int), got "

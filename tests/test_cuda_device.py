@@ -289,6 +289,20 @@ def test_device_argument_and_fallback(monkeypatch):
     opt.step({"w": np.ones(4, np.float32)})
 
 
+def test_stream_option():
+    stream = cuda.stream()
+    cpu_opt, cuda_opt = build("SGD", np.float32, 3), build("SGD", np.float32, 3,
+                                                           device="cuda", stream=stream)
+    assert cuda_opt._device.stream is stream
+    grads = random_grads("SGD", np.float32, np.random.default_rng(2), keep=1.0)
+    cpu_opt.step(grads)
+    cuda_opt.step(grads)
+    stream.synchronize()
+    assert_same(cuda_opt, cpu_opt)
+    with pytest.raises(flatopt.DeviceError, match="stream must be"):
+        build("SGD", np.float32, 3, device="cuda", stream="default")
+
+
 def test_cuda_problem_names_what_is_missing(monkeypatch):
     import flatopt.kernels._cuda_import as importer
 
