@@ -193,6 +193,37 @@ def test_torch_style_tensor_that_cannot_export():
         opt.step({"e": RequiresGrad()})
 
 
+def test_add_param_group_on_the_device():
+    cpu_opt, cuda_opt = build("Adagrad", np.float32, 8), build("Adagrad", np.float32, 8,
+                                                               device="cuda")
+    extra = {"z": np.linspace(-1, 1, 33, dtype=np.float32)}
+    for opt in (cpu_opt, cuda_opt):
+        opt.add_param_group({"params": dict(extra), "lr": 0.05})
+    grads = {"z": np.ones(33, np.float32), "a": np.ones(150, np.float32)}
+    cpu_opt.step(grads)
+    cuda_opt.step(grads)
+    assert_same(cuda_opt, cpu_opt)
+
+
+@pytest.mark.skipif(simulated(), reason="the simulator's arrays export no interface")
+def test_views_are_zero_copy_for_torch():
+    opt = build("SGD", np.float32, 0, device="cuda")
+    view = opt.grads["d"]
+    assert view.__cuda_array_interface__["shape"] == (3, 41)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    tensor = torch.as_tensor(view, device="cuda")
+    assert tensor.data_ptr() == view.__cuda_array_interface__["data"][0]
+    tensor.fill_(2.0)  # a torch kernel writes the flat gradient buffer
+    torch.cuda.synchronize()
+    opt.grads.mark_present(["d"])
+    opt.step()
+    cpu_opt = build("SGD", np.float32, 0)
+    cpu_opt.step({"d": np.full((3, 41), 2.0, np.float32)})
+    assert_same(opt, cpu_opt)
+
+
 # ----------------------------------------------------------------------------- training tools
 def test_training_tools_on_the_device():
     name, dtype = "Adam", np.float32
