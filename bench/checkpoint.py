@@ -119,6 +119,7 @@ def measure(profile_name: str, optimizer: str = "adam", dtype: str = "float32",
             t0 = time.perf_counter()
             handle = flatopt.save(ckpt, opt, background=True)
             record("background_pause", time.perf_counter() - t0)  # the training loop's wait
+            record("background_copy", handle.copy_seconds)  # of which the buffers' copy
             handle.wait()
 
         def verified():
@@ -180,6 +181,7 @@ def print_table(results: list[dict]) -> None:
           "hot, fsync included in saves):")
     rows = [("flatopt.save", "flatopt_save"), ("np.save + fsync", "np_save"),
             ("background save: pause", "background_pause"),
+            ("  of which the copy", "background_copy"),
             ("background save: committed", "background_total"),
             ("flatopt.load (fresh optimizer)", "flatopt_load_fresh"),
             ("flatopt.load (state overwritten)", "flatopt_load_live"),
@@ -192,7 +194,8 @@ def print_table(results: list[dict]) -> None:
             r = res.get(key)
             if r is None:
                 continue
-            memory = f"{r['peak_rss_mb']:8.0f} MB" if key != "background_pause" else ""
+            memory = ("" if key in ("background_pause", "background_copy")
+                      else f"{r['peak_rss_mb']:8.0f} MB")
             print(f"    {label:<34} {r['s'] * 1e3:9.1f} ms {r['gbps']:7.2f} GB/s {memory}")
         print(f"    save / np.save {res['flatopt_save_over_np_save']:.2f}x; load / np.load "
               f"{res['flatopt_load_fresh_over_np_load']:.2f}x (fresh), "
