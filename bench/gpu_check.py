@@ -1,5 +1,6 @@
 """One command for a GPU machine: the CUDA tests for real, device results against the CPU
-optimizer, and the full ``opt.step()`` timed against torch's fused CUDA AdamW and a device copy
+optimizer, a training loop whose gradients torch writes straight into ``opt.grads`` (then a
+checkpoint from the GPU loaded on the CPU), and the full ``opt.step()`` timed against torch's fused CUDA AdamW and a device copy
 of the same bytes. Prints one table; writes ``$OUT/gpu_check.json`` when ``OUT`` is set.
 
     NUMBA_ENABLE_CUDASIM=0 python -m bench.gpu_check            # on a GPU, < 5 minutes
@@ -141,6 +142,44 @@ def compare_with_cpu(names, steps: int = 3) -> dict:
     return {"rows": rows, "bit_exact_equal_except_LAMB": exact_ok}
 
 
+def end_to_end() -> dict:
+    """The issue's loop: torch computes gradients straight into ``opt.grads`` (zero-copy views),
+    AdamW steps on the device, then a checkpoint from the GPU loads into a CPU optimizer."""
+    import tempfile
+
+    import flatopt
+    import torch
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch has no CUDA here: the zero-copy loop needs a GPU")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((512, 32)).astype(np.float32)
+    y = x @ rng.standard_normal((32, 1)).astype(np.float32) + 0.5
+    opt = flatopt.AdamW({"w": np.zeros((32, 1), np.float32), "b": np.zeros(1, np.float32)},
+                        lr=0.05, weight_decay=0.0, device="cuda")
+    w, b = (torch.as_tensor(opt.params[k], device="cuda") for k in ("w", "b"))
+    gw, gb = (torch.as_tensor(opt.grads[k], device="cuda") for k in ("w", "b"))
+    zero_copy = gw.data_ptr() == opt.grads["w"].__cuda_array_interface__["data"][0]
+    xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
+    losses = []
+    for _ in range(300):
+        error = xt @ w + b - yt
+        losses.append(float((error ** 2).mean()))
+        torch.matmul(xt.T, error, out=gw).mul_(2.0 / len(x))  # written in place
+        gb.copy_(2.0 * error.mean(0))
+        torch.cuda.synchronize()  # torch's stream, then the optimizer's
+        opt.grads.mark_present()
+        opt.step()
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "gpu.h5")
+        flatopt.save(path, opt)
+        cpu = flatopt.AdamW({"w": np.ones((32, 1), np.float32), "b": np.ones(1, np.float32)},
+                            lr=0.05, weight_decay=0.0)
+        flatopt.load(path, cpu)
+        same = all(np.array_equal(cpu.params[k], host(opt.params[k])) for k in ("w", "b"))
+    return {"zero_copy": zero_copy, "first_loss": losses[0], "last_loss": losses[-1],
+            "checkpoint_gpu_to_cpu_equal": same}
+
+
 def timed(run, sync, repeats: int) -> float:
     """Median seconds of ``run`` (after two warm-up calls), each timed to a device sync."""
     for _ in range(2):
@@ -253,6 +292,9 @@ def main(argv=None) -> int:
     names = ["Adam", "SGD", "LAMB"] if args.simulate else flatopt.registry.names()
     section(report, "correctness")(lambda: compare_with_cpu(names))
     print(f"[correctness] {json.dumps(report['correctness'], indent=1)}", flush=True)
+    if not args.simulate:  # torch wrapping device views needs a GPU
+        section(report, "end_to_end")(end_to_end)
+        print(f"[end_to_end] {report['end_to_end']}", flush=True)
     section(report, "timings")(
         lambda: timings(SIMULATED_PROFILES if args.simulate else PROFILES, args.simulate))
     print(table(report))
