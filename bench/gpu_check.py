@@ -222,7 +222,7 @@ def timings(profiles: dict, simulate: bool) -> dict:
             target = cuda.device_array_like(source)
             row["copy_floor_ms"] = 1e3 * timed(lambda: target.copy_to_device(source), sync,
                                                repeats)
-            del source, target
+            source = target = None  # free the device memory before the next profile
         except Exception as exc:
             row["copy_floor_ms"] = None
             row["copy_error"] = f"{type(exc).__name__}: {exc}"
