@@ -90,9 +90,17 @@ def run_tests(simulate: bool, timeout: float) -> dict:
     selection = ["-k", "Adam and not AdamW or device_argument"] if simulate else []
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-p", "no:cacheprovider",
                "tests/test_cuda_kernels.py", "tests/test_cuda_device.py", *selection]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=root)
+    except subprocess.TimeoutExpired as exc:  # keep the budget: report how far it got
+        output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        raise RuntimeError(f"the CUDA tests did not finish in {timeout:.0f} s (raise "
+                           f"--tests-timeout); progress so far: {output.strip()[-300:]!r}")
     tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+    if done.returncode:
+        raise RuntimeError(f"CUDA tests failed: {' | '.join(tail[-8:])}")
     return {"returncode": done.returncode, "summary": tail[-1] if tail else "", "tail": tail}
 
 
