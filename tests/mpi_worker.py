@@ -114,27 +114,38 @@ def check_identity() -> None:
         try:
             groups = groups_for(name, params)
             opt = build(name, groups, comm=COMM)
-            reference = build(name, groups)
+            # the single-process reference runs on rank 0 (the ranks would only repeat it)
+            reference = build(name, groups) if RANK == 0 else None
             problems = []
             for step, options in enumerate(STEP_OPTIONS):
                 result = opt.step(local_gradients(opt, step, RANK), **options)
+                if reference is None:
+                    continue
                 expected = reference.step(mean_gradients(reference, step, SIZE), **options)
                 if not same_bits(np.float64(result.grad_norm or 0.0),
                                  np.float64(expected.grad_norm or 0.0)):
                     problems.append(f"step {step}: grad_norm {result.grad_norm!r} != "
                                     f"{expected.grad_norm!r}")
-            for path in reference.index.paths:
-                if not same_bits(opt.params[path], reference.params[path]):
-                    problems.append(f"parameter {path} differs")
-            whole = distributed.consolidated(opt)
-            problems += state_differences(whole.state_dict(), reference.state_dict())
+            whole = distributed.consolidated(opt, root=0)
+            if reference is not None:
+                problems += [f"parameter {path} differs on rank 0"
+                             for path in reference.index.paths
+                             if not same_bits(opt.params[path], reference.params[path])]
+                problems += state_differences(whole.state_dict(), reference.state_dict())
+            # every rank holds the gathered parameters: the same bits as rank 0's
+            digests = COMM.allgather(b"".join(opt.params[p].tobytes() for p in opt.index.paths))
+            if len(set(digests)) > 1:
+                problems.append("the ranks hold different parameters")
             if SIZE > 1 and opt._sharding is not None and not opt._sharding.replicated:
-                full = sum(a.nbytes for buf in whole.buffers for a in buf.state.values())
-                mine = opt._sharding.state_nbytes
+                full = sum(buf.length * buf.dtype.itemsize * len(opt.schema.used_slots(
+                    opt.settings()[buf.group])) for buf in opt.buffers)
+                mine = distributed.state_nbytes(opt)
                 # the largest buffer's shards differ by at most one chunk
                 slack = 2 * 16384 * 8 * len(opt.schema.slots) * len(opt.buffers)
                 if not mine <= full / SIZE + slack:
                     problems.append(f"state bytes {mine} on this rank of {full} in all")
+            problems = COMM.bcast(problems if RANK == 0 else None) + (
+                problems if RANK else [])
             report(not problems, f"identity {name} at {SIZE} ranks" +
                    "".join(f"\n    {p}" for p in problems[:8]))
         except Exception:
