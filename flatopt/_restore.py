@@ -262,7 +262,8 @@ class _Undo:
 
 
 class PendingRestore:
-    """A validated :meth:`Optimizer.restore <flatopt.Optimizer.restore>`, made by :meth:`apply` (once)."""
+    """A validated :meth:`Optimizer.restore <flatopt.Optimizer.restore>`, made by
+    :meth:`apply` (once)."""
 
     def __init__(self, optimizer, state, settings, params, buffers):
         self._args = (optimizer, state, settings, params, buffers)
