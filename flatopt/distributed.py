@@ -171,6 +171,10 @@ def build_together(opt, comm, build: Callable[[], None]) -> "Sharding | None":
     record = None
     try:
         build()
+        if getattr(opt, "_device", None) is not None:
+            raise DistributedError(f"{type(opt).__name__}(comm=..., device=...): sharding "
+                                   "buffers in GPU memory is not supported yet; leave device= "
+                                   "out (host buffers) to run data-parallel")
     except Exception as error:  # every rank must hear of it before raising
         record = _error_record(error)
         failure = error
@@ -347,6 +351,15 @@ class Sharding:
             f"{type(self.opt).__name__}.{what} needs the whole optimizer state, which is spread "
             f"over {self.size} ranks: call flatopt.distributed.consolidated(opt) on every rank "
             "for a single-process copy, or flatopt.save / flatopt.load on every rank")
+
+    def refuse_before_averaging(self, what: str) -> None:
+        """Raise for a gradient operation that needs the averaged gradients, which exist only
+        inside ``step()``."""
+        raise DistributedError(
+            f"{what} on {type(self.opt).__name__} sharded over {self.size} ranks would see this "
+            "rank's own gradients, not their average across ranks (which step() computes): "
+            "pass max_grad_norm= (and norm_type=) to opt.step() instead, which clips the "
+            "averaged gradients")
 
     # -------------------------------------------------------------- the exchange
     def _structure_digest(self) -> str:
@@ -609,6 +622,7 @@ def consolidated(opt, root: int | None = None):
     sharding = getattr(opt, "_sharding", None)
     if sharding is None:
         return opt
+    sharding._sync_shards()  # buffers added by add_param_group since the last step
     here = root is None or sharding.rank == root
     twin = None
     if here:

@@ -40,6 +40,8 @@ def clip_grad_norm(opt: Optimizer, max_norm: float, norm_type: float = 2.0,
     To clip inside the update's own pass over the gradients, use
     ``opt.step(max_grad_norm=...)`` instead."""
     opt = _optimizer(opt, "clip_grad_norm()")
+    if opt._sharding is not None:  # comm=: the average exists only inside step()
+        opt._sharding.refuse_before_averaging("clip_grad_norm()")
     max_norm = _stepping._positive("max_norm", max_norm)
     with opt.lock:
         norm, bad = _stepping.total_norm(opt, norm_type)

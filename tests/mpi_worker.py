@@ -210,6 +210,8 @@ def check_mismatches() -> None:
     report(opt.step(grads).skipped is False, "a matching step afterwards works")
     expect_everywhere(distributed.DistributedError, "state_dict refused when sharded",
                       opt.state_dict)
+    expect_everywhere(distributed.DistributedError, "clip_grad_norm refused when sharded",
+                      lambda: flatopt.clip_grad_norm(opt, 1.0))
     nan = {path: np.full_like(value, np.nan if RANK == 1 else 1.0) for path, value in
            params.items()}
     after = {path: opt.params[path].copy() for path in params}
