@@ -70,6 +70,26 @@ def random_optimizer(rng: np.random.Generator):
     return opt, build
 
 
+ARRAY_DTYPES = ["?", "i1", "u2", ">i4", "<u8", "f2", ">f4", "f8"]
+
+
+def random_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """0-3 extra arrays: any allowed dtype (either byte order), 0-d, empty, strided views,
+    up to 60,000 elements, names with any characters but NUL and '/'."""
+    arrays = {}
+    for number in range(int(rng.integers(0, 4))):
+        shape = [(), (0,), (3, 0), (int(rng.integers(1, 60_000)),),
+                 tuple(int(d) for d in rng.integers(1, 9, size=3))][int(rng.integers(5))]
+        dtype = np.dtype(ARRAY_DTYPES[int(rng.integers(len(ARRAY_DTYPES)))])
+        values = (rng.standard_normal(shape) * 100).astype(dtype)
+        if values.ndim == 1 and values.size > 2:
+            values = values[::2]  # a non-contiguous view
+        name = f"{number}:" + "".join(rng.choice(list(LABEL_CHARACTERS.replace("/", "")),
+                                                 size=int(rng.integers(0, 12))))
+        arrays[name] = values
+    return arrays
+
+
 def test_whatever_save_writes_load_accepts(tmp_path):
     rng = np.random.default_rng(8)
     path = tmp_path / "ck.h5"
@@ -77,13 +97,18 @@ def test_whatever_save_writes_load_accepts(tmp_path):
         opt, build = random_optimizer(rng)
         size = int(rng.choice([0, 10, 5000, 200_000]))
         metadata = {"case": case, "blob": "x" * size, "nested": [1.5, None, {"k": True}]}
-        estimate = _Snapshot(opt, metadata, None).estimate_bytes()
-        flatopt.save(path, opt, metadata=metadata)
+        arrays = random_arrays(rng)
+        estimate = _Snapshot(opt, metadata, None, arrays).estimate_bytes()
+        flatopt.save(path, opt, metadata=metadata, arrays=arrays)
         assert path.stat().st_size <= estimate, f"case {case}: the space reservation is short"
         fresh = build()
         result = flatopt.load(path, fresh)
         assert state_equal(opt, fresh), f"case {case} ({opt.schema.name})"
         assert result.metadata == metadata
+        assert sorted(result.arrays) == sorted(arrays)
+        for name, array in arrays.items():
+            assert result.arrays[name].dtype == array.dtype  # as given, byte order too
+            np.testing.assert_array_equal(result.arrays[name], array)
         assert [dict(g) for g in fresh.param_groups] == [dict(g) for g in opt.param_groups]
         assert cli.verify_checkpoint(path)["ok"]
 
