@@ -220,6 +220,35 @@ def check_mismatches() -> None:
            "a NaN on rank 1 skips the step on every rank")
 
 
+def check_added_group() -> None:
+    """add_param_group on every rank between steps: the new buffers are sharded (Adagrad's
+    eager state too) and the steps stay bit-identical; added on one rank only, the next
+    step raises on every rank."""
+    for name in ("Adagrad", "Adam"):
+        params = initial_params()
+        first = {path: params[path] for path in ("body.w1", "body.b1")}
+        later = {"head": {"head.w": params["head.w"]}}
+        opt = flatopt.registry.lookup(name)(first, comm=COMM)
+        reference = flatopt.registry.lookup(name)(first)
+        for step in range(4):
+            if step == 2:
+                opt.add_param_group({"params": later["head"], "lr": 0.5})
+                reference.add_param_group({"params": later["head"], "lr": 0.5})
+            opt.step(local_gradients(opt, step, RANK))
+            reference.step(mean_gradients(reference, step, SIZE))
+        whole = distributed.consolidated(opt)
+        problems = [f"parameter {path} differs" for path in reference.index.paths
+                    if not same_bits(opt.params[path], reference.params[path])]
+        problems += state_differences(whole.state_dict(), reference.state_dict())
+        if distributed.state_nbytes(opt) >= distributed.state_nbytes(whole):
+            problems.append("the added group's state is not sharded")
+        report(not problems, f"added group {name}" + "".join(f"\n    {p}" for p in problems))
+    if RANK == 1:
+        opt.add_param_group({"params": {"late": np.ones(5, np.float32)}})
+    expect_everywhere(distributed.RankMismatchError, "group added on rank 1 only",
+                      lambda: opt.step(local_gradients(opt, 0, RANK)))
+
+
 def check_world_size_one() -> None:
     """A communicator of one rank is a plain optimizer."""
     params = initial_params()
@@ -328,7 +357,8 @@ if __name__ == "__main__":
             check_killed_save(directory, int(mode[len("kill"):]))
             continue
         {"identity": check_identity, "mismatch": check_mismatches,
-         "single": check_world_size_one, "save": lambda: check_save(directory),
+         "single": check_world_size_one, "groups": check_added_group,
+         "save": lambda: check_save(directory),
          "resume": lambda: check_resume(directory)}[mode]()
     COMM.Barrier()
     sys.exit(1 if FAILURES else 0)

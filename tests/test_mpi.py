@@ -3,7 +3,8 @@
 One job per world size runs tests/mpi_worker.py, which loops over every registered optimizer
 (bit-identity with one process on the rank-order mean gradient, with gradients missing on some
 or all ranks, two groups, two dtypes, clipping across ranks, state memory per rank) and then
-the error cases (disagreements and one-rank failures raise on every rank, nothing hangs).
+the error cases (disagreements and one-rank failures raise on every rank, nothing hangs), and
+groups added between steps.
 Every rank prints one line per check; each check must be reported ok by every rank."""
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def checks_by_rank(reports: list[str], size: int) -> dict[str, set[int]]:
 
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_mpi_job_bit_identical_and_errors_on_every_rank(size):
-    ok = checks_by_rank(run_job(size, "identity", "mismatch"), size)
+    ok = checks_by_rank(run_job(size, "identity", "mismatch", "groups"), size)
     everyone = set(range(size))
     for name in NAMES:
         assert ok.get(f"identity {name} at {size} ranks") == everyone, name
@@ -90,7 +91,9 @@ def test_mpi_job_bit_identical_and_errors_on_every_rank(size):
                 "nothing changed by the refused steps", "a matching step afterwards works",
                 "state_dict refused when sharded: DistributedError",
                 "clip_grad_norm refused when sharded: DistributedError",
-                "a NaN on rank 1 skips the step on every rank"]
+                "a NaN on rank 1 skips the step on every rank",
+                "added group Adagrad", "added group Adam",
+                "group added on rank 1 only: RankMismatchError"]
     for check in expected:
         assert ok.get(check) == everyone, check
 
