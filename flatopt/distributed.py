@@ -40,6 +40,7 @@ exactly as ``comm=None``.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import time
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -138,8 +139,21 @@ def _structure_differences(structures: list[tuple]) -> list[str]:
     return lines
 
 
+def _canonical(value: Any) -> str:
+    """A value's text for comparing ranks: numbers by value (np.float64(0.1) and 0.1 agree),
+    tuples and lists item by item, anything else by repr."""
+    if isinstance(value, (bool, np.bool_)) or value is None or isinstance(value, str):
+        return repr(value if not isinstance(value, np.bool_) else bool(value))
+    if isinstance(value, numbers.Real):
+        return repr(float(value))
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_canonical(item) for item in value) + ")"
+    return repr(value)
+
+
 def _settings_text(settings: list[dict]) -> list[dict[str, str]]:
-    return [{key: repr(value) for key, value in sorted(group.items())} for group in settings]
+    return [{key: _canonical(value) for key, value in sorted(group.items())}
+            for group in settings]
 
 
 def _settings_differences(texts: list) -> list[str]:
@@ -385,7 +399,7 @@ class Sharding:
             settings, options = check()
             digest, text = self._settings_digest(settings)
             presence = b"".join(buf.present.tobytes() for buf in self.opt.buffers)
-            mine = (None, self._structure_digest(), digest, repr(options), presence)
+            mine = (None, self._structure_digest(), digest, _canonical(options), presence)
         except Exception as error:
             record, failure = _error_record(error), error
             mine = (record, None, None, None, None)

@@ -208,6 +208,9 @@ def check_mismatches() -> None:
     report(all(same_bits(opt.params[p], before[p]) for p in params),
            "nothing changed by the refused steps")
     report(opt.step(grads).skipped is False, "a matching step afterwards works")
+    same = np.float64(1.0) if RANK else 1.0  # the same value in another type agrees
+    report(opt.step(grads, max_grad_norm=same).grad_norm is not None,
+           "max_grad_norm 1.0 and np.float64(1.0) agree")
     expect_everywhere(distributed.DistributedError, "state_dict refused when sharded",
                       opt.state_dict)
     expect_everywhere(distributed.DistributedError, "clip_grad_norm refused when sharded",

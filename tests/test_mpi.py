@@ -89,6 +89,7 @@ def test_mpi_job_bit_identical_and_errors_on_every_rank(size):
                 "invalid lr on rank 1 only: HyperparameterError",
                 "max_grad_norm mismatch: RankMismatchError",
                 "nothing changed by the refused steps", "a matching step afterwards works",
+                "max_grad_norm 1.0 and np.float64(1.0) agree",
                 "state_dict refused when sharded: DistributedError",
                 "clip_grad_norm refused when sharded: DistributedError",
                 "a NaN on rank 1 skips the step on every rank",
