@@ -628,6 +628,18 @@ def state_nbytes(opt) -> int:
     return sum(flat.nbytes for buf in opt.buffers for flat in buf.state.values())
 
 
+def plain_copy(opt):
+    """A plain single-process optimizer of ``opt``'s class, groups, settings and parameter
+    values, with fresh state (what a load starts from: a load replaces every state it does
+    not reset)."""
+    settings = opt.settings()
+    groups = [{**values, "params": {path: opt.params[path] for path in group["params"]}}
+              for values, group in zip(settings, opt.param_groups)]
+    twin = type(opt)(groups)
+    twin.defaults = dict(opt.defaults)
+    return twin
+
+
 def consolidated(opt, root: int | None = None):
     """A plain single-process optimizer equal to ``opt``: same class, groups, settings,
     parameters, per-parameter columns and the full state, gathered from every rank. A
@@ -638,13 +650,7 @@ def consolidated(opt, root: int | None = None):
         return opt
     sharding._sync_shards()  # buffers added by add_param_group since the last step
     here = root is None or sharding.rank == root
-    twin = None
-    if here:
-        settings = opt.settings()
-        groups = [{**values, "params": {path: opt.params[path] for path in group["params"]}}
-                  for values, group in zip(settings, opt.param_groups)]
-        twin = type(opt)(groups)
-        twin.defaults = dict(opt.defaults)
+    twin = plain_copy(opt) if here else None
     for shard, mine in zip(sharding.shards, opt.buffers):
         buf = twin.buffers[mine.number] if here else None
         if here:
@@ -686,4 +692,4 @@ def take_from(opt, twin) -> None:
 
 
 __all__ = ["DistributedError", "RankMismatchError", "Sharding", "BufferShard", "consolidated",
-           "state_nbytes", "build_together", "world_size"]
+           "plain_copy", "state_nbytes", "build_together", "world_size"]

@@ -328,6 +328,30 @@ def check_resume(directory: str) -> None:
             report(False, f"resumed {name}: {traceback.format_exc()}")
 
 
+def check_partial_load(directory: str) -> None:
+    """Load options pass through: strict=False with a saved path dropped by rename leaves
+    that live parameter its value with fresh state (its live state is not kept), exactly as
+    one process does."""
+    def loaded(comm):
+        opt = checkpointed("Adam", comm)
+        for step in range(2):  # live state that the load must replace or reset
+            opt.step(exact_gradients(opt, 10 + step))
+        result = flatopt.load(os.path.join(directory, "Adam.h5"), opt, strict=False,
+                              rename={"body.w1": None})
+        opt.step(exact_gradients(opt, SAVED_AT))
+        return opt, result
+    opt, result = loaded(COMM)
+    reference, expected = loaded(None)
+    problems = [f"parameter {path} differs" for path in reference.index.paths
+                if not same_bits(opt.params[path], reference.params[path])]
+    problems += state_differences(distributed.consolidated(opt).state_dict(),
+                                  reference.state_dict())
+    if result.fresh != expected.fresh or "body.w1" not in result.fresh:
+        problems.append(f"fresh {result.fresh} != {expected.fresh}")
+    report(not problems, f"partial load at {SIZE} ranks" + "".join(f"\n    {p}"
+                                                                  for p in problems))
+
+
 def check_killed_save(directory: str, killed: int) -> None:
     """Save, step, then save again with rank ``killed`` killed in the middle (rank 0: its
     file complete but not yet renamed into place; another rank: before it sends its state)."""
@@ -362,6 +386,7 @@ if __name__ == "__main__":
         {"identity": check_identity, "mismatch": check_mismatches,
          "single": check_world_size_one, "groups": check_added_group,
          "save": lambda: check_save(directory),
-         "resume": lambda: check_resume(directory)}[mode]()
+         "resume": lambda: check_resume(directory),
+         "partial": lambda: check_partial_load(directory)}[mode]()
     COMM.Barrier()
     sys.exit(1 if FAILURES else 0)

@@ -111,9 +111,10 @@ def test_checkpoint_saved_at_3_ranks_resumes_exactly_at_1_2_and_4(tmp_path):
     for name in mpi_worker.CHECKPOINTED:
         assert ok.get(f"saved {name}") == {0, 1, 2}
     for size in (1, 2, 4):
-        ok = checks_by_rank(run_job(size, "resume", "--dir", str(tmp_path)), size)
+        ok = checks_by_rank(run_job(size, "resume", "partial", "--dir", str(tmp_path)), size)
         for name in mpi_worker.CHECKPOINTED:
             assert ok.get(f"resumed {name} at {size} ranks") == set(range(size)), (name, size)
+        assert ok.get(f"partial load at {size} ranks") == set(range(size)), size
 
 
 @pytest.mark.parametrize("killed", [0, 2])

@@ -13,8 +13,9 @@ the file is the single-process format, a checkpoint saved at any world size load
 into a plain optimizer too, and a plain optimizer's checkpoint loads into a sharded one.
 
 What it costs: rank 0 holds a whole copy of the parameters and state while it saves, and every
-rank holds one while it loads; the file is read by every rank. (Per-rank files with a manifest,
-read in ranges, would avoid both; not built yet.)
+rank holds one while it loads (state gathered for the save; for a load only the file's); the
+file is read by every rank. (Per-rank files with a manifest, read in ranges, would avoid both;
+not built yet.)
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def load(source, opt, **options: Any):
     plain copy of the optimizer, then keeps its own range of the state."""
     from .loader import load as load_plain
     with opt.lock:
-        twin = distributed.consolidated(opt)  # a partial load keeps live values: start there
+        # live state never survives a load (state comes from the file or is reset), so the
+        # copy needs this optimizer's parameter values and settings only, not its state
+        twin = distributed.plain_copy(opt)
         result = _collectively(opt.comm, lambda: load_plain(source, twin, **options),
                                f"flatopt.load({str(source)[:200]!r})")
         distributed.take_from(opt, twin)
