@@ -22,7 +22,8 @@ gradients; ``step()`` then
    chunk order on every rank, which gives the single-process bits. Per-parameter columns (step
    counts, bias corrections) are small and kept on every rank. State is allocated for the
    shard only, so optimizer memory per rank falls as 1/P;
-5. all-gathers the parameters (``Allgatherv`` in place), so every rank holds all of them.
+5. all-gathers the parameters (an ``Alltoallv`` of each rank's range to every other rank,
+   see ``Sharding.gather``), so every rank holds all of them.
 
 The result is bit-identical to one process stepping on the mean gradient summed in rank order,
 at any world size, for every rule with an element-wise span. Rules that work on whole matrices
@@ -134,7 +135,7 @@ def _structure_differences(structures: list[tuple]) -> list[str]:
             _, shape0, dtype0, group0 = first[path]
             lines.append(f"parameter {path!r}: shape {shape}, dtype {dtype}, group {group} on "
                          f"rank {rank}; shape {shape0}, dtype {dtype0}, group {group0} on rank 0")
-        if not lines and structure != structures[0]:
+        if structure != structures[0] and sorted(structure) == sorted(structures[0]):
             lines.append(f"rank {rank} gives the parameters in another order than rank 0")
     return lines
 
