@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import distributed
+from ..distributed._common import _error_record, _raise_collected
 
 
 def _collectively(comm, action, where: str, root: int | None = None):
@@ -33,11 +34,11 @@ def _collectively(comm, action, where: str, root: int | None = None):
         try:
             value = action()
         except Exception as error:  # every rank must hear of it before raising
-            record, failure = distributed._error_record(error), error
+            record, failure = _error_record(error), error
     records = comm.allgather(record)
     if failure is not None:
         raise failure
-    distributed._raise_collected(records, where)
+    _raise_collected(records, where)
     return value if root is None else comm.bcast(value, root=root)
 
 

@@ -1,216 +1,22 @@
-"""Data-parallel training over MPI (mpi4py): ZeRO stage 1 over flatopt's flat buffers.
-
-Every rank builds the same optimizer with ``comm=`` (an mpi4py communicator) and passes its own
-gradients; ``step()`` then
-
-1. exchanges, in one small ``allgather``, every rank's local validation result (a bad
-   gradient or hyperparameter on one rank makes every rank raise, and none waits in a
-   collective the failing rank never reaches), a digest of the parameter layout, the groups'
-   settings, the step's options and the gradient presence;
-2. combines presence: a gradient present on some rank counts as zeros on the ranks where it is
-   missing; one missing on every rank is skipped (no state, no step count), as torch DDP with
-   ``find_unused_parameters=True`` averages in zeros for unused parameters;
-3. averages the gradients: an ``Alltoallv`` hands every rank the pieces of its own shard from
-   every other rank, which it sums in rank order, ``((g0 + g1) + g2) + ...``, then divides by
-   the world size. MPI's reduce-scatter is not used: its summation order depends on the
-   implementation, the rank and the message size, so it is not bit-identical at 3 or more
-   ranks;
-4. steps only its shard of every flat buffer. Shards are contiguous ranges whose boundaries are
-   multiples of the CPU walk's chunk, so each rank's chunks are chunks of the single-process
-   walk: totals that walk combines per chunk (the clipping norm, non-finite counts, LAMB's
-   per-parameter norms) are computed per chunk on the owning rank, gathered, and combined in
-   chunk order on every rank, which gives the single-process bits. Per-parameter columns (step
-   counts, bias corrections) are small and kept on every rank. State is allocated for the
-   shard only, so optimizer memory per rank falls as 1/P;
-5. all-gathers the parameters (an ``Alltoallv`` of each rank's range to every other rank,
-   see ``Sharding.gather``), so every rank holds all of them.
-
-The result is bit-identical to one process stepping on the mean gradient summed in rank order,
-at any world size, for every rule with an element-wise span. Rules that work on whole matrices
-(``Rule.per_parameter``, Muon) run replicated instead: the averaged gradients are all-gathered
-and every rank updates every parameter with full state (memory does not fall for them).
-
-After a distributed step ``opt.grads`` holds the averaged gradients only inside the rank's own
-shard (the rest holds its local gradients, zeroed where they were missing). Under a world size
-above one the state is spread over the ranks, so ``state_dict()``, ``state_of()``,
-``load_state_dict()`` and ``restore()`` are refused with a pointer to :func:`consolidated`,
-``flatopt.save`` and ``flatopt.load``, which are collective. A world size of one behaves
-exactly as ``comm=None``.
-"""
+"""The sharded step: gradient averaging in rank order, each rank's shard of every buffer, the
+parameter gather."""
 
 from __future__ import annotations
 
-import hashlib
-import numbers
 import time
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 from numba import njit, prange
 
-from . import _stepping, errors
-from ._layout import aligned_zeros, chunk_table
-from .errors import FlatoptError
-from .kernels import cpu
-
-
-class DistributedError(FlatoptError):
-    """A distributed step or build failed on some rank (raised on every rank, naming it)."""
-
-
-class RankMismatchError(DistributedError, ValueError):
-    """The ranks disagree about the parameters, the groups' hyperparameters or the options of
-    a step: they must build the same optimizer and step it the same way."""
-
-
-def world_size(comm) -> int:
-    return 1 if comm is None else comm.Get_size()
-
-
-def _mpi():
-    try:
-        from mpi4py import MPI
-    except ImportError as error:  # pragma: no cover - the mpi extra is not installed
-        raise DistributedError("comm= needs mpi4py: pip install 'flatopt[mpi]'") from error
-    return MPI
-
-
-def _mpi_type(dtype: np.dtype):
-    MPI = _mpi()
-    return {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}[np.dtype(dtype)]
-
-
-# ------------------------------------------------------------------------ agreement and errors
-def _error_record(error: BaseException) -> tuple[str, str]:
-    return type(error).__name__, str(error)
-
-
-def _raise_collected(records: list, where: str) -> None:
-    """Raise on every rank when some rank failed: that rank re-raises its own error, the
-    others an error of the same flatopt type (DistributedError otherwise) naming the rank."""
-    failed = [(rank, record) for rank, record in enumerate(records) if record is not None]
-    if not failed:
-        return
-    rank, (kind, message) = failed[0]
-    error_type = getattr(errors, kind, None)
-    if not (isinstance(error_type, type) and issubclass(error_type, FlatoptError)) or \
-            error_type in (errors.CheckpointError, errors.CheckpointMismatch,
-                           errors.CheckpointCorrupt):
-        error_type = DistributedError
-    others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
-    raise error_type(f"{where} failed on rank {rank}{others}, so it was stopped on every rank "
-                     f"before any rank changed anything:\n{kind}: {message}")
-
-
-def _structure(opt) -> tuple:
-    """What every rank must agree on about the parameters: (path, shape, dtype, group)."""
-    return tuple((info.path, info.shape, info.dtype.str, info.group) for info in opt.index)
-
-
-def _digest(value: Any) -> str:
-    return hashlib.blake2b(repr(value).encode(), digest_size=16).hexdigest()
-
-
-def _differences(what: str, values: list) -> list[str]:
-    """Lines naming where ranks' values of ``what`` differ from rank 0's."""
-    lines = []
-    for rank, value in enumerate(values[1:], start=1):
-        if value != values[0]:
-            lines.append(f"{what}: rank {rank} has {value}, rank 0 has {values[0]}")
-    return lines
-
-
-def _structure_differences(structures: list[tuple]) -> list[str]:
-    lines = []
-    first = {entry[0]: entry for entry in structures[0]}
-    for rank, structure in enumerate(structures[1:], start=1):
-        mine = {entry[0]: entry for entry in structure}
-        for path in [p for p in first if p not in mine][:5]:
-            lines.append(f"parameter {path!r} is on rank 0 but not on rank {rank}")
-        for path in [p for p in mine if p not in first][:5]:
-            lines.append(f"parameter {path!r} is on rank {rank} but not on rank 0")
-        for path in [p for p in mine if p in first and mine[p] != first[p]][:5]:
-            _, shape, dtype, group = mine[path]
-            _, shape0, dtype0, group0 = first[path]
-            lines.append(f"parameter {path!r}: shape {shape}, dtype {dtype}, group {group} on "
-                         f"rank {rank}; shape {shape0}, dtype {dtype0}, group {group0} on rank 0")
-        if structure != structures[0] and sorted(structure) == sorted(structures[0]):
-            lines.append(f"rank {rank} gives the parameters in another order than rank 0")
-    return lines
-
-
-def _canonical(value: Any) -> str:
-    """A value's text for comparing ranks: numbers by value (np.float64(0.1) and 0.1 agree),
-    tuples and lists item by item, anything else by repr."""
-    if isinstance(value, (bool, np.bool_)) or value is None or isinstance(value, str):
-        return repr(value if not isinstance(value, np.bool_) else bool(value))
-    if isinstance(value, numbers.Real):
-        return repr(float(value))
-    if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_canonical(item) for item in value) + ")"
-    return repr(value)
-
-
-def _settings_text(settings: list[dict]) -> list[dict[str, str]]:
-    return [{key: _canonical(value) for key, value in sorted(group.items())}
-            for group in settings]
-
-
-def _settings_differences(texts: list) -> list[str]:
-    lines = []
-    for rank, groups in enumerate(texts[1:], start=1):
-        if len(groups) != len(texts[0]):
-            lines.append(f"rank {rank} has {len(groups)} param groups, rank 0 has "
-                         f"{len(texts[0])}")
-            continue
-        for number, (mine, first) in enumerate(zip(groups, texts[0])):
-            for key in sorted(set(mine) | set(first)):
-                if mine.get(key) != first.get(key):
-                    lines.append(f"param group {number}: {key} is {mine.get(key)} on rank "
-                                 f"{rank}, {first.get(key)} on rank 0")
-    return lines
-
-
-def build_together(opt, comm, build: Callable[[], None]) -> "Sharding | None":
-    """Run ``build`` (the optimizer's construction) on every rank, then agree: any rank's
-    error, or differing parameters or hyperparameters, raise on every rank. Returns the
-    optimizer's sharding (None at world size 1, which is then a plain optimizer)."""
-    if comm is None:
-        build()
-        return None
-    for method in ("Get_size", "Get_rank", "allgather", "Alltoallv", "Allgatherv"):
-        if not callable(getattr(comm, method, None)):
-            raise DistributedError(f"comm must be an mpi4py communicator (such as "
-                                   f"mpi4py.MPI.COMM_WORLD), got {type(comm).__name__}")
-    record = None
-    try:
-        build()
-        if getattr(opt, "_device", None) is not None:
-            raise DistributedError(f"{type(opt).__name__}(comm=..., device=...): sharding "
-                                   "buffers in GPU memory is not supported yet; leave device= "
-                                   "out (host buffers) to run data-parallel")
-    except Exception as error:  # every rank must hear of it before raising
-        record = _error_record(error)
-        failure = error
-    else:
-        failure = None
-    shape = None if failure else (_structure(opt), _settings_text(opt.settings()))
-    gathered = comm.allgather((record, None if shape is None else _digest(shape)))
-    if failure is not None:
-        raise failure
-    _raise_collected([r for r, _ in gathered], f"building {type(opt).__name__}")
-    if len({digest for _, digest in gathered}) > 1:
-        structures = comm.allgather(shape)  # every rank is here: the digests all arrived
-        lines = (_structure_differences([s for s, _ in structures])
-                 + _settings_differences([t for _, t in structures]))
-        raise RankMismatchError(f"{type(opt).__name__}(comm=...): the ranks built different "
-                                "optimizers; every rank must give the same parameters (paths, "
-                                "shapes, dtypes, groups) and hyperparameters:\n"
-                                + "\n".join(lines))
-    if comm.Get_size() == 1:
-        return None
-    return Sharding(opt, comm)
+from .. import _stepping
+from .._layout import aligned_zeros, chunk_table
+from ..kernels import cpu
+from ._common import (DistributedError, RankMismatchError, _canonical, _differences,
+                      _digest, _error_record, _mpi, _mpi_type, _raise_collected,
+                      _settings_differences, _settings_text, _structure,
+                      _structure_differences)
 
 
 # ------------------------------------------------------------------------ kernels
@@ -619,78 +425,42 @@ class Sharding:
                      scale)
 
 
-# ------------------------------------------------------------------------ state as a whole
-def state_nbytes(opt) -> int:
-    """Bytes of optimizer state (the state slots) held by this rank: its shards' when
-    sharded, the whole state otherwise."""
-    sharding = getattr(opt, "_sharding", None)
-    if sharding is not None:
-        return sharding.state_nbytes
-    return sum(flat.nbytes for buf in opt.buffers for flat in buf.state.values())
-
-
-def plain_copy(opt):
-    """A plain single-process optimizer of ``opt``'s class, groups, settings and parameter
-    values, with fresh state (what a load starts from: a load replaces every state it does
-    not reset)."""
-    settings = opt.settings()
-    groups = [{**values, "params": {path: opt.params[path] for path in group["params"]}}
-              for values, group in zip(settings, opt.param_groups)]
-    twin = type(opt)(groups)
-    twin.defaults = dict(opt.defaults)
-    return twin
-
-
-def consolidated(opt, root: int | None = None):
-    """A plain single-process optimizer equal to ``opt``: same class, groups, settings,
-    parameters, per-parameter columns and the full state, gathered from every rank. A
-    collective: call it on every rank. With ``root``, only that rank gets it (the state is
-    gathered there alone) and the others get None. ``opt`` itself when it is not sharded."""
-    sharding = getattr(opt, "_sharding", None)
-    if sharding is None:
-        return opt
-    sharding._sync_shards()  # buffers added by add_param_group since the last step
-    here = root is None or sharding.rank == root
-    twin = plain_copy(opt) if here else None
-    for shard, mine in zip(sharding.shards, opt.buffers):
-        buf = twin.buffers[mine.number] if here else None
-        if here:
-            for name, column in mine.columns.items():
-                buf.columns[name][...] = column
-            buf.state.clear()
-        for name in opt.schema.rule.slots:  # slots are allocated alike on every rank
-            if name not in shard.state:
-                continue
-            flat = aligned_zeros(mine.length, mine.dtype) if here else None
-            if shard.replicated:
-                if here:
-                    flat[...] = shard.state[name]
-            else:
-                if here:
-                    flat[shard.lo:shard.hi] = shard.state[name]
-                sharding.gather(shard, flat, root=root, piece=shard.state[name])
-            if here:
-                buf.state[name] = flat
-    return twin
-
-
-def take_from(opt, twin) -> None:
-    """Copy a plain optimizer's parameters, columns, group values and (this rank's range of)
-    state into the sharded ``opt`` of the same layout (after a load into ``twin``)."""
-    sharding = opt._sharding
-    for number, group in enumerate(twin.param_groups):
-        opt.param_groups[number].update({k: v for k, v in group.items() if k != "params"})
-    for shard, buf, mine in zip(sharding.shards, twin.buffers, opt.buffers):
-        mine.params[...] = buf.params
-        for name, column in buf.columns.items():
-            mine.columns[name][...] = column
-        shard.state.clear()
-        for name, flat in buf.state.items():
-            shard.state[name] = aligned_zeros(shard.length, buf.dtype)
-            shard.state[name][...] = flat[shard.lo:shard.hi]
-        shard.arrays = shard.arrays_plan = None
-    opt._plans = [None] * len(opt.buffers)
-
-
-__all__ = ["DistributedError", "RankMismatchError", "Sharding", "BufferShard", "consolidated",
-           "plain_copy", "state_nbytes", "build_together", "world_size"]
+def build_together(opt, comm, build: Callable[[], None]) -> "Sharding | None":
+    """Run ``build`` (the optimizer's construction) on every rank, then agree: any rank's
+    error, or differing parameters or hyperparameters, raise on every rank. Returns the
+    optimizer's sharding (None at world size 1, which is then a plain optimizer)."""
+    if comm is None:
+        build()
+        return None
+    for method in ("Get_size", "Get_rank", "allgather", "Alltoallv", "Allgatherv"):
+        if not callable(getattr(comm, method, None)):
+            raise DistributedError(f"comm must be an mpi4py communicator (such as "
+                                   f"mpi4py.MPI.COMM_WORLD), got {type(comm).__name__}")
+    record = None
+    try:
+        build()
+        if getattr(opt, "_device", None) is not None:
+            raise DistributedError(f"{type(opt).__name__}(comm=..., device=...): sharding "
+                                   "buffers in GPU memory is not supported yet; leave device= "
+                                   "out (host buffers) to run data-parallel")
+    except Exception as error:  # every rank must hear of it before raising
+        record = _error_record(error)
+        failure = error
+    else:
+        failure = None
+    shape = None if failure else (_structure(opt), _settings_text(opt.settings()))
+    gathered = comm.allgather((record, None if shape is None else _digest(shape)))
+    if failure is not None:
+        raise failure
+    _raise_collected([r for r, _ in gathered], f"building {type(opt).__name__}")
+    if len({digest for _, digest in gathered}) > 1:
+        structures = comm.allgather(shape)  # every rank is here: the digests all arrived
+        lines = (_structure_differences([s for s, _ in structures])
+                 + _settings_differences([t for _, t in structures]))
+        raise RankMismatchError(f"{type(opt).__name__}(comm=...): the ranks built different "
+                                "optimizers; every rank must give the same parameters (paths, "
+                                "shapes, dtypes, groups) and hyperparameters:\n"
+                                + "\n".join(lines))
+    if comm.Get_size() == 1:
+        return None
+    return Sharding(opt, comm)
