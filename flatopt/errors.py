@@ -75,3 +75,16 @@ class CheckpointCorrupt(CheckpointError, ValueError):
     def __init__(self, message: str, *, path: str | None = None, buffer: str | None = None):
         super().__init__(message, path=path)
         self.buffer = buffer
+
+
+MAX_PROBLEM_LINES = 20
+
+
+def raise_problems(problems: list[str], error: type[Exception]) -> None:
+    """One error for every problem, its message cut to the first ``MAX_PROBLEM_LINES``
+    (a 10,000-parameter model with one mistake repeated should not print 10,000 lines)."""
+    if problems:
+        shown = problems[:MAX_PROBLEM_LINES]
+        if len(problems) > len(shown):
+            shown.append(f"... and {len(problems) - len(shown)} more problems like these")
+        raise error("\n".join(shown))

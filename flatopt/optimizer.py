@@ -11,7 +11,6 @@ get/set/reset, ``state_dict``/``load_state_dict``, and the contract checkpoints 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import threading
 import warnings
@@ -20,18 +19,17 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _device, _params, _restore, _stepping
+from . import _device, _params, _restore, _state_dict, _stepping
 from ._stepping import StepResult
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._restore import BufferState
 from ._views import Gradients, ParamViews, gradient_problem
 from .errors import (GradientError, HyperparameterError, ParamError, StateDictError,
                      UnknownPathError)
+from .errors import raise_problems as _raise
 from .kernels import backend as kernel_backend
 from .schema import Schema, describe_group, near
 
-STATE_DICT_FORMAT = "flatopt.state_dict"
-STATE_DICT_VERSION = 1
 
 
 def _frozen(value: Any) -> Any:
@@ -74,19 +72,6 @@ def _torch_implementation_arguments(name: str, arguments: dict) -> None:
         if value is not False:
             raise HyperparameterError(f"{name}: {key}={value!r} has no meaning in flatopt "
                                       f"({why}); leave it out")
-
-
-MAX_PROBLEM_LINES = 20
-
-
-def _raise(problems: list[str], error: type[Exception]) -> None:
-    """One error for every problem, its message cut to the first ``MAX_PROBLEM_LINES``
-    (a 10,000-parameter model with one mistake repeated should not print 10,000 lines)."""
-    if problems:
-        shown = problems[:MAX_PROBLEM_LINES]
-        if len(problems) > len(shown):
-            shown.append(f"... and {len(problems) - len(shown)} more problems like these")
-        raise error("\n".join(shown))
 
 
 class _Plan:
@@ -583,13 +568,7 @@ class Optimizer:
             entry = self._param_state(self.buffers[info.buffer], info.slot, copy=True)
             if entry is not None:
                 state[info.path] = entry
-        groups = []
-        for group in self.param_groups:
-            saved = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
-            saved["params"] = list(group["params"])
-            groups.append(saved)
-        return {"format": STATE_DICT_FORMAT, "version": STATE_DICT_VERSION,
-                "optimizer": self.schema.name, "param_groups": groups, "state": state}
+        return _state_dict.build(self, state)
 
     @_locked
     def load_state_dict(self, state_dict: Mapping[str, Any], *,
@@ -604,65 +583,9 @@ class Optimizer:
         """
         if self._sharding is not None:
             self._sharding.refuse("load_state_dict()")
-        if hyperparameters not in ("saved", "live"):
-            raise ValueError("hyperparameters must be 'saved' or 'live', got "
-                             f"{hyperparameters!r}")
-        if not isinstance(state_dict, Mapping):
-            raise StateDictError(f"state dict must be a dict, got {type(state_dict).__name__}")
-        problems = [f"state dict has no {key!r} entry; was it made by flatopt's state_dict()?"
-                    for key in ("format", "version", "optimizer", "param_groups", "state")
-                    if key not in state_dict]
-        _raise(problems, StateDictError)
-        version = state_dict["version"]
-        if (state_dict["format"] != STATE_DICT_FORMAT or type(version) is not int
-                or not 1 <= version <= STATE_DICT_VERSION):
-            raise StateDictError(
-                f"state dict format {state_dict['format']!r} version {version!r} is not "
-                f"{STATE_DICT_FORMAT!r} version 1..{STATE_DICT_VERSION}; a newer version needs "
-                "a newer flatopt")
-        if state_dict["optimizer"] != self.schema.name:
-            problems.append(f"state dict is from {state_dict['optimizer']}, this optimizer is "
-                            f"{self.schema.name}")
-        saved_groups, state = state_dict["param_groups"], state_dict["state"]
-        if not isinstance(state, Mapping):
-            problems.append(f"state dict 'state' must be a dict {{path: {{...}}}}, got "
-                            f"{type(state).__name__}")
-            state = {}
-        settings = None
-        if hyperparameters == "saved":
-            settings = self._saved_settings(saved_groups, problems)
-        problems += _restore.restore_problems(self, state, settings, None, None)
-        _raise(problems, StateDictError)
+        state, settings = _state_dict.parse(self, state_dict, hyperparameters)
         with self._host_side():
             _restore.apply(self, state, settings, None, None)
-
-    def _saved_settings(self, saved_groups: Any, problems: list[str]) -> list[dict | None]:
-        """Each live group's values from the saved group holding exactly its parameters."""
-        if not isinstance(saved_groups, (list, tuple)) or not all(
-                isinstance(group, Mapping) and isinstance(group.get("params"), (list, tuple))
-                and all(isinstance(path, str) for path in group["params"])
-                for group in saved_groups):
-            problems.append("state dict 'param_groups' must be a list of dicts, each with a "
-                            "'params' list of paths")
-            return [None] * len(self.param_groups)
-        by_paths = {frozenset(group["params"]): (number, group)
-                    for number, group in enumerate(saved_groups)}
-        settings: list[dict | None] = []
-        for number, paths in enumerate(self._group_paths):
-            match = by_paths.get(frozenset(paths))
-            if match is None:
-                where = describe_group(number, self.param_groups[number])
-                problems.append(f"{where}: no saved group holds exactly its parameters; the "
-                                "grouping changed, load with hyperparameters='live' to keep "
-                                "this optimizer's hyperparameters and load state by path")
-                settings.append(None)
-                continue
-            merged = {**self.param_groups[number], **match[1]}
-            values, more = self.schema.check_group(
-                merged, f"saved {describe_group(match[0], match[1])}")
-            problems += more
-            settings.append(values)
-        return settings
 
     # ----------------------------------------------------------------- restore (load contract)
     @_locked
