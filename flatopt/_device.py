@@ -478,8 +478,9 @@ class CudaDevice:
         d = self.buffers[buf.number]
         for name in names:
             device, host = self._flat(d, buf, name)
+            layout = buf.layout(name)  # a shaped slot packs its entries its own way
             for k in slots:
-                a, b = int(buf.offsets[k]), int(buf.offsets[k] + buf.sizes[k])
+                a, b = int(layout.offsets[k]), int(layout.offsets[k] + layout.sizes[k])
                 if b > a:
                     yield device[a:b], host[a:b]
 

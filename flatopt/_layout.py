@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -108,6 +108,23 @@ def chunk_table(offsets: np.ndarray, sizes: np.ndarray, total: int,
     return np.searchsorted(ends, starts, side="right").astype(np.int64)
 
 
+class SlotLayout:
+    """The packing of a shaped state slot (:attr:`flatopt.Slot.shape`) of one buffer: each
+    parameter's entry shape (None: no entry), size, aligned offset, and the slot's length. A
+    :class:`FlatBuffer` has the same four attributes for everything parallel to the
+    parameters, so code reading a slot takes either."""
+
+    def __init__(self, entry_shapes: Sequence[tuple | None], dtype: np.dtype):
+        self.shapes = [None if s is None else tuple(s) for s in entry_shapes]
+        self.sizes = np.array([0 if s is None else int(np.prod(s, dtype=np.int64))
+                               for s in self.shapes], dtype=np.int64)
+        self.offsets, self.length = aligned_offsets(self.sizes, dtype)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SlotLayout) and self.shapes == other.shapes \
+            and self.length == other.length
+
+
 class FlatBuffer:
     """One contiguous buffer holding every parameter of one group and dtype.
 
@@ -123,7 +140,8 @@ class FlatBuffer:
 
     def __init__(self, number: int, group: int, dtype: np.dtype, ids: Sequence[int],
                  paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
-                 columns: dict[str, np.dtype] | None = None):
+                 columns: dict[str, np.dtype] | None = None,
+                 shaped_slots: dict[str, Callable[[tuple], tuple | None]] | None = None):
         self.number = number
         self.group = group
         self.dtype = np.dtype(dtype)
@@ -143,6 +161,8 @@ class FlatBuffer:
             name: np.zeros(len(self.paths), dtype=column_dtype)
             for name, column_dtype in (columns or {}).items()}
         self.kernel_columns = tuple(self.columns.values())
+        self.slot_layouts = {name: SlotLayout([shape_of(s) for s in self.shapes], self.dtype)
+                             for name, shape_of in (shaped_slots or {}).items()}
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -152,11 +172,28 @@ class FlatBuffer:
         start = int(self.offsets[slot])
         return flat[start:start + int(self.sizes[slot])].reshape(self.shapes[slot])
 
+    def layout(self, name: str):
+        """Where each parameter's entry lies in state slot ``name`` (or ``"params"``): the
+        buffer itself for slots parallel to the parameters, else the slot's
+        :class:`SlotLayout`; both have ``shapes``, ``sizes``, ``offsets`` and ``length``."""
+        return self.slot_layouts.get(name, self)
+
+    def state_view(self, name: str, slot: int, flat: np.ndarray | None = None):
+        """Parameter ``slot``'s entry of state slot ``name`` (of ``flat``, by default the
+        slot's buffer) with its own shape, or None when a shaped slot has no entry for it."""
+        layout = self.layout(name)
+        shape = layout.shapes[slot]
+        if shape is None:
+            return None
+        flat = self.state[name] if flat is None else flat
+        start = int(layout.offsets[slot])
+        return flat[start:start + int(layout.sizes[slot])].reshape(shape)
+
     def state_buffer(self, name: str) -> np.ndarray:
         """The flat state buffer ``name``, allocated zero-filled on first use."""
         flat = self.state.get(name)
         if flat is None:
-            flat = self.state[name] = aligned_zeros(self.length, self.dtype)
+            flat = self.state[name] = aligned_zeros(self.layout(name).length, self.dtype)
         return flat
 
     @property

@@ -86,12 +86,13 @@ def _buffer_problems(opt, number: int, contents: BufferState) -> list[str]:
         if name != "params" and name not in opt.schema.slots:
             problems.append(f"{where}: unknown state slot {name!r}")
             continue
+        length = buf.layout(name).length
         if isinstance(flat, Fill):
-            if flat.length != buf.length or flat.dtype != buf.dtype:
+            if flat.length != length or flat.dtype != buf.dtype:
                 problems.append(f"{where}: {name} has {flat.length} values of {flat.dtype}, "
-                                f"the buffer {buf.length} of {buf.dtype}")
+                                f"the buffer {length} of {buf.dtype}")
             continue
-        problem = array_problem(flat, (buf.length,), buf.dtype)
+        problem = array_problem(flat, (length,), buf.dtype)
         if problem:
             problems.append(f"{where}: {name} {problem}")
     problems += column_problems(opt.schema, contents.columns, len(buf), where)
@@ -101,7 +102,7 @@ def _buffer_problems(opt, number: int, contents: BufferState) -> list[str]:
     for name, flat in contents.state.items():
         if not isinstance(flat, Fill):  # a Fill is checked the same way once it has filled
             problems += [f"{where}: {problem}" for problem in slot_value_problems(
-                opt.schema, name, flat, buf.offsets, buf.sizes, stateful, buf.paths)]
+                opt.schema, name, flat, buf.layout(name), stateful, buf.paths)]
     return problems
 
 
@@ -129,7 +130,7 @@ def apply(opt, state, settings, params, buffers, *, staging: int | None = None,
     needed = {(opt.index[path].buffer, key) for path, entry in state.items()
               for key in entry if key in opt.schema.slots}
     needed |= {(number, key) for number, c in buffers.items() for key in c.state}
-    allocated = {key: opt._backend.zeros(opt.buffers[key[0]].length,
+    allocated = {key: opt._backend.zeros(opt.buffers[key[0]].layout(key[1]).length,
                                           opt.buffers[key[0]].dtype)
                  for key in needed if key[1] not in opt.buffers[key[0]].state}
     _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit)
@@ -162,7 +163,7 @@ def apply(opt, state, settings, params, buffers, *, staging: int | None = None,
             if key in buf.columns:
                 buf.columns[key][info.slot] = value
             else:
-                buf.view(buf.state[key], info.slot)[...] = value
+                buf.state_view(key, info.slot)[...] = value
     for path, value in params.items():
         opt._param_views[path][...] = value
 
@@ -195,7 +196,7 @@ def _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit) -> No
                 buf = opt.buffers[number]
                 where = f"buffer {number} (group {buf.group}, {buf.dtype})"
                 problems = [f"{where}: {problem}" for problem in slot_value_problems(
-                    opt.schema, name, target, buf.offsets, buf.sizes,
+                    opt.schema, name, target, buf.layout(name),
                     opt.schema.stateful(contents.columns), buf.paths)]
                 if problems:
                     raise StateDictError("; ".join(problems))

@@ -266,7 +266,8 @@ class Optimizer:
             members = [(path, array) for path, array in entries if array.dtype == dtype]
             columns = {name: rule.column_dtype(name, dtype) for name in rule.columns}
             buf = FlatBuffer(len(self.buffers), group, dtype, [ids[p] for p, _ in members],
-                             [p for p, _ in members], [a.shape for _, a in members], columns)
+                             [p for p, _ in members], [a.shape for _, a in members], columns,
+                             self.schema.shaped_slots)
             for slot, (path, array) in enumerate(members):
                 buf.view(buf.params, slot)[...] = array
                 infos.append(ParamInfo(ids[path], path, array.shape, array.dtype, group,
@@ -281,7 +282,7 @@ class Optimizer:
 
     def _new_slot(self, buf: FlatBuffer, name: str, settings: Mapping[str, Any]):
         """A state buffer for ``buf`` holding fresh state: zeros, or the slot's initial value."""
-        flat = self._backend.zeros(buf.length, buf.dtype)
+        flat = self._backend.zeros(buf.layout(name).length, buf.dtype)
         initial = self.schema.initial_value(name, settings)
         if initial:
             flat.fill(initial)
@@ -461,7 +462,8 @@ class Optimizer:
                 buf.view(buf.grads, k)[...] *= multiplier
             self.schema.rule.per_parameter(
                 buf.view(buf.params, k), buf.view(buf.grads, k),
-                {name: buf.view(buf.state[name], k) for name in plan.used}, plan.settings)
+                {name: buf.state_view(name, k) for name in plan.used}, plan.settings,
+                {name: column[k] for name, column in buf.columns.items()})
 
     def _known(self, path: Any, what: str, problems: list[str]) -> ParamInfo | None:
         """The index record of ``path``, or None after adding a message naming it."""
@@ -535,9 +537,8 @@ class Optimizer:
         entry: dict[str, Any] = {name: buf.columns[name][slot].item()
                                  for name in self.schema.state_dict_columns}
         for name in self.schema.slots:
-            flat = buf.state.get(name)
-            if flat is not None:
-                view = buf.view(flat, slot)
+            view = buf.state_view(name, slot) if name in buf.state else None
+            if view is not None:
                 entry[name] = view.copy() if copy else view
         return entry
 

@@ -38,7 +38,8 @@ class Invalid(Exception):
 
 
 # ----------------------------------------------------------------------------- checkers
-def _real(value: Any) -> float:
+def real(value: Any) -> float:
+    """A real number, not NaN (infinities pass: callers bound them)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise Invalid(f"must be a real number, got {type(value).__name__} {value!r}")
     try:
@@ -52,7 +53,7 @@ def _real(value: Any) -> float:
 
 def non_negative(value: Any) -> float:
     """A finite number >= 0."""
-    number = _real(value)
+    number = real(value)
     if number < 0 or math.isinf(number):
         raise Invalid(f"must be a finite number >= 0, got {value!r}")
     return number
@@ -60,7 +61,7 @@ def non_negative(value: Any) -> float:
 
 def unit_fraction(value: Any) -> float:
     """A number in [0, 1]."""
-    number = _real(value)
+    number = real(value)
     if not 0.0 <= number <= 1.0:
         raise Invalid(f"must be in [0, 1], got {value!r}")
     return number
@@ -80,7 +81,7 @@ def betas(value: Any) -> tuple[float, float]:
     pair = []
     for position, beta in enumerate(value):
         try:
-            number = _real(beta)
+            number = real(beta)
         except Invalid as exc:
             raise Invalid(f"beta{position + 1} {exc}") from None
         if not 0.0 <= number < 1.0:
@@ -179,14 +180,24 @@ class Slot:
     settings use it (allocated at the first step that needs it, required in saved state);
     ``nonnegative`` slots (second moments) must hold finite values >= 0. ``initial(settings)``
     is the value fresh state starts from (only for schemas whose state is ``eager``; lazy
-    state starts from zero)."""
+    state starts from zero).
+
+    ``shape(param_shape)`` makes it a *shaped* slot: each parameter's entry has that shape
+    (Adafactor's row factor ``(..., R, 1)`` of an ``(..., R, C)`` matrix), or none at all when
+    it returns None; the slot's flat buffer then has its own aligned packing of those entries
+    (:class:`flatopt._layout.SlotLayout`), in the parameters' order."""
 
     when: Callable[[Mapping[str, Any]], bool] | None = None
     nonnegative: bool = False
     initial: Callable[[Mapping[str, Any]], float] | None = None
+    shape: Callable[[tuple], tuple | None] | None = None
 
     def used(self, settings: Mapping[str, Any]) -> bool:
         return self.when is None or bool(self.when(settings))
+
+    def entry_shape(self, param_shape: tuple) -> tuple | None:
+        """The shape of one parameter's entry (None: the parameter has none)."""
+        return tuple(param_shape) if self.shape is None else self.shape(tuple(param_shape))
 
 
 def _no_cross_check(values: Mapping[str, Any]) -> list[str]:
@@ -232,6 +243,10 @@ class Schema:
         if lazy_initial:
             raise TypeError(f"schema {self.name!r}: slots {lazy_initial} have initial values, "
                             "which only eager state uses")
+        if self.shaped_slots and self.rule.per_parameter is None:
+            raise TypeError(f"schema {self.name!r}: shaped slots {sorted(self.shaped_slots)} "
+                            "need a rule over whole parameters (Rule.per_parameter); the "
+                            "element-wise walk assumes slots parallel to the parameters")
         object.__setattr__(self, "marker", markers[0] if markers else None)
 
     def stateful(self, columns: Mapping[str, Any]) -> Any:
@@ -296,6 +311,11 @@ class Schema:
         return {key: values[key] for key in self.hyperparameters}
 
     # ------------------------------------------------------------------ state
+    @property
+    def shaped_slots(self) -> dict[str, Callable[[tuple], tuple | None]]:
+        """Slot name -> entry shape function, for the slots not parallel to the parameters."""
+        return {name: slot.shape for name, slot in self.slots.items() if slot.shape is not None}
+
     def used_slots(self, settings: Mapping[str, Any]) -> tuple[str, ...]:
         return tuple(name for name, slot in self.slots.items() if slot.used(settings))
 
@@ -325,11 +345,17 @@ class Schema:
                 problems.append(f"state for {path!r}: {name} {problem}")
         for name, slot in self.slots.items():
             value = entry.get(name)
+            entry_shape = slot.entry_shape(shape)
+            if entry_shape is None:  # a shaped slot without an entry for this parameter
+                if value is not None:
+                    problems.append(f"state for {path!r} has {name!r}, which a {self.name} "
+                                    f"keeps for no parameter of shape {tuple(shape)}")
+                continue
             if value is None:
                 if slot.used(settings):
                     problems.append(f"state for {path!r} lacks {name!r}")
                 continue
-            problem = array_problem(value, shape, dtype, nonnegative=slot.nonnegative)
+            problem = array_problem(value, entry_shape, dtype, nonnegative=slot.nonnegative)
             if problem:
                 problems.append(f"state for {path!r}: {name} {problem}")
         return problems
@@ -347,12 +373,13 @@ def column_problems(schema: Schema, columns: Mapping[str, Any], count: int,
     return problems
 
 
-def slot_value_problems(schema: Schema, name: str, flat: np.ndarray, offsets: np.ndarray,
-                        sizes: np.ndarray, stateful: np.ndarray, paths) -> list[str]:
-    """Values no optimizer holds in state slot ``name`` of a flat buffer: a second moment
-    negative, NaN or infinite, or a non-zero value for a parameter without state
-    (``stateful`` false: its marker column is 0). The one check of saved state values, made by
-    save, load, ``flatopt verify`` and ``restore``."""
+def slot_value_problems(schema: Schema, name: str, flat: np.ndarray, layout,
+                        stateful: np.ndarray, paths) -> list[str]:
+    """Values no optimizer holds in state slot ``name`` of a flat buffer whose entries lie at
+    ``layout.offsets`` / ``layout.sizes`` (a FlatBuffer, or a shaped slot's SlotLayout): a
+    second moment negative, NaN or infinite, or a non-zero value for a parameter without
+    state (``stateful`` false: its marker column is 0). The one check of saved state values,
+    made by save, load, ``flatopt verify`` and ``restore``."""
     problems = []
     if schema.slots[name].nonnegative:
         bad = count_negative_or_nonfinite(flat)
@@ -360,7 +387,8 @@ def slot_value_problems(schema: Schema, name: str, flat: np.ndarray, offsets: np
             problems.append(f"{name} holds {bad} negative, NaN or infinite value(s); a second "
                             "moment is finite and >= 0 (a NaN or infinite gradient reached the "
                             "optimizer, or the state was damaged)")
-    slot = first_nonzero_segment(flat, offsets, sizes, ~np.asarray(stateful, bool))
+    slot = first_nonzero_segment(flat, layout.offsets, layout.sizes,
+                                 ~np.asarray(stateful, bool))
     if slot >= 0:
         problems.append(f"{paths[slot]!r} has no state ({schema.marker} is 0) but non-zero "
                         f"{name}")

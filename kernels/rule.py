@@ -25,9 +25,11 @@ Rules whose update needs per-parameter totals (LAMB's trust ratio ||p|| / ||upda
 - ``finalize(present, columns, scalars, flags, start, stop, stride, sums)``: like prepare, with
   ``sums[k, j]`` the totals of parameter ``k``; it stores what ``span`` needs in columns.
 
-Rules that work on whole matrices (Muon's Newton-Schulz iteration) give ``per_parameter``, a
-NumPy function ``(param, grad, state, settings, step)`` called for each present parameter with
-views shaped like the parameter, after ``prepare``; their ``span`` does nothing.
+Rules that work on whole matrices (Muon's Newton-Schulz iteration, Adafactor's factored
+moments) give ``per_parameter``, a function ``(param, grad, state, settings, columns)`` called
+for each present parameter after ``prepare``, with views shaped like the parameter (a shaped
+slot's entry has its own shape), the group's settings and the parameter's column values by
+name; their ``span`` does nothing.
 
 Backends (``kernels.cpu``, ``kernels.cuda``) compile those functions for their target and plug
 ``span`` and ``prepare`` into their one chunk walk. The layouts are NamedTuple classes: the

@@ -1,7 +1,8 @@
 """The checkpoint format: names, versions, limits, digests, JSON, and which optimizer a file
 holds (through the registry). Writer and reader both take everything from here.
 
-File layout (format ``flatopt.checkpoint`` version 2); every string is fixed-length UTF-8::
+File layout (format ``flatopt.checkpoint`` version 2, or 3 for an optimizer with shaped
+slots); every string is fixed-length UTF-8::
 
     /                     attrs: format, format_version, flatopt_version, h5py_version,
                                  hdf5_version, optimizer, [schema_version when above 1], digest
@@ -21,6 +22,11 @@ File layout (format ``flatopt.checkpoint`` version 2); every string is fixed-len
     /arrays/<k>           extra arrays (save(arrays=...)), k = 0, 1, ...: any shape,
                           contiguous; attrs name, dtype (NumPy's dtype string), checksums,
                           digest
+
+Version 3 is version 2 in which a shaped state slot (``Slot.shape``: Adafactor's row and
+column factors) has its own length: its members' entries packed as the live optimizer packs
+them (aligned, in offset order, none for a parameter without an entry). Only files of such
+optimizers are written as version 3, so a flatopt that reads version 2 still reads the rest.
 
 Version 1 (flatopt 0.1.0) stored each buffer in 1 MiB chunks with HDF5's fletcher32 filter and
 attr digest = "crc32:<hex>" (zlib CRC-32 of the buffer), and had no /arrays; it is still read.
@@ -42,7 +48,9 @@ from ..errors import CheckpointError
 from ..schema import Schema
 
 FORMAT = "flatopt.checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+"""The newest version this flatopt reads; it writes 3 only for shaped slots (see above)."""
+PLAIN_FORMAT_VERSION = 2
 BLOCK_BYTES = 4 << 20     # a buffer's checksum covers one block of this many bytes (version 2)
 CHUNK_BYTES = 1 << 20     # version 1: HDF5 chunk size, each with a fletcher32 sum
 LIBVER = ("v110", "latest")  # superblock v3: checksummed metadata

@@ -86,8 +86,8 @@ def guarded(ck: Contents, read: Callable):
 
 def largest_buffer(ck: Contents) -> int:
     """Bytes of the file's largest buffer (one state slot of one group and dtype)."""
-    return max((saved.length * DTYPES[saved.dtype].itemsize for saved in ck.buffers.values()),
-               default=0)
+    return max((length * DTYPES[saved.dtype].itemsize for saved in ck.buffers.values()
+                for length in saved.lengths.values()), default=0)
 
 
 class Scratch:
@@ -97,13 +97,13 @@ class Scratch:
     def __init__(self):
         self.arrays: dict[np.dtype, np.ndarray] = {}
 
-    def get(self, saved) -> np.ndarray:
-        dtype = DTYPES[saved.dtype]
+    def get(self, saved, slot: str) -> np.ndarray:
+        dtype, length = DTYPES[saved.dtype], saved.lengths[slot]
         held = self.arrays.get(dtype)
-        if held is None or held.size < saved.length:
+        if held is None or held.size < length:
             self.arrays[dtype] = None  # drop the smaller one first
-            held = self.arrays[dtype] = np.empty(max(saved.length, 1), dtype)
-        return held[:saved.length]
+            held = self.arrays[dtype] = np.empty(max(length, 1), dtype)
+        return held[:length]
 
 
 def verify_one(ck: Contents, key, slot: str, workers, out: np.ndarray | None = None):
@@ -128,14 +128,14 @@ def verify_buffers(ck: Contents, keys, workers, keep: set = frozenset()) -> dict
             if (key, slot) in keep:
                 staged[key, slot] = verify_one(ck, key, slot, workers)
             else:
-                verify_one(ck, key, slot, workers, scratch.get(saved))
+                verify_one(ck, key, slot, workers, scratch.get(saved, slot))
     return staged
 
 
 def _fill(ck: Contents, key: tuple[int, str], slot: str, workers) -> Fill:
     """A buffer of the file read straight into the optimizer's array during the restore."""
     saved = ck.buffers[key]
-    return Fill(saved.length, DTYPES[saved.dtype],
+    return Fill(saved.lengths[slot], DTYPES[saved.dtype],
                 lambda out: guarded(ck, lambda: ck.read_into(key, slot, out, workers)),
                 saved.datasets[slot].name)
 
@@ -160,7 +160,9 @@ def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, workers):
             ordered = sorted(pairs, key=lambda pair: pair[0].slot)
             if saved.length == buf.length and len(saved.members) == len(buf) and all(
                     info.slot == k and saved.members[k] is entry
-                    for k, (info, entry) in enumerate(ordered)):
+                    for k, (info, entry) in enumerate(ordered)) and all(
+                    saved.layouts[slot].length == buf.layout(slot).length
+                    for slot in saved.datasets):
                 buffers[number] = BufferState(
                     _fill(ck, key, "params", workers),
                     {slot: _fill(ck, key, slot, workers)
@@ -189,10 +191,16 @@ def saved_state_entry(ck: Contents, entry, staged: dict, shape) -> dict:
     """A saved parameter's state as ``state_dict()`` holds it (its state-dict columns and
     each saved slot, shaped), from the verified buffers in ``staged``."""
     key = (entry.group, entry.dtype)
-    window = slice(entry.offset, entry.offset + entry.size)
-    return {**{name: entry.columns[name] for name in ck.schema.state_dict_columns},
-            **{slot: staged[key, slot][window].reshape(shape)
-               for slot in ck.buffers[key].datasets if slot != "params"}}
+    saved = ck.buffers[key]
+    position = saved.positions[entry.row]
+    state = {name: entry.columns[name] for name in ck.schema.state_dict_columns}
+    for slot in saved.datasets:
+        layout = saved.layouts[slot]
+        if slot != "params" and layout.shapes[position] is not None:
+            start = int(layout.offsets[position])
+            state[slot] = staged[key, slot][start:start + int(layout.sizes[position])].reshape(
+                ck.schema.slots[slot].entry_shape(shape))
+    return state
 
 
 def load(source, opt: Optimizer, *, strict: bool = True,

@@ -54,6 +54,12 @@ class SavedBuffer:
     members: list[SavedParam] = field(default_factory=list)  # in offset order
     hashes: dict[str, np.ndarray] = field(default_factory=dict)   # version 2: block hashes
     offsets: dict[str, int] = field(default_factory=dict)         # version 2: byte offsets
+    lengths: dict[str, int] = field(default_factory=dict)
+    """Elements of each dataset: ``length``, but a shaped slot's own (format version 3)."""
+    layouts: dict[str, Any] = field(default_factory=dict)
+    """Each dataset's packing of the members (a SlotLayout), set by ``validate``."""
+    positions: dict[int, int] = field(default_factory=dict)
+    """Index row -> the member's position in the buffer, set by ``validate``."""
 
 
 @dataclass
@@ -164,8 +170,8 @@ class Contents:
     def read(self, key: tuple[int, str], slot: str, workers=None) -> np.ndarray:
         """One buffer as a fresh aligned array, its checksums verified."""
         saved = self.buffers[key]
-        return self.read_into(key, slot, aligned_zeros(saved.length, DTYPES[saved.dtype]),
-                              workers)
+        return self.read_into(key, slot, aligned_zeros(saved.lengths[slot],
+                                                       DTYPES[saved.dtype]), workers)
 
     def read_all(self, keys=None) -> dict[tuple[tuple[int, str], str], np.ndarray]:
         """Read and verify every slot of the given buffers (all by default)."""
@@ -522,16 +528,20 @@ def read_groups(ck: Contents) -> dict[str, list]:
                 raise ck.corrupt(f"{b.name} has unexpected attributes")
             if length < 0:
                 raise ck.corrupt(f"{b.name} declares a negative length {length}")
-            datasets, digests, offsets, hashes = {}, {}, {}, {}
+            datasets, digests, offsets, hashes, lengths = {}, {}, {}, {}, {}
             for slot in b:
                 ds = member(ck, b, slot, "dataset")
                 where = ds.name
                 if ds.dtype != DTYPES[dtype_name]:
                     raise ck.corrupt(f"dtype {ds.dtype} is not {dtype_name}", buffer=where)
-                if ds.shape != (length,):
+                # format 3: a shaped state slot (Adafactor's factors) has its own length,
+                # which validate checks against the schema's packing of the index's shapes
+                own_length = ck.version >= 3 and slot != "params" and len(ds.shape) == 1
+                if ds.shape != (length,) and not own_length:
                     raise ck.corrupt(f"shape {ds.shape} disagrees with the declared length "
                                      f"{length}", buffer=where)
-                nbytes = length * DTYPES[dtype_name].itemsize
+                slot_length = int(ds.shape[0])
+                nbytes = slot_length * DTYPES[dtype_name].itemsize
                 declared += nbytes
                 if declared > ck.size:
                     raise ck.corrupt(f"declares {declared} bytes of buffers, more than the "
@@ -547,13 +557,13 @@ def read_groups(ck: Contents) -> dict[str, list]:
                 if version >= 2:
                     offsets[slot] = raw_offset(ck, ds, nbytes)
                     hashes[slot] = block_hashes(ck, ds, nbytes, digest)
-                datasets[slot], digests[slot] = ds, digest
-                table[where] = [ds.dtype.name, int(length), digest]
+                datasets[slot], digests[slot], lengths[slot] = ds, digest, slot_length
+                table[where] = [ds.dtype.name, slot_length, digest]
             if "params" not in datasets:
                 raise ck.corrupt(f"{b.name} has no params dataset")
             ck.buffers[number, dtype_name] = SavedBuffer(number, dtype_name, length, datasets,
                                                          digests, hashes=hashes,
-                                                         offsets=offsets)
+                                                         offsets=offsets, lengths=lengths)
     ck.declared = declared
     return table
 

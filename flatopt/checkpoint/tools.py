@@ -41,8 +41,8 @@ def inspect_checkpoint(source, *, tensors: bool = False) -> dict:
         for number, group in enumerate(ck.groups):
             members = [e for e in ck.params if e.group == number]
             buffers = [b for key, b in ck.buffers.items() if key[0] == number]
-            nbytes = sum(b.length * np.dtype(b.dtype).itemsize * len(b.datasets)
-                         for b in buffers)
+            nbytes = sum(length * np.dtype(b.dtype).itemsize
+                         for b in buffers for length in b.lengths.values())
             total_bytes += nbytes
             groups.append({
                 "group": number, "label": group["label"],
@@ -85,10 +85,10 @@ def verify_checkpoint(source) -> dict:
                           format_version=ck.header["format_version"],
                           parameters=len(ck.params))
             scratch = Scratch()
-            checks = [({"buffer": saved.datasets[slot].name, "elements": saved.length,
+            checks = [({"buffer": saved.datasets[slot].name, "elements": saved.lengths[slot],
                         "digest": saved.digests[slot]},
                        lambda key=key, slot=slot, saved=saved: verify_one(
-                           ck, key, slot, workers, scratch.get(saved)))
+                           ck, key, slot, workers, scratch.get(saved, slot)))
                       for key, saved in sorted(ck.buffers.items()) for slot in saved.datasets]
             checks += [({"buffer": saved.dataset.name, "array": name,
                          "elements": math.prod(saved.shape), "digest": saved.digest},

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .._layout import aligned_offsets
+from .._layout import SlotLayout, aligned_offsets
 from ..schema import slot_value_problems
 from .format import DTYPES, schema_named
 from .reader import Contents, SavedParam
@@ -134,6 +134,16 @@ def _packing_and_state(ck: Contents) -> None:
                                            for o, e in zip(offsets, buffer.members)):
             raise ck.corrupt(f"group {key[0]} {key[1]}: offsets or length do not follow "
                              "flatopt's aligned packing (gaps or a wrong length)")
+        buffer.positions = {e.row: k for k, e in enumerate(buffer.members)}
+        for slot in buffer.datasets:
+            # a shaped slot packs its own entries the way the live optimizer does
+            entry_shape = schema.slots[slot].entry_shape if slot in schema.slots else tuple
+            layout = SlotLayout([entry_shape(e.shape) for e in buffer.members], DTYPES[key[1]])
+            if layout.length != buffer.lengths[slot]:
+                raise ck.corrupt(f"{buffer.datasets[slot].name} holds {buffer.lengths[slot]} "
+                                 f"values; its {len(buffer.members)} parameters' entries take "
+                                 f"{layout.length}")
+            buffer.layouts[slot] = layout
         if any(schema.stateful(e.columns) for e in buffer.members):
             settings = ck.groups[key[0]]["hyperparameters"]
             lacking = [slot for slot in schema.used_slots(settings)
@@ -151,8 +161,7 @@ def check_data(ck: Contents, staged: dict) -> None:
             continue
         members = ck.buffers[key].members
         problems = slot_value_problems(
-            schema, slot, flat, np.array([e.offset for e in members], np.int64),
-            np.array([e.size for e in members], np.int64),
+            schema, slot, flat, ck.buffers[key].layouts[slot],
             np.array([schema.stateful(e.columns) for e in members], bool),
             [e.path for e in members])
         if problems:

@@ -34,8 +34,8 @@ from ..errors import CheckpointError
 from ..optimizer import Optimizer
 from ..schema import column_problems, slot_value_problems
 from . import files
-from .format import (BLOCK_BYTES, FORMAT, FORMAT_VERSION, LIBVER, checked_arrays,
-                     hashes_digest, jsonable, limits_problems, manifest_digest, n_blocks,
+from .format import (BLOCK_BYTES, FORMAT, FORMAT_VERSION, LIBVER, PLAIN_FORMAT_VERSION,
+                     checked_arrays, hashes_digest, jsonable, limits_problems, manifest_digest, n_blocks,
                      schema_columns, stored_dtype, text_dtype, to_json)
 
 ALIGN_THRESHOLD = 1 << 20   # datasets this large start on a page boundary in the file
@@ -122,6 +122,8 @@ class _Buffer:
     sizes: np.ndarray
     paths: list
     columns: dict[str, np.ndarray]
+    layouts: dict[str, Any]
+    """Each array's packing (``FlatBuffer.layout``: a shaped slot has its own)."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)   # "params" and state slots
 
 
@@ -140,7 +142,8 @@ class _Snapshot:
         self.schema = opt.schema
         self.groups = _groups(opt)
         self.columns = _index_columns(opt)
-        self.header = {"format": FORMAT, "format_version": FORMAT_VERSION,
+        version = FORMAT_VERSION if self.schema.shaped_slots else PLAIN_FORMAT_VERSION
+        self.header = {"format": FORMAT, "format_version": version,
                        "flatopt_version": __version__, "h5py_version": h5py.version.version,
                        "hdf5_version": h5py.version.hdf5_version, "optimizer": self.schema.name}
         if self.schema.version != 1:
@@ -167,7 +170,8 @@ class _Snapshot:
         for buf in opt.host_buffers():  # on CUDA: copied to the host mirror first
             saved = _Buffer(buf.number, buf.group, buf.dtype, int(buf.length), buf.offsets,
                             buf.sizes, buf.paths,
-                            {name: column.copy() for name, column in buf.columns.items()})
+                            {name: column.copy() for name, column in buf.columns.items()},
+                            {slot: buf.layout(slot) for slot in ("params", *self.schema.slots)})
             for slot in ("params", *self.schema.slots):
                 flat = buf.params if slot == "params" else buf.state.get(slot)
                 if flat is not None:
@@ -220,7 +224,7 @@ class _Snapshot:
             for name, flat in saved.arrays.items():
                 if name != "params":
                     found += [f"{where}: {problem}" for problem in slot_value_problems(
-                        self.schema, name, flat, saved.offsets, saved.sizes, stateful,
+                        self.schema, name, flat, saved.layouts[name], stateful,
                         saved.paths)]
             problems += found
         return problems

@@ -95,9 +95,18 @@ class BufferShard:
         self._scratch: np.ndarray | None = None
         if buf.state:  # eager state built whole at construction: keep this rank's range
             for name, flat in buf.state.items():
-                self.state[name] = aligned_zeros(self.length, buf.dtype)
-                self.state[name][...] = flat[self.lo:self.hi]
+                self.state[name] = aligned_zeros(self.slot_length(name), buf.dtype)
+                self.state[name][...] = self.range_of(name, flat)
             buf.state.clear()
+
+    def range_of(self, name: str, flat: np.ndarray) -> np.ndarray:
+        """This rank's range of the whole state slot ``name`` (``flat``): the whole of it
+        when the rule runs replicated (a shaped slot has its own length)."""
+        return flat if self.replicated else flat[self.lo:self.hi]
+
+    def slot_length(self, name: str) -> int:
+        """Elements of this rank's part of state slot ``name``."""
+        return self.buffer.layout(name).length if self.replicated else self.length
 
     def _segments(self) -> None:
         """Every (chunk, parameter) overlap of the range, in chunk order, as a layout of its
@@ -322,7 +331,7 @@ class Sharding:
         opt, buf = self.opt, shard.buffer
         for name in plan.used:
             if name not in shard.state:
-                flat = aligned_zeros(shard.length, buf.dtype)
+                flat = aligned_zeros(shard.slot_length(name), buf.dtype)
                 initial = opt.schema.initial_value(name, plan.settings)
                 if initial:
                     flat.fill(initial)
@@ -404,8 +413,9 @@ class Sharding:
                 if scale:
                     buf.view(buf.grads, k)[...] *= multiplier
                 rule.per_parameter(buf.view(buf.params, k), buf.view(buf.grads, k),
-                                   {name: buf.view(shard.state[name], k) for name in plan.used},
-                                   plan.settings)
+                                   {name: buf.state_view(name, k, shard.state[name])
+                                    for name in plan.used}, plan.settings,
+                                   {name: column[k] for name, column in buf.columns.items()})
             return
         if rule.reduce is not None:
             segments, slots = shard.segments, shard.segment_slots

@@ -48,7 +48,7 @@ def consolidated(opt, root: int | None = None):
         for name in opt.schema.rule.slots:  # slots are allocated alike on every rank
             if name not in shard.state:
                 continue
-            flat = aligned_zeros(mine.length, mine.dtype) if here else None
+            flat = aligned_zeros(mine.layout(name).length, mine.dtype) if here else None
             if shard.replicated:
                 if here:
                     flat[...] = shard.state[name]
@@ -73,7 +73,7 @@ def take_from(opt, twin) -> None:
             mine.columns[name][...] = column
         shard.state.clear()
         for name, flat in buf.state.items():
-            shard.state[name] = aligned_zeros(shard.length, buf.dtype)
-            shard.state[name][...] = flat[shard.lo:shard.hi]
+            shard.state[name] = aligned_zeros(shard.slot_length(name), buf.dtype)
+            shard.state[name][...] = shard.range_of(name, flat)
         shard.arrays = shard.arrays_plan = None
     opt._plans = [None] * len(opt.buffers)

@@ -30,7 +30,7 @@ def muon_span(arrays, scalars, columns, flags, k, start, stop, stride):
     pass  # the update is muon_update, per parameter
 
 
-def _lerp(start, end, weight, dtype):
+def torch_lerp(start, end, weight, dtype):
     """torch's lerp, from the nearer end, with the weight in the tensors' dtype."""
     w = dtype.type(weight)
     if abs(float(w)) < 0.5:
@@ -59,7 +59,7 @@ def adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
     return lr * ratio
 
 
-def muon_update(param, grad, state, settings):
+def muon_update(param, grad, state, settings, columns):
     """One parameter's step (torch's ``_single_tensor_muon``)::
 
         buf = lerp(buf, g, 1 - momentum)
@@ -72,8 +72,8 @@ def muon_update(param, grad, state, settings):
     dtype = param.dtype
     buf = state["momentum_buffer"]
     momentum = settings["momentum"]
-    buf[...] = _lerp(buf, grad, 1.0 - momentum, dtype)
-    update = _lerp(grad, buf, momentum, dtype) if settings["nesterov"] else buf
+    buf[...] = torch_lerp(buf, grad, 1.0 - momentum, dtype)
+    update = torch_lerp(grad, buf, momentum, dtype) if settings["nesterov"] else buf
     ortho = zeropower_via_newtonschulz(update, settings["ns_coefficients"],
                                        settings["ns_steps"], settings["eps"])
     param *= dtype.type(1.0 - settings["lr"] * settings["weight_decay"])
