@@ -15,10 +15,12 @@ from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, Dev
                      StateDictError, UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
-from .optimizers import (ASGD, SGD, Adadelta, AdadeltaParamState, Adagrad, AdagradParamState,
-                         Adam, Adamax, AdamaxParamState, AdamParamState, AdamW, ASGDParamState,
-                         LAMB, LAMBParamState, Lion, LionParamState, Muon, MuonParamState, NAdam, NAdamParamState, RAdam, RAdamParamState,
-                         RMSprop, RMSpropParamState, Rprop, RpropParamState, SGDParamState)
+from .optimizers import (ASGD, SGD, Adadelta, AdadeltaParamState, Adafactor,
+                         AdafactorParamState, Adagrad, AdagradParamState, Adam, Adamax,
+                         AdamaxParamState, AdamParamState, AdamW, ASGDParamState, LAMB,
+                         LAMBParamState, Lion, LionParamState, Muon, MuonParamState, NAdam,
+                         NAdamParamState, RAdam, RAdamParamState, RMSprop, RMSpropParamState,
+                         Rprop, RpropParamState, SGDParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
 from ._stepping import StepResult
 from .training import EMA, GradScaler, clip_grad_norm, scale_gradients
@@ -29,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
-    "NAdam", "ASGD", "Adagrad", "LAMB", "Muon",
+    "NAdam", "ASGD", "Adagrad", "LAMB", "Muon", "Adafactor",
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
@@ -37,7 +39,7 @@ __all__ = [
     "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",
     "NAdamParamState", "ASGDParamState", "AdagradParamState", "LAMBParamState",
-    "MuonParamState",
+    "MuonParamState", "AdafactorParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",

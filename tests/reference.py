@@ -350,9 +350,45 @@ def muon(state, p, g, hp):
     return p + t(-adjusted) * _orthogonalise(update, hp)
 
 
+def adafactor(state, p, g, hp):
+    """torch.optim.Adafactor's ``_single_tensor_adafactor``, with NumPy's reductions."""
+    t = p.dtype.type
+    if not state:
+        state["step"] = 0
+        if p.ndim >= 2:
+            state["row_var"] = np.zeros((*p.shape[:-1], 1), p.dtype)
+            state["col_var"] = np.zeros((*p.shape[:-2], 1, p.shape[-1]), p.dtype)
+        else:
+            state["variance"] = np.zeros_like(p)
+    state["step"] += 1
+    if p.size == 0:
+        return p  # torch divides by zero here; flatopt leaves the parameter alone
+    g = -g if hp["maximize"] else g
+    step = float(state["step"])
+    eps1, eps2 = hp["eps"]
+    eps1 = float(np.finfo(p.dtype).eps) if eps1 is None else eps1
+    weight = step ** hp["beta2_decay"]
+    rho = min(hp["lr"], 1 / np.sqrt(step))
+    alpha = max(eps2, float(np.sqrt(np.sum(p.astype(np.float64) ** 2))) / np.sqrt(p.size)) * rho
+    if hp["weight_decay"] != 0:
+        p = p * t(1 - hp["lr"] * hp["weight_decay"])
+    if p.ndim >= 2:
+        row = state["row_var"] = _lerp(state["row_var"], np.mean(g * g, axis=-1, keepdims=True),
+                                       t(weight))
+        col = state["col_var"] = _lerp(state["col_var"], np.mean(g * g, axis=-2, keepdims=True),
+                                       t(weight))
+        var = (row @ col) / np.maximum(np.mean(row, axis=-2, keepdims=True), t(eps1))
+    else:
+        var = state["variance"] = _lerp(state["variance"], g * g, t(weight))
+    update = g / np.sqrt(np.maximum(var, t(eps1 * eps1)))
+    rms = float(np.sqrt(np.sum(update.astype(np.float64) ** 2))) / np.sqrt(p.size)
+    return p + t(-alpha / max(1.0, rms / hp["d"])) * update
+
+
 RULES = {"SGD": sgd, "Adam": adam, "AdamW": adamw, "Adamax": adamax, "RAdam": radam,
          "Adadelta": adadelta, "RMSprop": rmsprop, "Rprop": rprop, "Lion": lion,
-         "NAdam": nadam, "ASGD": asgd, "Adagrad": adagrad, "LAMB": lamb, "Muon": muon}
+         "NAdam": nadam, "ASGD": asgd, "Adagrad": adagrad, "LAMB": lamb, "Muon": muon,
+         "Adafactor": adafactor}
 """Registry name -> reference rule ``(state, p, g, hyperparameters) -> new p``; ``state`` is
 the parameter's dict, filled by the rule (empty until the parameter has state)."""
 

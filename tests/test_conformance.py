@@ -89,6 +89,13 @@ def _torch():
     return pytest.importorskip("torch")
 
 
+# torch.optim rules that fail on a zero-size parameter, which flatopt leaves alone: torch is
+# not given such parameters (the NumPy reference test covers them).
+TORCH_FAILS_ON_EMPTY = {
+    "Adafactor": "ZeroDivisionError: ||p|| / sqrt(numel) with numel 0",
+}
+
+
 def make_torch(kind, groups):
     torch = _torch()
     tensors = {}
@@ -96,6 +103,8 @@ def make_torch(kind, groups):
     for params, hp in groups:
         ts = []
         for path, arr in params.items():
+            if arr.size == 0 and kind in TORCH_FAILS_ON_EMPTY:
+                continue
             t = torch.tensor(arr.copy(), requires_grad=True)
             tensors[path] = t
             ts.append(t)

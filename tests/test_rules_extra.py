@@ -3,8 +3,8 @@ rectification switch taken per parameter at its boundary, Rprop's sign-flip hand
 first-step seeding, Adamax's infinity norm, RMSprop's slots, Lion against hand-computed
 values, NAdam's per-parameter mu_product, ASGD's eta and its switch to averaging after t0,
 Adagrad's eager state and lr_decay, LAMB's per-tensor trust ratio, Muon against torch (to
-bfloat16's precision) and its refusal of non-matrices, and the constructors' signatures and
-checks."""
+bfloat16's precision) and its refusal of non-matrices, Adafactor's factored (shaped) state in
+memory, state dicts and checkpoints, and the constructors' signatures and checks."""
 
 from __future__ import annotations
 
@@ -428,8 +428,104 @@ def test_muon_refuses_non_matrices_and_names_the_path():
         flatopt.Muon({"enc.weight": np.zeros((3, 4)), "enc.bias": np.zeros(4)})
 
 
+# ------------------------------------------------------------------------------ Adafactor
+ADAFACTOR_SHAPES = {"w": (300, 200), "t": (2, 5, 7), "b": (200,), "s": (), "e": (3, 0)}
+
+
+def _adafactor_problem(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in ADAFACTOR_SHAPES.items()}
+    grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in ADAFACTOR_SHAPES.items()
+              if (step + len(k)) % 4} for step in range(5)]
+    return params, grads
+
+
+def test_adafactor_keeps_rows_plus_columns_of_state_per_matrix_as_torch_does():
+    params, grads = _adafactor_problem()
+    del params["e"]  # torch divides by zero on a zero-size parameter
+    opt, torch_opt, tensors = _torch_pair("Adafactor", params, weight_decay=0.1)
+    for step_grads in grads:
+        _step_both(opt, torch_opt, tensors, {k: v for k, v in step_grads.items() if k != "e"})
+    for path, t in tensors.items():
+        ours, theirs = opt.state_of(path), torch_opt.state[t]
+        assert ours.step == int(theirs["step"].item())
+        for name in ("row_var", "col_var", "variance"):
+            value = getattr(ours, name)
+            assert (value is None) == (name not in theirs), (path, name)
+            if value is not None:
+                np.testing.assert_allclose(value, theirs[name].numpy(), rtol=1e-5, err_msg=path)
+        np.testing.assert_allclose(opt.params[path], t.detach().numpy(), rtol=1e-5, atol=1e-6)
+    state = {name: flat for buf in opt.buffers for name, flat in buf.state.items()}
+    # 300 + 10 and 200 + 14 values of the factors (each entry aligned to 16 float32), 200 + 1
+    # of the vectors' variance: not the 60,000 + 70 a parameter-sized second moment takes
+    assert state["row_var"].size == 304 + 16 and state["col_var"].size == 208 + 16
+    assert state["variance"].size == 208 + 16
+
+
+def test_adafactor_leaves_a_zero_size_parameter_alone_and_counts_its_steps():
+    opt = flatopt.Adafactor({"e": np.zeros((3, 0), np.float32), "v": np.zeros(0, np.float32)})
+    opt.step({"e": np.zeros((3, 0), np.float32), "v": np.zeros(0, np.float32)})
+    assert opt.state_of("e").step == 1 and opt.state_of("e").col_var.shape == (1, 0)
+    assert opt.state_of("e").row_var.shape == (3, 1) and opt.state_of("e").variance is None
+    assert opt.state_of("v").variance.shape == (0,)
+
+
+def test_adafactor_state_dict_entries_are_checked_against_each_parameters_shape():
+    params, grads = _adafactor_problem()
+    opt = flatopt.Adafactor(params)
+    opt.step(grads[0])
+    snapshot = opt.state_dict()
+    entry = snapshot["state"]["w"]
+    bad = {**snapshot, "state": {**snapshot["state"], "w": {**entry, "row_var": entry["col_var"]},
+                                 "b": {**snapshot["state"]["b"],
+                                       "row_var": np.zeros((200, 1), np.float32)}}}
+    fresh = flatopt.Adafactor(params)
+    with pytest.raises(flatopt.StateDictError) as info:
+        fresh.load_state_dict(bad)
+    assert "'w': row_var" in str(info.value) and "(300, 1)" in str(info.value)
+    assert "'b' has 'row_var'" in str(info.value)
+    assert fresh.state_of("w") is None  # nothing changed
+    fresh.load_state_dict(snapshot)
+    np.testing.assert_array_equal(fresh.state_of("w").col_var, opt.state_of("w").col_var)
+
+
+def test_adafactor_checkpoints_store_the_factors_and_load_into_another_layout(tmp_path):
+    import h5py
+    params, grads = _adafactor_problem()
+    opt = flatopt.Adafactor(params, weight_decay=0.1)
+    for step_grads in grads[:3]:
+        opt.step(step_grads)
+    path = tmp_path / "adafactor.h5"
+    flatopt.save(path, opt)
+    with h5py.File(path) as f:
+        assert f.attrs["format_version"] == 3  # shaped slots have their own lengths
+        buffer = f["groups/0/float32"]
+        # the factors' entries, aligned to 16 float32: (300 + 4) + 16 for (2, 5, 1) + 16 for
+        # the zero-size (3, 0) matrix's (3, 1)
+        assert buffer["row_var"].shape == (336,) and buffer["params"].shape[0] > 60_000
+    same = flatopt.Adafactor({k: np.zeros_like(v) for k, v in params.items()}, weight_decay=0.1)
+    flatopt.load(path, same)
+    # another layout: a new parameter first moves every offset; the state goes path by path
+    other = flatopt.Adafactor({"new": np.ones((4, 4), np.float32),
+                               **{k: np.zeros_like(v) for k, v in params.items()}},
+                              weight_decay=0.1)
+    flatopt.load(path, other, strict=False)
+    assert other.state_of("new") is None
+    for step_grads in grads[3:]:
+        for each in (opt, same, other):
+            each.step(step_grads)
+    for key in params:
+        assert same.params[key].tobytes() == opt.params[key].tobytes(), key
+        assert other.params[key].tobytes() == opt.params[key].tobytes(), key
+    adam_path = tmp_path / "adam.h5"
+    flatopt.save(adam_path, flatopt.Adam({"w": np.ones(3, np.float32)}))
+    with h5py.File(adam_path) as f:
+        assert f.attrs["format_version"] == 2  # readable by a flatopt that reads version 2
+
+
 # ------------------------------------------------------------------------------ constructors
-KINDS = ["Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "NAdam", "ASGD", "Adagrad", "Muon"]
+KINDS = ["Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "NAdam", "ASGD", "Adagrad", "Muon",
+         "Adafactor"]
 TORCH_ONLY = {"foreach", "fused", "capturable", "differentiable"}
 
 
@@ -465,6 +561,9 @@ def test_signature_and_defaults_are_torchs(kind):
     ("Adagrad", {"lr": -1.0}), ("Adagrad", {"lr_decay": -1.0}),
     ("Adagrad", {"weight_decay": -1.0}), ("Adagrad", {"initial_accumulator_value": -1.0}),
     ("Adagrad", {"eps": -1.0}),
+    ("Adafactor", {"lr": -1.0}), ("Adafactor", {"beta2_decay": 0.5}),
+    ("Adafactor", {"eps": (-1.0, 1e-3)}), ("Adafactor", {"eps": (None, -1.0)}),
+    ("Adafactor", {"d": 0.5}), ("Adafactor", {"weight_decay": -1.0}),
 ])
 def test_torchs_constructor_checks_are_kept(kind, kwargs):
     with pytest.raises(ValueError):

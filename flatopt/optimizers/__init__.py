@@ -1,5 +1,6 @@
 """The optimizers, one module each (schema + class), registered in ``flatopt.registry``."""
 
+from .adafactor import Adafactor, AdafactorParamState
 from .adadelta import Adadelta, AdadeltaParamState
 from .adagrad import Adagrad, AdagradParamState
 from .adam import Adam, AdamParamState, AdamW
@@ -19,4 +20,5 @@ __all__ = ["SGD", "SGDParamState", "Adam", "AdamW", "AdamParamState",
            "Adadelta", "AdadeltaParamState", "RMSprop", "RMSpropParamState",
            "Rprop", "RpropParamState", "Lion", "LionParamState",
            "NAdam", "NAdamParamState", "ASGD", "ASGDParamState",
-           "Adagrad", "AdagradParamState", "LAMB", "LAMBParamState", "Muon", "MuonParamState"]
+           "Adagrad", "AdagradParamState", "LAMB", "LAMBParamState", "Muon", "MuonParamState",
+           "Adafactor", "AdafactorParamState"]

@@ -1,0 +1,195 @@
+"""Adafactor (torch.optim.Adafactor): second moments factored into row and column means.
+
+A parameter of shape ``(..., R, C)`` keeps ``row_var`` ``(..., R, 1)`` and ``col_var``
+``(..., 1, C)`` instead of a full second moment (shaped slots, ``Slot.shape``); a vector or a
+0-d parameter keeps ``variance`` of its own shape. The update needs whole-matrix totals (row
+and column sums of g², ||p||, ||update||), so it is ``adafactor_update``, run per present
+parameter (``Rule.per_parameter``): matrices through the three Numba passes below (parallel
+over column blocks, then over rows; every total summed in float64 in a fixed order, so
+results do not depend on the thread count), vectors with NumPy."""
+
+import math
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from ..rule import Rule, positions
+from .muon import torch_lerp
+
+# Columns per unit of parallel work in the column-sum pass: a row segment of 64 float32 is
+# four cache lines, and a 768-wide GPT-2 matrix still gives 12 units.
+COLUMN_BLOCK = 64
+
+
+class Columns(NamedTuple):
+    step: int
+
+
+C = positions(Columns)
+
+
+def adafactor_prepare(present, columns, scalars, flags, start, stop, stride):
+    step = columns[C.step]
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            step[k] += 1
+
+
+def adafactor_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    pass  # the update is adafactor_update, per parameter
+
+
+@numba.njit(parallel=True, cache=True)
+def _square_sums(p, g):
+    """Row and column sums of g² of each ``(R, C)`` matrix of ``g`` (``(L, R, C)``), and the
+    sum of p², all in float64, column blocks in parallel: the row sums and p² per block (the
+    caller adds them up in block order), the column sums whole."""
+    n_lead, n_rows, n_cols = g.shape
+    n_blocks = (n_cols + COLUMN_BLOCK - 1) // COLUMN_BLOCK
+    row_parts = np.zeros((n_blocks, n_lead, n_rows))
+    col_sums = np.zeros((n_lead, n_cols))
+    p_parts = np.zeros(n_blocks)
+    for b in numba.prange(n_blocks):
+        lo = b * COLUMN_BLOCK
+        hi = min(n_cols, lo + COLUMN_BLOCK)
+        p_total = 0.0
+        for lead in range(n_lead):
+            for r in range(n_rows):
+                row_total = 0.0
+                for c in range(lo, hi):
+                    x = np.float64(g[lead, r, c])
+                    row_total += x * x
+                    col_sums[lead, c] += x * x
+                    y = np.float64(p[lead, r, c])
+                    p_total += y * y
+                row_parts[b, lead, r] = row_total
+        p_parts[b] = p_total
+    return row_parts, col_sums, p_parts
+
+
+@numba.njit(parallel=True, cache=True)
+def _update_square_sums(g, row_var, col_var, row_mean, floor, one, negate):
+    """Per row, the sum of u² of ``u = g / sqrt(max(row_var * col_var / row_mean, floor))``
+    (float64, rows in parallel; the caller adds them up in row order)."""
+    n_lead, n_rows, n_cols = g.shape
+    parts = np.zeros(n_lead * n_rows)
+    for i in numba.prange(n_lead * n_rows):
+        lead, r = i // n_rows, i % n_rows
+        total = 0.0
+        for c in range(n_cols):
+            u = _factored(g[lead, r, c], row_var[lead, r], col_var[lead, c], row_mean[lead],
+                          floor, one, negate)
+            total += np.float64(u) * np.float64(u)
+        parts[i] = total
+    return parts
+
+
+@numba.njit(parallel=True, cache=True)
+def _apply(p, g, row_var, col_var, row_mean, floor, one, negate, decay, apply_decay, step):
+    """``p = p * decay`` (when ``apply_decay``), then ``p = p + step * u`` (u as above)."""
+    n_lead, n_rows, n_cols = g.shape
+    for i in numba.prange(n_lead * n_rows):
+        lead, r = i // n_rows, i % n_rows
+        for c in range(n_cols):
+            u = _factored(g[lead, r, c], row_var[lead, r], col_var[lead, c], row_mean[lead],
+                          floor, one, negate)
+            x = p[lead, r, c]
+            if apply_decay:
+                x = x * decay
+            p[lead, r, c] = x + step * u
+
+
+@numba.njit(inline="always", cache=True)
+def _factored(g, row, col, mean, floor, one, negate):
+    """torch's order: var = row @ col, var / mean, clamp to floor, rsqrt, times g (``one``
+    is 1 in the parameter's dtype, so float32 stays float32)."""
+    u = one / np.sqrt(max((row * col) / mean, floor))
+    return -(u * g) if negate else u * g
+
+
+def adafactor_update(param, grad, state, settings, columns):
+    """One parameter's step (torch 2.13's ``_single_tensor_adafactor``), with ``t`` its own
+    step count (already advanced by prepare)::
+
+        g = -grad if maximize else grad
+        beta2_t = t ** beta2_decay                   (torch's one_minus_beta2_t)
+        rho = min(lr, 1 / sqrt(t))
+        alpha = max(eps2, ||p|| / sqrt(numel)) * rho
+        p = p * (1 - lr * weight_decay)              when weight_decay != 0
+        matrices (..., R, C):
+            row_var = lerp(row_var, mean(g², over C), beta2_t)     (..., R, 1)
+            col_var = lerp(col_var, mean(g², over R), beta2_t)     (..., 1, C)
+            var = row_var @ col_var / max(mean(row_var, over R), eps1)
+        vectors and 0-d:
+            variance = lerp(variance, g², beta2_t);  var = variance
+        u = g / sqrt(max(var, eps1²))
+        p = p - alpha / max(1, ||u|| / (sqrt(numel) * d)) * u
+
+    ``eps1`` None means the machine epsilon of the parameter's dtype. A zero-size parameter
+    is left alone (torch divides by zero there).
+    """
+    if param.size == 0:
+        return
+    dtype = param.dtype.type
+    step = float(columns["step"])
+    eps1, eps2 = settings["eps"]
+    if eps1 is None:
+        eps1 = float(np.finfo(param.dtype).eps)
+    beta2_t = step ** settings["beta2_decay"]
+    rho = min(settings["lr"], 1 / step ** 0.5)
+    lr, weight_decay, negate = settings["lr"], settings["weight_decay"], settings["maximize"]
+    decay = dtype(1 - lr * weight_decay)
+    if param.ndim >= 2:
+        rows, cols = param.shape[-2:]
+        p3 = param.reshape(-1, rows, cols)
+        g3 = grad.reshape(-1, rows, cols)
+        row_var = state["row_var"].reshape(-1, rows)
+        col_var = state["col_var"].reshape(-1, cols)
+        row_parts, col_sums, p_parts = _square_sums(p3, g3)
+        row_sums = row_parts.sum(axis=0)
+        # torch: norm (a float32 value), squared, divided by the count, in the param's dtype
+        row_var[...] = torch_lerp(row_var, np.square(np.sqrt(row_sums).astype(dtype))
+                                  / dtype(cols), beta2_t, param.dtype)
+        col_var[...] = torch_lerp(col_var, np.square(np.sqrt(col_sums).astype(dtype))
+                                  / dtype(rows), beta2_t, param.dtype)
+        row_mean = np.maximum(row_var.mean(axis=1, dtype=dtype), dtype(eps1))
+        floor = dtype(eps1 * eps1)
+        alpha = max(eps2, math.sqrt(p_parts.sum()) / math.sqrt(param.size)) * rho
+        u_norm = math.sqrt(_update_square_sums(g3, row_var, col_var, row_mean, floor,
+                                               dtype(1), negate).sum())
+        denom = max(1.0, u_norm / (math.sqrt(param.size) * settings["d"]))
+        _apply(p3, g3, row_var, col_var, row_mean, floor, dtype(1), negate, decay,
+               weight_decay != 0, dtype(-alpha / denom))
+        return
+    g = -grad if negate else grad
+    alpha = max(eps2, float(np.linalg.norm(param.astype(np.float64))) / math.sqrt(param.size)) \
+        * rho
+    if weight_decay != 0:
+        param *= decay
+    variance = state["variance"]
+    variance[...] = torch_lerp(variance, g * g, beta2_t, param.dtype)
+    update = (dtype(1) / np.sqrt(np.maximum(variance, dtype(eps1 * eps1)))) * g
+    u_norm = float(np.linalg.norm(update.astype(np.float64)))
+    denom = max(1.0, u_norm / (math.sqrt(param.size) * settings["d"]))
+    param += dtype(-alpha / denom) * update
+
+
+def row_shape(shape: tuple) -> tuple | None:
+    """``row_var``'s shape: ``(..., R, 1)`` for a parameter ``(..., R, C)``."""
+    return (*shape[:-1], 1) if len(shape) >= 2 else None
+
+
+def column_shape(shape: tuple) -> tuple | None:
+    """``col_var``'s shape: ``(..., 1, C)`` for a parameter ``(..., R, C)``."""
+    return (*shape[:-2], 1, shape[-1]) if len(shape) >= 2 else None
+
+
+def vector_shape(shape: tuple) -> tuple | None:
+    """``variance``'s shape: the parameter's own, for vectors and 0-d parameters."""
+    return tuple(shape) if len(shape) < 2 else None
+
+
+RULE = Rule(name="adafactor", span=adafactor_span, prepare=adafactor_prepare, helpers=(),
+            slots=("row_var", "col_var", "variance"), columns={"step": "int64"},
+            per_parameter=adafactor_update)
