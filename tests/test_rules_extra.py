@@ -462,6 +462,36 @@ def test_adafactor_keeps_rows_plus_columns_of_state_per_matrix_as_torch_does():
     assert state["variance"].size == 208 + 16
 
 
+def test_adafactor_passes_compile_once_per_dtype_and_do_not_depend_on_threads():
+    import numba
+
+    from flatopt.kernels.rules import adafactor as rule
+    passes = (rule._row_square_sums, rule._column_square_sums, rule._update_square_sums,
+              rule._apply)
+    params, grads = _adafactor_problem(1)
+    opt = flatopt.Adafactor(params, weight_decay=0.1)
+    opt.step(grads[0])
+    counts = [len(p.signatures) for p in passes]
+    assert all(counts)
+    opt.param_groups[0]["lr"] = 0.5e-2
+    opt.param_groups[0]["maximize"] = True
+    for step_grads in grads[1:]:
+        opt.step(step_grads)
+    assert [len(p.signatures) for p in passes] == counts
+    one_thread = flatopt.Adafactor(params, weight_decay=0.1)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        one_thread.step(grads[0])
+        one_thread.param_groups[0].update(lr=0.5e-2, maximize=True)
+        for step_grads in grads[1:]:
+            one_thread.step(step_grads)
+    finally:
+        numba.set_num_threads(previous)
+    for path in params:
+        assert one_thread.params[path].tobytes() == opt.params[path].tobytes(), path
+
+
 def test_adafactor_leaves_a_zero_size_parameter_alone_and_counts_its_steps():
     opt = flatopt.Adafactor({"e": np.zeros((3, 0), np.float32), "v": np.zeros(0, np.float32)})
     opt.step({"e": np.zeros((3, 0), np.float32), "v": np.zeros(0, np.float32)})

@@ -40,35 +40,49 @@ def adafactor_span(arrays, scalars, columns, flags, k, start, stop, stride):
     pass  # the update is adafactor_update, per parameter
 
 
+@numba.njit(parallel=True, cache=True, fastmath={"reassoc"})
+def _row_square_sums(p, g):
+    """Per row of each ``(R, C)`` matrix of ``g`` (``(L, R, C)``), the sums of g² and of p²,
+    in float64 (rows in parallel; the caller adds the p² sums up in row order). The sums
+    reassociate (vectorized), in an order fixed for a given build and machine."""
+    n_lead, n_rows, n_cols = g.shape
+    g_sums = np.zeros((n_lead, n_rows))
+    p_sums = np.zeros(n_lead * n_rows)
+    for i in numba.prange(n_lead * n_rows):
+        lead, r = i // n_rows, i % n_rows
+        g_total = 0.0
+        p_total = 0.0
+        for c in range(n_cols):
+            x = np.float64(g[lead, r, c])
+            y = np.float64(p[lead, r, c])
+            g_total += x * x
+            p_total += y * y
+        g_sums[lead, r] = g_total
+        p_sums[i] = p_total
+    return g_sums, p_sums
+
+
 @numba.njit(parallel=True, cache=True)
-def _square_sums(p, g):
-    """Row and column sums of g² of each ``(R, C)`` matrix of ``g`` (``(L, R, C)``), and the
-    sum of p², all in float64, column blocks in parallel: the row sums and p² per block (the
-    caller adds them up in block order), the column sums whole."""
+def _column_square_sums(g):
+    """Per column of each matrix, the sum of g² in float64, added in row order (blocks of
+    columns in parallel)."""
     n_lead, n_rows, n_cols = g.shape
     n_blocks = (n_cols + COLUMN_BLOCK - 1) // COLUMN_BLOCK
-    row_parts = np.zeros((n_blocks, n_lead, n_rows))
-    col_sums = np.zeros((n_lead, n_cols))
-    p_parts = np.zeros(n_blocks)
-    for b in numba.prange(n_blocks):
-        lo = b * COLUMN_BLOCK
+    sums = np.zeros((n_lead, n_cols))
+    for i in numba.prange(n_lead * n_blocks):
+        lead, block = i // n_blocks, i % n_blocks
+        lo = block * COLUMN_BLOCK
         hi = min(n_cols, lo + COLUMN_BLOCK)
-        p_total = 0.0
-        for lead in range(n_lead):
-            for r in range(n_rows):
-                row_total = 0.0
-                for c in range(lo, hi):
-                    x = np.float64(g[lead, r, c])
-                    row_total += x * x
-                    col_sums[lead, c] += x * x
-                    y = np.float64(p[lead, r, c])
-                    p_total += y * y
-                row_parts[b, lead, r] = row_total
-        p_parts[b] = p_total
-    return row_parts, col_sums, p_parts
+        total = sums[lead, lo:hi]
+        for r in range(n_rows):
+            row = g[lead, r, lo:hi]
+            for c in range(hi - lo):
+                x = np.float64(row[c])
+                total[c] += x * x
+    return sums
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, fastmath={"reassoc"})
 def _update_square_sums(g, row_var, col_var, row_mean, floor, one, negate):
     """Per row, the sum of u² of ``u = g / sqrt(max(row_var * col_var / row_mean, floor))``
     (float64, rows in parallel; the caller adds them up in row order)."""
@@ -146,8 +160,8 @@ def adafactor_update(param, grad, state, settings, columns):
         g3 = grad.reshape(-1, rows, cols)
         row_var = state["row_var"].reshape(-1, rows)
         col_var = state["col_var"].reshape(-1, cols)
-        row_parts, col_sums, p_parts = _square_sums(p3, g3)
-        row_sums = row_parts.sum(axis=0)
+        row_sums, p_parts = _row_square_sums(p3, g3)
+        col_sums = _column_square_sums(g3)
         # torch: norm (a float32 value), squared, divided by the count, in the param's dtype
         row_var[...] = torch_lerp(row_var, np.square(np.sqrt(row_sums).astype(dtype))
                                   / dtype(cols), beta2_t, param.dtype)
