@@ -19,7 +19,8 @@ from .profiles import PROFILES
 
 
 def memory_overhead(case: Case) -> dict:
-    """State bytes per element against the minimum: one element per used state slot."""
+    """State bytes per element against the minimum: one element per used parameter-sized
+    state slot (shaped slots, Adafactor's factors, count as nothing)."""
     opt = case.opt
     n = case.profile.n_elements
     state = sum(b.nbytes for buf in opt.buffers for b in buf.state.values())
@@ -32,7 +33,8 @@ def memory_overhead(case: Case) -> dict:
             "padded_elements": sum(buf.length for buf in opt.buffers),
             "state_bytes_per_element": (state + per_param) / n,
             "minimum_state_bytes_per_element":
-                len(schema_of(case.optimizer).used_slots(case.settings)) * case.dtype.itemsize,
+                len(schema_of(case.optimizer).parallel_slots(case.settings))
+                * case.dtype.itemsize,
             "total_bytes_per_element": total / n}
 
 

@@ -319,10 +319,16 @@ class Schema:
     def used_slots(self, settings: Mapping[str, Any]) -> tuple[str, ...]:
         return tuple(name for name, slot in self.slots.items() if slot.used(settings))
 
+    def parallel_slots(self, settings: Mapping[str, Any]) -> tuple[str, ...]:
+        """The used slots that are parameter-sized (not shaped): an element apiece."""
+        return tuple(name for name in self.used_slots(settings)
+                     if self.slots[name].shape is None)
+
     def bytes_per_element(self, settings: Mapping[str, Any], itemsize: int) -> int:
         """Bytes one step moves per element: params read and written, grads read, each used
-        slot read and written (Adam float32: 28; SGD with momentum: 20)."""
-        return itemsize * (3 + 2 * len(self.used_slots(settings)))
+        parameter-sized slot read and written (Adam float32: 28; SGD with momentum: 20;
+        Adafactor 12, its factors being a vanishing share)."""
+        return itemsize * (3 + 2 * len(self.parallel_slots(settings)))
 
     @property
     def state_dict_columns(self) -> tuple[str, ...]:

@@ -4,9 +4,9 @@ A parameter of shape ``(..., R, C)`` keeps ``row_var`` ``(..., R, 1)`` and ``col
 ``(..., 1, C)`` instead of a full second moment (shaped slots, ``Slot.shape``); a vector or a
 0-d parameter keeps ``variance`` of its own shape. The update needs whole-matrix totals (row
 and column sums of g², ||p||, ||update||), so it is ``adafactor_update``, run per present
-parameter (``Rule.per_parameter``): matrices through the three Numba passes below (parallel
-over column blocks, then over rows; every total summed in float64 in a fixed order, so
-results do not depend on the thread count), vectors with NumPy."""
+parameter (``Rule.per_parameter``): matrices through the four Numba passes below (parallel
+over rows and column blocks; every total summed in float64 in an order that does not depend on
+the thread count), vectors and 0-d parameters in one serial Numba call each."""
 
 import math
 from typing import NamedTuple
@@ -40,7 +40,7 @@ def adafactor_span(arrays, scalars, columns, flags, k, start, stop, stride):
     pass  # the update is adafactor_update, per parameter
 
 
-@numba.njit(parallel=True, cache=True, fastmath={"reassoc"})
+@numba.njit(parallel=True, cache=True, fastmath={"reassoc"}, error_model="numpy")
 def _row_square_sums(p, g):
     """Per row of each ``(R, C)`` matrix of ``g`` (``(L, R, C)``), the sums of g² and of p²,
     in float64 (rows in parallel; the caller adds the p² sums up in row order). The sums
@@ -62,7 +62,7 @@ def _row_square_sums(p, g):
     return g_sums, p_sums
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, error_model="numpy")
 def _column_square_sums(g):
     """Per column of each matrix, the sum of g² in float64, added in row order (blocks of
     columns in parallel)."""
@@ -82,7 +82,7 @@ def _column_square_sums(g):
     return sums
 
 
-@numba.njit(parallel=True, cache=True, fastmath={"reassoc"})
+@numba.njit(parallel=True, cache=True, fastmath={"reassoc"}, error_model="numpy")
 def _update_square_sums(g, row_var, col_var, row_mean, floor, one, negate):
     """Per row, the sum of u² of ``u = g / sqrt(max(row_var * col_var / row_mean, floor))``
     (float64, rows in parallel; the caller adds them up in row order)."""
@@ -99,7 +99,7 @@ def _update_square_sums(g, row_var, col_var, row_mean, floor, one, negate):
     return parts
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, error_model="numpy")
 def _apply(p, g, row_var, col_var, row_mean, floor, one, negate, decay, apply_decay, step):
     """``p = p * decay`` (when ``apply_decay``), then ``p = p + step * u`` (u as above)."""
     n_lead, n_rows, n_cols = g.shape
@@ -114,11 +114,51 @@ def _apply(p, g, row_var, col_var, row_mean, floor, one, negate, decay, apply_de
             p[lead, r, c] = x + step * u
 
 
-@numba.njit(inline="always", cache=True)
+@numba.njit(cache=True, error_model="numpy")
+def _vector_update(p, g, variance, weight, floor, one, negate, decay, apply_decay, eps2, rho,
+                   d):
+    """The whole step of a vector (or a flattened 0-d) parameter in one call: ||p||, the
+    variance's lerp, ||u||, then the update (torch's order, sums in float64)."""
+    n = p.size
+    p_total = 0.0
+    for i in range(n):
+        y = np.float64(p[i])
+        p_total += y * y
+    rms = np.sqrt(p_total) / np.sqrt(n)
+    alpha = (rms if rms > eps2 else eps2) * rho  # Python's max, argument order and NaN alike
+    u_total = 0.0
+    for i in range(n):
+        x = -g[i] if negate else g[i]
+        v = variance[i]
+        target = x * x
+        if abs(weight) < 0.5:  # torch's lerp, from the nearer end
+            v = v + weight * (target - v)
+        else:
+            v = target - (one - weight) * (target - v)
+        variance[i] = v
+        u = one / np.sqrt(_clamp_min(v, floor)) * x
+        u_total += np.float64(u) * np.float64(u)
+    step = np.empty(1, p.dtype)
+    ratio = np.sqrt(u_total) / (np.sqrt(n) * d)
+    step[0] = -alpha / (ratio if ratio > 1.0 else 1.0)  # rounded to the dtype
+    for i in range(n):
+        x = -g[i] if negate else g[i]
+        u = one / np.sqrt(_clamp_min(variance[i], floor)) * x
+        q = p[i] * decay if apply_decay else p[i]
+        p[i] = q + step[0] * u
+
+
+@numba.njit(inline="always", cache=True, error_model="numpy")
+def _clamp_min(value, low):
+    """torch's clamp(min=low): NaN stays NaN."""
+    return low if value < low else value
+
+
+@numba.njit(inline="always", cache=True, error_model="numpy")
 def _factored(g, row, col, mean, floor, one, negate):
     """torch's order: var = row @ col, var / mean, clamp to floor, rsqrt, times g (``one``
     is 1 in the parameter's dtype, so float32 stays float32)."""
-    u = one / np.sqrt(max((row * col) / mean, floor))
+    u = one / np.sqrt(_clamp_min((row * col) / mean, floor))
     return -(u * g) if negate else u * g
 
 
@@ -176,17 +216,9 @@ def adafactor_update(param, grad, state, settings, columns):
         _apply(p3, g3, row_var, col_var, row_mean, floor, dtype(1), negate, decay,
                weight_decay != 0, dtype(-alpha / denom))
         return
-    g = -grad if negate else grad
-    alpha = max(eps2, float(np.linalg.norm(param.astype(np.float64))) / math.sqrt(param.size)) \
-        * rho
-    if weight_decay != 0:
-        param *= decay
-    variance = state["variance"]
-    variance[...] = torch_lerp(variance, g * g, beta2_t, param.dtype)
-    update = (dtype(1) / np.sqrt(np.maximum(variance, dtype(eps1 * eps1)))) * g
-    u_norm = float(np.linalg.norm(update.astype(np.float64)))
-    denom = max(1.0, u_norm / (math.sqrt(param.size) * settings["d"]))
-    param += dtype(-alpha / denom) * update
+    _vector_update(param.reshape(-1), grad.reshape(-1), state["variance"].reshape(-1),
+                   dtype(beta2_t), dtype(eps1 * eps1), dtype(1), negate, decay,
+                   weight_decay != 0, eps2, rho, settings["d"])
 
 
 def row_shape(shape: tuple) -> tuple | None:
