@@ -270,7 +270,7 @@ def test_training_tools_on_the_device():
 
 
 # ----------------------------------------------------------------------------- checkpoints
-@pytest.mark.parametrize("name", ["Adam", "Lion", "Muon"])
+@pytest.mark.parametrize("name", ["Adam", "Lion", "Muon", "Adafactor"])
 def test_checkpoints_move_between_cpu_and_cuda(name, tmp_path):
     dtype = np.float32
     cpu_opt, cuda_opt = build(name, dtype, 6), build(name, dtype, 6, device="cuda")
