@@ -466,7 +466,7 @@ def test_adafactor_passes_compile_once_per_dtype_and_do_not_depend_on_threads():
     import numba
 
     from flatopt.kernels.rules import adafactor as rule
-    passes = (rule._row_square_sums, rule._column_square_sums, rule._update_square_sums,
+    passes = (rule._square_sums, rule._update_square_sums,
               rule._apply)
     params, grads = _adafactor_problem(1)
     opt = flatopt.Adafactor(params, weight_decay=0.1)

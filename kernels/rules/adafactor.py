@@ -4,7 +4,7 @@ A parameter of shape ``(..., R, C)`` keeps ``row_var`` ``(..., R, 1)`` and ``col
 ``(..., 1, C)`` instead of a full second moment (shaped slots, ``Slot.shape``); a vector or a
 0-d parameter keeps ``variance`` of its own shape. The update needs whole-matrix totals (row
 and column sums of g², ||p||, ||update||), so it is ``adafactor_update``, run per present
-parameter (``Rule.per_parameter``): matrices through the four Numba passes below (parallel
+parameter (``Rule.per_parameter``): matrices through the three Numba passes below (parallel
 over rows and column blocks; every total summed in float64 in an order that does not depend on
 the thread count), vectors and 0-d parameters in one serial Numba call each."""
 
@@ -17,9 +17,11 @@ import numpy as np
 from ..rule import Rule, positions
 from .muon import torch_lerp
 
-# Columns per unit of parallel work in the column-sum pass: a row segment of 64 float32 is
-# four cache lines, and a 768-wide GPT-2 matrix still gives 12 units.
-COLUMN_BLOCK = 64
+# Rows per unit of parallel work in the pass that sums squares (GPT-2's 768 x 3072 matrices
+# give 12 units, its 50257-row embedding 786), and the most float64 column sums the units of
+# one matrix may keep.
+ROW_BLOCK = 64
+COLUMN_PARTS_LIMIT = 1 << 22
 
 
 class Columns(NamedTuple):
@@ -40,46 +42,39 @@ def adafactor_span(arrays, scalars, columns, flags, k, start, stop, stride):
     pass  # the update is adafactor_update, per parameter
 
 
+def rows_per_block(n_rows: int, n_cols: int) -> int:
+    """Rows per unit of work of :func:`_square_sums`: 64, or more for a huge matrix, so that
+    the per-block column sums stay within 4M float64. A function of the shape alone, so the
+    order of every sum is too."""
+    return max(ROW_BLOCK, -(-n_rows * n_cols // COLUMN_PARTS_LIMIT))
+
+
 @numba.njit(parallel=True, cache=True, fastmath={"reassoc"}, error_model="numpy")
-def _row_square_sums(p, g):
-    """Per row of each ``(R, C)`` matrix of ``g`` (``(L, R, C)``), the sums of g² and of p²,
-    in float64 (rows in parallel; the caller adds the p² sums up in row order). The sums
-    reassociate (vectorized), in an order fixed for a given build and machine."""
+def _square_sums(p, g, block):
+    """One pass over each ``(R, C)`` matrix of ``p`` and ``g`` (``(L, R, C)``), blocks of
+    ``block`` rows in parallel: per row the sums of g² and of p², per block the column sums of
+    g², all in float64 (the caller adds blocks up in block order). The sums reassociate (so
+    they vectorize), in an order fixed for a given build, machine and shape."""
     n_lead, n_rows, n_cols = g.shape
+    n_blocks = (n_rows + block - 1) // block
     g_sums = np.zeros((n_lead, n_rows))
     p_sums = np.zeros(n_lead * n_rows)
-    for i in numba.prange(n_lead * n_rows):
-        lead, r = i // n_rows, i % n_rows
-        g_total = 0.0
-        p_total = 0.0
-        for c in range(n_cols):
-            x = np.float64(g[lead, r, c])
-            y = np.float64(p[lead, r, c])
-            g_total += x * x
-            p_total += y * y
-        g_sums[lead, r] = g_total
-        p_sums[i] = p_total
-    return g_sums, p_sums
-
-
-@numba.njit(parallel=True, cache=True, error_model="numpy")
-def _column_square_sums(g):
-    """Per column of each matrix, the sum of g² in float64, added in row order (blocks of
-    columns in parallel)."""
-    n_lead, n_rows, n_cols = g.shape
-    n_blocks = (n_cols + COLUMN_BLOCK - 1) // COLUMN_BLOCK
-    sums = np.zeros((n_lead, n_cols))
+    column_parts = np.zeros((n_lead, n_blocks, n_cols))
     for i in numba.prange(n_lead * n_blocks):
-        lead, block = i // n_blocks, i % n_blocks
-        lo = block * COLUMN_BLOCK
-        hi = min(n_cols, lo + COLUMN_BLOCK)
-        total = sums[lead, lo:hi]
-        for r in range(n_rows):
-            row = g[lead, r, lo:hi]
-            for c in range(hi - lo):
-                x = np.float64(row[c])
-                total[c] += x * x
-    return sums
+        lead, b = i // n_blocks, i % n_blocks
+        columns = column_parts[lead, b]
+        for r in range(b * block, min(n_rows, (b + 1) * block)):
+            g_total = 0.0
+            p_total = 0.0
+            for c in range(n_cols):
+                x = np.float64(g[lead, r, c])
+                y = np.float64(p[lead, r, c])
+                g_total += x * x
+                p_total += y * y
+                columns[c] += x * x
+            g_sums[lead, r] = g_total
+            p_sums[lead * n_rows + r] = p_total
+    return g_sums, p_sums, column_parts
 
 
 @numba.njit(parallel=True, cache=True, fastmath={"reassoc"}, error_model="numpy")
@@ -200,8 +195,8 @@ def adafactor_update(param, grad, state, settings, columns):
         g3 = grad.reshape(-1, rows, cols)
         row_var = state["row_var"].reshape(-1, rows)
         col_var = state["col_var"].reshape(-1, cols)
-        row_sums, p_parts = _row_square_sums(p3, g3)
-        col_sums = _column_square_sums(g3)
+        row_sums, p_parts, column_parts = _square_sums(p3, g3, rows_per_block(rows, cols))
+        col_sums = column_parts.sum(axis=1)
         # torch: norm (a float32 value), squared, divided by the count, in the param's dtype
         row_var[...] = torch_lerp(row_var, np.square(np.sqrt(row_sums).astype(dtype))
                                   / dtype(cols), beta2_t, param.dtype)
