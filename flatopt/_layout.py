@@ -125,6 +125,21 @@ class SlotLayout:
             and self.length == other.length
 
 
+class RangeLayout:
+    """The elements ``[start, stop)`` of a slot laid out as ``layout`` (a FlatBuffer or a
+    SlotLayout): every parameter's entry clipped to the range, offsets relative to ``start``
+    (an entry outside it has size 0). What a rank's piece of a sharded checkpoint is checked
+    with, by the one value check whole slots get."""
+
+    def __init__(self, layout, start: int, stop: int):
+        self.start, self.stop = int(start), int(stop)
+        self.length = self.stop - self.start
+        starts = np.clip(layout.offsets - self.start, 0, self.length)
+        ends = np.clip(layout.offsets + layout.sizes - self.start, 0, self.length)
+        self.offsets = starts.astype(np.int64)
+        self.sizes = (ends - starts).astype(np.int64)
+
+
 class FlatBuffer:
     """One contiguous buffer holding every parameter of one group and dtype.
 

@@ -52,6 +52,9 @@ def _print_inspect(info: dict) -> None:
     _say(f"  format       {info['format']} version {info['format_version']} "
           f"(flatopt {info['flatopt_version']}, h5py {info['h5py_version']}, "
           f"HDF5 {info['hdf5_version']})")
+    if "world_size" in info:
+        _say(f"  sharded      saved by {info['world_size']} ranks: manifest.h5 and one file "
+             f"per rank (save {info['save_id']})")
     _say(f"  optimizer    {info['optimizer']}")
     _say(f"  parameters   {info['parameters']} tensors, {info['elements']:,} elements, "
           f"{_human_bytes(info['buffer_bytes'])} of buffers (file "

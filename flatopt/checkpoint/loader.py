@@ -13,10 +13,10 @@ import numpy as np
 from .._restore import Fill
 from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, StateDictError
 from ..optimizer import BufferState, Optimizer
-from . import files, validate
+from . import files, manifest, validate
 from .compare import Comparison, Difference, compare, is_relaxed, mismatch_message
 from .format import DTYPES
-from .reader import Contents, open_file, parse_structure
+from .reader import Contents, open_file, read_structure
 
 
 @dataclass
@@ -42,17 +42,24 @@ class LoadResult:
 
 
 def parse(source) -> Contents:
-    """Open and check a checkpoint: structure, digest, meaning (no buffer data read)."""
-    file, name, size, raw = open_file(source)
+    """Open and check a checkpoint (a file, or a sharded checkpoint's directory): structure,
+    digest, meaning (no buffer data read)."""
+    if manifest.is_sharded(source):
+        ck = manifest.open_sharded(source)
+        read = manifest.read_structure
+    else:
+        file, name, size, raw = open_file(source)
+        ck, read = Contents(name, file, size, raw), read_structure
+    name = ck.name
     try:
-        ck = parse_structure(file, name, size, raw)
+        read(ck)
         validate.interpret(ck)
         return ck
     except CheckpointError:
-        file.close()
+        ck.close()
         raise
     except Exception as exc:  # anything h5py or numpy raise on a damaged file
-        file.close()
+        ck.close()
         raise CheckpointCorrupt(f"checkpoint {name} is damaged or not a valid flatopt "
                                 f"checkpoint: {type(exc).__name__}: {exc}", path=name) from exc
 
@@ -67,10 +74,7 @@ class open_checkpoint:
         return self.contents
 
     def __exit__(self, *exc) -> None:
-        try:
-            self.contents.file.close()
-        except Exception:
-            pass
+        self.contents.close()
 
 
 def guarded(ck: Contents, read: Callable):
@@ -140,38 +144,52 @@ def _fill(ck: Contents, key: tuple[int, str], slot: str, workers) -> Fill:
                 saved.datasets[slot].name)
 
 
+def whole_matches(ck: Contents, opt: Optimizer, plan: Comparison) -> dict[int, tuple]:
+    """Live buffers that one saved buffer holds exactly (the same members in the same packing,
+    every slot of the live length): buffer number -> (saved key, its (live info, saved entry)
+    pairs in slot order). Such a buffer is read whole, in place."""
+    by_buffer: dict[int, list] = {}
+    for info, entry in plan.matches:
+        by_buffer.setdefault(info.buffer, []).append((info, entry))
+    found = {}
+    for number, pairs in by_buffer.items():
+        buf = opt.buffers[number]
+        keys = {(entry.group, entry.dtype) for _, entry in pairs}
+        if len(keys) != 1 or len(pairs) != len(buf):
+            continue
+        key = next(iter(keys))
+        saved = ck.buffers[key]
+        ordered = sorted(pairs, key=lambda pair: pair[0].slot)
+        if saved.length == buf.length and len(saved.members) == len(buf) and all(
+                info.slot == k and saved.members[k] is entry
+                for k, (info, entry) in enumerate(ordered)) and all(
+                saved.layouts[slot].length == buf.layout(slot).length
+                for slot in saved.datasets):
+            found[number] = (key, ordered)
+    return found
+
+
+def saved_columns(ck: Contents, buf, ordered: list) -> dict[str, np.ndarray]:
+    """A whole-matched buffer's per-parameter columns from the file, in the live dtype."""
+    return {name: np.array([entry.columns[name] for _, entry in ordered],
+                           dtype=buf.columns[name].dtype) for name in ck.schema.columns}
+
+
 def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, workers):
     """What to hand to ``opt.restore``: whole buffers (read into place while the restore is
     applied) where the saved layout is the live one, per-path values (read and verified
     here) elsewhere. Every other buffer of the file is verified here too."""
-    schema = opt.schema
-    by_buffer: dict[int, list] = {}
-    for info, entry in plan.matches:
-        by_buffer.setdefault(info.buffer, []).append((info, entry))
     buffers: dict[int, BufferState] = {}
     whole: set = set()
-    per_path: list = []
-    for number, pairs in by_buffer.items():
-        buf = opt.buffers[number]
-        keys = {(entry.group, entry.dtype) for _, entry in pairs}
-        if len(keys) == 1 and len(pairs) == len(buf):
-            key = next(iter(keys))
-            saved = ck.buffers[key]
-            ordered = sorted(pairs, key=lambda pair: pair[0].slot)
-            if saved.length == buf.length and len(saved.members) == len(buf) and all(
-                    info.slot == k and saved.members[k] is entry
-                    for k, (info, entry) in enumerate(ordered)) and all(
-                    saved.layouts[slot].length == buf.layout(slot).length
-                    for slot in saved.datasets):
-                buffers[number] = BufferState(
-                    _fill(ck, key, "params", workers),
-                    {slot: _fill(ck, key, slot, workers)
-                     for slot in saved.datasets if slot != "params"},
-                    {name: np.array([entry.columns[name] for _, entry in ordered],
-                                    dtype=buf.columns[name].dtype) for name in schema.columns})
-                whole.add(key)
-                continue
-        per_path += pairs
+    matched = whole_matches(ck, opt, plan)
+    for number, (key, ordered) in matched.items():
+        saved = ck.buffers[key]
+        buffers[number] = BufferState(
+            _fill(ck, key, "params", workers),
+            {slot: _fill(ck, key, slot, workers) for slot in saved.datasets if slot != "params"},
+            saved_columns(ck, opt.buffers[number], ordered))
+        whole.add(key)
+    per_path = [(info, entry) for info, entry in plan.matches if info.buffer not in matched]
     needed = {(entry.group, entry.dtype) for _, entry in per_path}
     keep = {(key, slot) for key in needed for slot in ck.buffers[key].datasets}
     staged = verify_buffers(ck, [key for key in sorted(ck.buffers) if key not in whole],
@@ -182,7 +200,7 @@ def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, workers):
         key = (entry.group, entry.dtype)
         window = slice(entry.offset, entry.offset + entry.size)
         params[info.path] = staged[key, "params"][window].reshape(info.shape)
-        if schema.stateful(entry.columns):
+        if ck.schema.stateful(entry.columns):
             state[info.path] = saved_state_entry(ck, entry, staged, info.shape)
     return state, params, buffers
 
@@ -250,17 +268,9 @@ def load(source, opt: Optimizer, *, strict: bool = True,
                             hyperparameters=hyperparameters, regroup=regroup,
                             scheduler=scheduler, staging=staging)
     with opt.lock, open_checkpoint(source) as ck:
-        plan = compare(ck, opt, rename=rename, hyperparameters=hyperparameters,
-                       regroup=regroup, scheduler=scheduler)
-        relaxed, blocking = [], []
-        for diff in plan.differences:
-            accepted = is_relaxed(diff, strict=strict, hyperparameters=hyperparameters,
-                                  regroup=regroup)
-            (relaxed if accepted else blocking).append(diff)
-        if blocking:
-            raise CheckpointMismatch(mismatch_message(ck.name, opt, blocking, relaxed),
-                                     path=ck.name, differences=plan.differences)
-        settings = _checked_settings(ck, opt, plan)
+        plan, relaxed, settings = checked_plan(ck, opt, strict=strict, rename=rename,
+                                               hyperparameters=hyperparameters,
+                                               regroup=regroup, scheduler=scheduler)
         if staging is not None and (not isinstance(staging, (int, float)) or staging < 0):
             raise ValueError(f"staging must be a number of bytes >= 0, got {staging!r}")
         with files.pool() as workers:
@@ -271,20 +281,11 @@ def load(source, opt: Optimizer, *, strict: bool = True,
                                               buffers=buffers)
             except StateDictError as exc:
                 raise ck.corrupt(str(exc)) from exc
-
-            def load_scheduler() -> None:
-                if scheduler is not None and ck.scheduler_state is not None:
-                    try:
-                        scheduler.load_state_dict(ck.scheduler_state)
-                    except Exception as exc:
-                        raise CheckpointError(f"checkpoint {ck.name}: "
-                                              f"scheduler.load_state_dict() failed: {exc}; the "
-                                              "optimizer is unchanged", path=ck.name) from exc
             budget = largest_buffer(ck) if staging is None else int(min(staging, 1 << 62))
             directory = os.path.dirname(ck.name) if os.path.isfile(ck.name) else None
             try:
                 pending.apply(staging=budget, spill_dir=directory or None,
-                              before_commit=load_scheduler)
+                              before_commit=lambda: load_scheduler(ck, scheduler))
             except StateDictError as exc:  # a value check of data read into place
                 raise ck.corrupt(str(exc)) from exc
             except OSError as exc:  # keeping the undo copy failed (a full disk)
@@ -299,6 +300,33 @@ def load(source, opt: Optimizer, *, strict: bool = True,
                           unused=plan.unused, differences=relaxed, metadata=ck.metadata,
                           scheduler_state=ck.scheduler_state, info=dict(ck.header),
                           arrays=arrays)
+
+
+def load_scheduler(ck: Contents, scheduler) -> None:
+    """The saved scheduler state into ``scheduler`` (when both are there)."""
+    if scheduler is not None and ck.scheduler_state is not None:
+        try:
+            scheduler.load_state_dict(ck.scheduler_state)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {ck.name}: scheduler.load_state_dict() failed: "
+                                  f"{exc}; the optimizer is unchanged", path=ck.name) from exc
+
+
+def checked_plan(ck: Contents, opt: Optimizer, *, strict: bool, rename, hyperparameters,
+                 regroup: bool, scheduler) -> tuple[Comparison, list, list[dict | None]]:
+    """The file compared with ``opt``: the plan, the differences the options accept, and the
+    groups' new values; every other difference raised in one CheckpointMismatch."""
+    plan = compare(ck, opt, rename=rename, hyperparameters=hyperparameters, regroup=regroup,
+                   scheduler=scheduler)
+    relaxed, blocking = [], []
+    for diff in plan.differences:
+        accepted = is_relaxed(diff, strict=strict, hyperparameters=hyperparameters,
+                              regroup=regroup)
+        (relaxed if accepted else blocking).append(diff)
+    if blocking:
+        raise CheckpointMismatch(mismatch_message(ck.name, opt, blocking, relaxed),
+                                 path=ck.name, differences=plan.differences)
+    return plan, relaxed, _checked_settings(ck, opt, plan)
 
 
 def _checked_settings(ck: Contents, opt: Optimizer, plan: Comparison) -> list[dict | None]:

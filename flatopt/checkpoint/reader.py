@@ -141,18 +141,27 @@ class Contents:
                 f"{min(len(view), (first + 1) * BLOCK_BYTES):,}); the data was damaged: use "
                 "another copy or an earlier checkpoint", buffer=where)
 
+    def pieces(self, key: tuple[int, str], slot: str) -> list[tuple]:
+        """Where a slot's elements are stored (version 2 and later): one ``(first, stop,
+        file, byte offset, block hashes, name)`` per stored piece, ``file`` being the
+        Contents that reads it. A file holds each slot whole; a sharded checkpoint holds it
+        in fragments, one per rank file."""
+        saved = self.buffers[key]
+        return [(0, saved.lengths[slot], self, saved.offsets[slot], saved.hashes[slot],
+                 saved.datasets[slot].name)]
+
     def read_into(self, key: tuple[int, str], slot: str, out: np.ndarray,
                   workers=None) -> np.ndarray:
         """Buffer ``slot`` of ``key`` read into ``out`` (its length, the buffer's dtype) and
         verified: every block's XXH3 (version 2), or HDF5's fletcher32 per chunk and the
         buffer's CRC-32 (version 1). On an error ``out`` holds partial data."""
         saved = self.buffers[key]
-        ds = saved.datasets[slot]
         if self.version >= 2:
             with files.pool(None if workers is None else 1) as own:
-                self._read_hashed(saved.offsets[slot], out, saved.hashes[slot], ds.name,
-                                  workers or own)
+                for first, stop, part, offset, hashes, where in self.pieces(key, slot):
+                    part._read_hashed(offset, out[first:stop], hashes, where, workers or own)
             return out
+        ds = saved.datasets[slot]
         try:
             if saved.length:
                 ds.read_direct(out)
@@ -166,6 +175,44 @@ class Contents:
                                "the data was damaged: use another copy or an earlier checkpoint",
                                buffer=ds.name)
         return out
+
+    def read_range(self, key: tuple[int, str], slot: str, start: int, stop: int,
+                   workers=None) -> np.ndarray:
+        """Elements ``[start, stop)`` of a slot as a fresh aligned array, verified: only the
+        blocks holding them are read, each checked against its checksum (version 1 has a
+        checksum per buffer: the whole buffer is read and checked)."""
+        saved = self.buffers[key]
+        dtype = DTYPES[saved.dtype]
+        out = aligned_zeros(stop - start, dtype)
+        if self.version < 2:
+            out[...] = self.read(key, slot, workers)[start:stop]
+            return out
+        item = dtype.itemsize
+        with files.pool(None if workers is None else 1) as own:
+            for first, last, part, offset, hashes, where in self.pieces(key, slot):
+                lo, hi = max(start, first), min(stop, last)
+                if lo >= hi:
+                    continue
+                target = out[lo - start:hi - start]
+                if (lo, hi) == (first, last):
+                    part._read_hashed(offset, target, hashes, where, workers or own)
+                    continue
+                # the blocks covering [lo, hi) of this piece, read and checked, then cut
+                head = (lo - first) * item
+                block0, block1 = head // BLOCK_BYTES, n_blocks((hi - first) * item)
+                begin = block0 * BLOCK_BYTES
+                staged = np.empty(min(block1 * BLOCK_BYTES, (last - first) * item) - begin,
+                                  np.uint8)
+                part._read_hashed(offset + begin, staged, hashes[block0:block1], where,
+                                  workers or own)
+                files.byte_view(target)[:] = staged[head - begin:head - begin + target.nbytes]
+        return out
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except Exception:
+            pass
 
     def read(self, key: tuple[int, str], slot: str, workers=None) -> np.ndarray:
         """One buffer as a fresh aligned array, its checksums verified."""
@@ -422,25 +469,30 @@ def text_dataset(ck: Contents, parent, name: str) -> str:
         raise ck.corrupt(f"/{name} is not UTF-8") from None
 
 
-def read_header(ck: Contents) -> str:
-    """The root: format, version, library versions, optimizer; returns the commit digest."""
+def read_header(ck: Contents, fmt_name: str = FORMAT, newest: int = FORMAT_VERSION,
+                more_attrs: dict | None = None, data_version: int | None = None) -> str:
+    """The root: format, version, library versions, optimizer; returns the commit digest.
+    A sharded checkpoint's manifest has a format of its own (``fmt_name``, ``newest``), root
+    attributes of its own (``more_attrs``: name -> str or int) and stores its data as file
+    format ``data_version`` does."""
+    more_attrs = more_attrs or {}
     root = ck.file
     if len(root.attrs) > MAX_ATTRS:
         raise ck.corrupt(f"the root has {len(root.attrs)} attributes (at most {MAX_ATTRS})")
     fmt = attr(ck, root, "format", str, required=False)
-    if fmt != FORMAT:
-        raise ck.corrupt(f"format is {fmt!r}, not {FORMAT!r}: not a flatopt checkpoint")
+    if fmt != fmt_name:
+        raise ck.corrupt(f"format is {fmt!r}, not {fmt_name!r}: not a flatopt checkpoint")
     version = attr(ck, root, "format_version", int)
-    if version > FORMAT_VERSION:
+    if version > newest:
         from .compare import Difference
         raise CheckpointMismatch(
             f"checkpoint {ck.name} has format version {version}, but this flatopt reads format "
-            f"versions up to {FORMAT_VERSION}: upgrade flatopt to load it", path=ck.name,
-            differences=[Difference("format", "file", saved=version, live=FORMAT_VERSION,
+            f"versions up to {newest}: upgrade flatopt to load it", path=ck.name,
+            differences=[Difference("format", "file", saved=version, live=newest,
                                     note="the file is newer than this flatopt; upgrade flatopt")])
     if version < 1:
         raise ck.corrupt(f"format_version {version} is not a valid version")
-    ck.version = version
+    ck.version = version = version if data_version is None else data_version
     if ck.file.userblock_size:
         raise ck.corrupt(f"it has a user block of {ck.file.userblock_size} bytes; flatopt "
                          "writes none")
@@ -449,14 +501,16 @@ def read_header(ck: Contents) -> str:
         raise ck.corrupt("it has no commit digest, so the save that wrote it did not finish "
                          "(an interrupted or crashed save); the previous checkpoint, if any, "
                          "is the one to use")
-    extra = sorted(set(root.attrs) - set(ROOT_ATTRS))
+    extra = sorted(set(root.attrs) - set(ROOT_ATTRS) - set(more_attrs))
     if extra:
         raise ck.corrupt(f"unexpected root attributes {extra}")
     header: dict[str, Any] = {}
     for key in ("flatopt_version", "h5py_version", "hdf5_version", "optimizer"):
         header[key] = attr(ck, root, key, str)
     header["format"] = fmt
-    header["format_version"] = version
+    header["format_version"] = attr(ck, root, "format_version", int)
+    for key, kind in more_attrs.items():
+        header[key] = attr(ck, root, key, kind)
     schema_version = attr(ck, root, "schema_version", int, required=False)
     if schema_version is not None:
         header["schema_version"] = schema_version
@@ -629,6 +683,12 @@ def parse_structure(file: h5py.File, name: str, size: int,
                     raw: files.RawReader | None = None) -> Contents:
     """The file's structure, read and guarded; the commit digest verified over all of it."""
     ck = Contents(name, file, size, raw)
+    read_structure(ck)
+    return ck
+
+
+def read_structure(ck: Contents) -> None:
+    """``ck``'s structure read and guarded, the commit digest verified over all of it."""
     digest = read_header(ck)
     columns = read_index(ck)
     table = read_groups(ck)
@@ -637,4 +697,3 @@ def parse_structure(file: h5py.File, name: str, size: int,
         raise ck.corrupt("its metadata digest does not match (attributes or index were modified "
                          "or damaged)")
     ck.raw_columns = columns
-    return ck

@@ -1,29 +1,38 @@
 """Checkpoints of a sharded optimizer (``comm=`` with more than one rank, flatopt.distributed).
 
 ``flatopt.save(path, opt)`` and ``flatopt.load(path, opt)`` come here for a sharded optimizer;
-both are collective (every rank calls them with the same arguments).
+both are collective (every rank calls them with the same arguments), and an error on any rank
+raises on every rank, with nothing changed.
 
-The route taken is the simple, sound one: a save gathers the state to rank 0 (``Gatherv``),
-which writes the ordinary single file with every guarantee of a plain save (checked first,
-written to a temporary file, checksummed, fsynced, renamed over ``path``). A rank killed during
-the save leaves the previous checkpoint in place: rank 0 renames only a complete file. A load
-reads and verifies the whole file on every rank into a plain copy of the optimizer (all of
-flatopt's load checks and options apply), and each rank keeps its range of the state. Because
-the file is the single-process format, a checkpoint saved at any world size loads at any other,
-into a plain optimizer too, and a plain optimizer's checkpoint loads into a sharded one.
+A save writes the directory ``path`` (see ``manifest``): every rank checks its range of the
+state with the one value check a file's state gets, writes its part file (its range of the
+parameters and of every state slot, atomically), and rank 0 then commits the save by writing
+the manifest, the index, settings, metadata, scheduler state and extra arrays (rank 0's) with
+every rank's fragment ranges and digests. Nobody gathers the state: each rank writes what it
+holds. A rank killed during the save leaves the previous manifest, and the part files it
+names, in place.
 
-What it costs: rank 0 holds a whole copy of the parameters and state while it saves, and every
-rank holds one while it loads (state gathered for the save; for a load only the file's); the
-file is read by every rank. (Per-rank files with a manifest, read in ranges, would avoid both;
-not built yet.)
+A load, from a sharded checkpoint saved at any world size or from a single file, compares the
+file with the optimizer as a plain load does (every option applies). When each live buffer
+has the saved layout (the usual resume), every rank reads and verifies only its range: its
+range of the parameters, then all-gathered, and its range of each state slot (a replicated
+rule's state whole); only the blocks holding those ranges are read. Anything else (a
+partial, renamed or regrouped load) loads the file into a plain copy of the optimizer on
+every rank, which keeps its range.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import distributed
+from .._layout import RangeLayout
 from ..distributed._common import _error_record, _raise_collected
+from ..errors import CheckpointError
+from ..schema import column_problems, slot_value_problems
+from . import files, manifest
 
 
 def _collectively(comm, action, where: str, root: int | None = None):
@@ -42,31 +51,174 @@ def _collectively(comm, action, where: str, root: int | None = None):
     return value if root is None else comm.bcast(value, root=root)
 
 
+# ------------------------------------------------------------------------ save
+def own_pieces(opt, rank: int, size: int) -> list[tuple]:
+    """What rank ``rank`` saves: (buffer, slot, start, stop, values) for its range of the
+    parameters and of every state slot it holds. A replicated rule's state (every rank holds
+    it whole) is cut evenly over the ranks, each slot over its own length."""
+    pieces = []
+    for shard, buf in zip(opt._sharding.shards, opt.buffers):
+        lo, hi = shard.reduce_lo, shard.reduce_hi
+        pieces.append((buf, "params", lo, hi, buf.params[lo:hi]))
+        for name in opt.schema.slots:
+            flat = shard.state.get(name)
+            if flat is None:
+                continue
+            if shard.replicated:
+                start, stop = flat.size * rank // size, flat.size * (rank + 1) // size
+                pieces.append((buf, name, start, stop, flat[start:stop]))
+            else:
+                pieces.append((buf, name, shard.lo, shard.hi, flat))
+    return pieces
+
+
+def piece_problems(schema, buf, name: str, start: int, stop: int, values: np.ndarray,
+                   stateful: np.ndarray, paths) -> list[str]:
+    """A range of one state slot checked as a whole slot is (``slot_value_problems``)."""
+    if name == "params":
+        return []
+    return slot_value_problems(schema, name, values, RangeLayout(buf.layout(name), start, stop),
+                               stateful, paths)
+
+
 def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
-         arrays: dict | None = None, background: bool = False):
-    """flatopt.save for a sharded optimizer: rank 0 writes the whole state (see above)."""
-    from .writer import save as save_plain
+         arrays: dict | None = None, background: bool = False) -> str:
+    """flatopt.save for a sharded optimizer: one file per rank and a manifest (see above).
+    Returns the directory's absolute path."""
+    from .writer import _Snapshot
     comm = opt.comm
+    rank, size = comm.Get_rank(), comm.Get_size()
     if background:
         raise distributed.DistributedError(
             f"flatopt.save(..., background=True) is not available for {type(opt).__name__} "
-            "sharded over ranks: save in the foreground (rank 0 writes the gathered state)")
+            "sharded over ranks: save in the foreground (every rank writes its own file)")
+    where = f"flatopt.save({str(path)[:200]!r})"
     with opt.lock:
-        twin = distributed.consolidated(opt, root=0)
-        return _collectively(comm, lambda: save_plain(path, twin, scheduler=scheduler,
-                                                      metadata=metadata, arrays=arrays),
-                             f"flatopt.save({str(path)!r})", root=0)
+        opt._sharding._sync_shards()  # buffers added by add_param_group since the last step
+
+        def prepare():
+            directory = manifest.target_directory(path, create=rank == 0)
+            pieces = own_pieces(opt, rank, size)
+            problems = []
+            for buf in opt.buffers:
+                what = f"param group {buf.group} {buf.dtype} buffer"
+                problems += column_problems(opt.schema, buf.columns, len(buf.paths), what)
+                stateful = opt.schema.stateful(buf.columns)
+                problems += [f"{what}: {problem}" for piece in pieces if piece[0] is buf
+                             for problem in piece_problems(opt.schema, *piece, stateful,
+                                                           buf.paths)]
+            if problems:
+                raise CheckpointError("cannot save this optimizer (nothing was written): "
+                                      + "; ".join(problems[:20]), path=directory)
+            snapshot = (_Snapshot(opt, metadata, scheduler, arrays, check=False, buffers=False)
+                        if rank == 0 else None)
+            return directory, pieces, snapshot
+
+        directory, pieces, snapshot = _collectively(comm, prepare, where)
+        save_id = comm.bcast(manifest.new_save_id() if rank == 0 else None, root=0)
+        rows = _collectively(comm, lambda: manifest.write_part(
+            directory, save_id, rank, size,
+            [(buf.group, buf.dtype.name, name, start, stop, values)
+             for buf, name, start, stop, values in pieces]), where)
+        everyone = comm.gather(rows, root=0)
+        _collectively(comm, lambda: manifest.commit(
+            directory, snapshot, save_id, size, [row for part in everyone for row in part]),
+            where, root=0)
+    return directory
 
 
+# ------------------------------------------------------------------------ load
 def load(source, opt, **options: Any):
-    """flatopt.load for a sharded optimizer: every rank loads and verifies the file into a
-    plain copy of the optimizer, then keeps its own range of the state."""
-    from .loader import load as load_plain
+    """flatopt.load for a sharded optimizer (see above)."""
+    from .loader import checked_plan, parse, whole_matches
+    comm = opt.comm
+    where = f"flatopt.load({str(source)[:200]!r})"
     with opt.lock:
-        # live state never survives a load (state comes from the file or is reset), so the
-        # copy needs this optimizer's parameter values and settings only, not its state
-        twin = distributed.plain_copy(opt)
-        result = _collectively(opt.comm, lambda: load_plain(source, twin, **options),
-                               f"flatopt.load({str(source)[:200]!r})")
-        distributed.take_from(opt, twin)
+        opt._sharding._sync_shards()
+        opened = []
+
+        def plan():
+            ck = parse(source)
+            opened.append(ck)
+            planned = checked_plan(ck, opt, **{k: v for k, v in options.items()
+                                                if k != "staging"})
+            matched = whole_matches(ck, opt, planned[0])
+            return planned, matched, len(matched) == len(opt.buffers)
+
+        try:
+            planned, matched, whole = _collectively(comm, plan, where)
+            if all(comm.allgather(whole)):
+                return _load_ranges(opened[0], opt, planned, matched, options, where)
+        finally:
+            for ck in opened:
+                ck.close()
+        return _load_whole(source, opt, options, where)
+
+
+def _load_whole(source, opt, options: dict, where: str):
+    """Every rank loads the file into a plain copy of the optimizer and keeps its range."""
+    from .loader import load as load_plain
+    # live state never survives a load (state comes from the file or is reset), so the copy
+    # needs this optimizer's parameter values and settings only, not its state
+    twin = distributed.plain_copy(opt)
+    result = _collectively(opt.comm, lambda: load_plain(source, twin, **options), where)
+    distributed.take_from(opt, twin)
     return result
+
+
+def _load_ranges(ck, opt, planned, matched: dict, options: dict, where: str):
+    """Each rank reads and verifies its ranges; once every rank has, the scheduler state is
+    loaded, the parameters all-gathered and everything taken in."""
+    from .loader import LoadResult, guarded, load_scheduler, saved_columns
+    plan, relaxed, settings = planned
+    sharding, schema = opt._sharding, ck.schema
+
+    def read_mine():
+        taken = []
+        with files.pool() as workers:
+            for shard, buf in zip(sharding.shards, opt.buffers):
+                key, ordered = matched[buf.number]
+                saved = ck.buffers[key]
+                stateful = np.array([schema.stateful(e.columns) for e in saved.members], bool)
+                paths = [e.path for e in saved.members]
+                params = guarded(ck, lambda: ck.read_range(
+                    key, "params", shard.reduce_lo, shard.reduce_hi, workers))
+                state = {}
+                for slot in saved.datasets:
+                    if slot == "params":
+                        continue
+                    start, stop = ((0, saved.lengths[slot]) if shard.replicated
+                                   else (shard.lo, shard.hi))
+                    values = guarded(ck, lambda: ck.read_range(key, slot, start, stop, workers))
+                    problems = piece_problems(schema, buf, slot, start, stop, values, stateful,
+                                              paths)
+                    if problems:
+                        raise ck.corrupt("; ".join(problems), buffer=saved.datasets[slot].name)
+                    state[slot] = values
+                taken.append((params, state, saved_columns(ck, buf, ordered)))
+        return taken, guarded(ck, ck.read_arrays)
+
+    taken, arrays = _collectively(opt.comm, read_mine, where)
+    scheduler = options.get("scheduler")
+    _collectively(opt.comm, lambda: load_scheduler(ck, scheduler), where)
+    # nothing below can fail: the optimizer changes only now
+    for number, values in enumerate(settings):
+        if values is not None:
+            opt.param_groups[number].update(values)
+    live = opt.settings() if schema.eager else None
+    for (params, state, columns), shard, buf in zip(taken, sharding.shards, opt.buffers):
+        buf.params[shard.reduce_lo:shard.reduce_hi] = params
+        sharding.gather(shard, buf.params)
+        for name, column in columns.items():
+            buf.columns[name][...] = column
+        for name in shard.state:
+            if name not in state and live is not None:  # fresh state of an eager schema
+                state[name] = np.full_like(shard.state[name],
+                                           schema.initial_value(name, live[buf.group]))
+        shard.state.clear()
+        shard.state.update(state)
+        shard.arrays = shard.arrays_plan = None
+    opt._plans = [None] * len(opt.buffers)
+    return LoadResult(path=ck.name, loaded=list(opt.index.paths), fresh=[],
+                      unused=plan.unused, differences=relaxed, metadata=ck.metadata,
+                      scheduler_state=ck.scheduler_state, info=dict(ck.header), arrays=arrays)

@@ -10,7 +10,6 @@ import numpy as np
 
 from ..errors import CheckpointError
 from . import files
-from .format import FORMAT
 from .loader import Scratch, guarded, open_checkpoint, verify_one
 
 
@@ -51,15 +50,19 @@ def inspect_checkpoint(source, *, tensors: bool = False) -> dict:
                 "dtypes": sorted({b.dtype for b in buffers}),
                 "slots": sorted({slot for b in buffers for slot in b.datasets}),
                 "bytes": nbytes, **_state_summary(schema, members)})
-        info = {"path": ck.name, "format": FORMAT,
+        info = {"path": ck.name, "format": ck.header["format"],
                 "format_version": ck.header["format_version"],
                 "flatopt_version": ck.header["flatopt_version"],
                 "h5py_version": ck.header["h5py_version"],
                 "hdf5_version": ck.header["hdf5_version"],
                 "optimizer": schema.name, "parameters": len(ck.params),
                 "elements": sum(e.size for e in ck.params), "buffer_bytes": total_bytes,
-                "file_bytes": ck.size, **_state_summary(schema, ck.params), "groups": groups,
+                "file_bytes": ck.part_bytes() if "world_size" in ck.header else ck.size,
+                **_state_summary(schema, ck.params), "groups": groups,
                 "metadata": ck.metadata, "scheduler_state": ck.scheduler_state}
+        if "world_size" in ck.header:  # a sharded checkpoint (a directory)
+            info["world_size"] = ck.header["world_size"]
+            info["save_id"] = ck.header["save_id"]
         info["arrays"] = [{"name": name, "shape": list(saved.shape),
                            "dtype": saved.dtype.name, "bytes": saved.nbytes}
                           for name, saved in ck.arrays.items()]

@@ -137,9 +137,13 @@ class _Snapshot:
     thread, with :meth:`value_problems`)."""
 
     def __init__(self, opt: Optimizer, metadata: Any, scheduler: Any, arrays: Any = None, *,
-                 memory: dict | None = None, check: bool = True):
+                 memory: dict | None = None, check: bool = True, buffers: bool = True):
         from .. import __version__
         self.schema = opt.schema
+        self.fragments: dict[tuple[int, str], tuple[int, list]] | None = None
+        """A sharded checkpoint's manifest (``buffers=False``): (buffer number, slot) ->
+        (the slot's length, its fragment rows [rank, start, stop, digest]), written in place
+        of the data (see ``manifest``)."""
         self.groups = _groups(opt)
         self.columns = _index_columns(opt)
         version = FORMAT_VERSION if self.schema.shaped_slots else PLAIN_FORMAT_VERSION
@@ -172,7 +176,7 @@ class _Snapshot:
                             buf.sizes, buf.paths,
                             {name: column.copy() for name, column in buf.columns.items()},
                             {slot: buf.layout(slot) for slot in ("params", *self.schema.slots)})
-            for slot in ("params", *self.schema.slots):
+            for slot in ("params", *self.schema.slots) if buffers else ():
                 flat = buf.params if slot == "params" else buf.state.get(slot)
                 if flat is not None:
                     saved.arrays[slot] = flat
@@ -284,6 +288,7 @@ class _Snapshot:
                     _set_text(ds, "dtype", value.dtype.str)
                     pending.append((ds, data))
                     named.append((ds, name, value))
+            buffer_table.update(self._write_fragment_tables(f["groups"]))
             hashes = self._write_data(target, pending, threads)
             for (ds, _), values in zip(pending, hashes):
                 ds.attrs.create("checksums", data=values.astype("<u8"))
@@ -318,6 +323,20 @@ class _Snapshot:
                 return out
         finally:
             os.close(fd)
+
+    def _write_fragment_tables(self, root: h5py.Group) -> dict[str, list]:
+        """A manifest's fragment tables (one per buffer slot: int64 rows rank, start, stop,
+        digest as the 64 bits of its XXH3 value; attr length); returns their entries of the
+        table the commit digest covers."""
+        from .manifest import fragment_array
+        table = {}
+        for (number, slot), (length, rows) in sorted((self.fragments or {}).items()):
+            saved = self.buffers[number]
+            ds = root[str(saved.group)][saved.dtype.name].create_dataset(
+                slot, data=fragment_array(rows))
+            ds.attrs["length"] = int(length)
+            table[ds.name] = [saved.dtype.name, int(length), [list(row) for row in rows]]
+        return table
 
     def _create_groups(self, root: h5py.Group) -> list:
         pending = []
