@@ -271,7 +271,7 @@ def check_world_size_one() -> None:
 
 
 # ---------------------------------------------------------------- checkpoints
-CHECKPOINTED = ("Adam", "LAMB", "Adagrad", "Muon")
+CHECKPOINTED = ("Adam", "LAMB", "Adagrad", "Muon", "Adafactor")
 SAVED_AT, STEPS = 3, 6
 
 
@@ -295,22 +295,35 @@ def checkpointed(name: str, comm):
 
 
 def check_save(directory: str) -> None:
-    """Save at this world size after SAVED_AT steps (rank 0 writes; the others send)."""
+    """Save at this world size after SAVED_AT steps: every rank writes its part file, rank 0
+    the manifest. Adam's path is saved once before (the later save replaces it); a path that
+    is a file is refused on every rank."""
+    plain = os.path.join(directory, "plain.h5")
+    if RANK == 0:
+        with open(plain, "wb") as handle:
+            handle.write(b"a file, not a directory")
+    COMM.Barrier()
+    expect_everywhere(flatopt.CheckpointError, "a sharded save refuses a file's path",
+                      lambda: flatopt.save(plain, checkpointed("Adam", COMM)))
     for name in CHECKPOINTED:
         opt = checkpointed(name, COMM)
+        path = os.path.join(directory, f"{name}.h5")
         for step in range(SAVED_AT):
             opt.step(exact_gradients(opt, step))
-        flatopt.save(os.path.join(directory, f"{name}.h5"), opt, metadata={"step": SAVED_AT})
+            if name == "Adam" and step == 0:
+                flatopt.save(path, opt, metadata={"step": 1})
+        flatopt.save(path, opt, metadata={"step": SAVED_AT},
+                     arrays={"rank": np.array([RANK])})
         report(True, f"saved {name}")
 
 
-def check_resume(directory: str) -> None:
-    """Load what another world size saved, step on: the parameters and state equal an
-    uninterrupted single-process run's bits."""
+def check_resume(directory: str, suffix: str = ".h5") -> None:
+    """Load what another world size saved (or one process, ``suffix`` ".file.h5"), step on:
+    the parameters and state equal an uninterrupted single-process run's bits."""
     for name in CHECKPOINTED:
         try:
             opt = checkpointed(name, COMM)
-            result = flatopt.load(os.path.join(directory, f"{name}.h5"), opt)
+            result = flatopt.load(os.path.join(directory, name + suffix), opt)
             for step in range(SAVED_AT, STEPS):
                 opt.step(exact_gradients(opt, step))
             reference = checkpointed(name, None)
@@ -322,10 +335,12 @@ def check_resume(directory: str) -> None:
                                           reference.state_dict())
             if result.metadata != {"step": SAVED_AT}:
                 problems.append(f"metadata {result.metadata}")
-            report(not problems, f"resumed {name} at {SIZE} ranks" +
+            if result.arrays["rank"].tolist() != [0]:
+                problems.append(f"extra arrays {result.arrays} (rank 0's are saved)")
+            report(not problems, f"resumed {name}{suffix} at {SIZE} ranks" +
                    "".join(f"\n    {p}" for p in problems[:8]))
         except Exception:
-            report(False, f"resumed {name}: {traceback.format_exc()}")
+            report(False, f"resumed {name}{suffix}: {traceback.format_exc()}")
 
 
 def check_partial_load(directory: str) -> None:
@@ -354,7 +369,8 @@ def check_partial_load(directory: str) -> None:
 
 def check_killed_save(directory: str, killed: int) -> None:
     """Save, step, then save again with rank ``killed`` killed in the middle (rank 0: its
-    file complete but not yet renamed into place; another rank: before it sends its state)."""
+    part file complete but not yet renamed into place; another rank: before it writes its
+    part file)."""
     import signal
     opt = checkpointed("Adam", COMM)
     for step in range(SAVED_AT):
@@ -387,6 +403,7 @@ if __name__ == "__main__":
          "single": check_world_size_one, "groups": check_added_group,
          "save": lambda: check_save(directory),
          "resume": lambda: check_resume(directory),
+         "resume_file": lambda: check_resume(directory, ".file.h5"),
          "partial": lambda: check_partial_load(directory)}[mode]()
     COMM.Barrier()
     sys.exit(1 if FAILURES else 0)

@@ -105,16 +105,174 @@ def test_world_size_one_is_a_plain_optimizer():
     assert ok.get("world size 1 is plain (LAMB)") == {0}
 
 
-def test_checkpoint_saved_at_3_ranks_resumes_exactly_at_1_2_and_4(tmp_path):
-    ok = checks_by_rank(run_job(3, "save", "--dir", str(tmp_path)), 3)
+@pytest.fixture(scope="module")
+def saved_at_3(tmp_path_factory) -> Path:
+    """A directory of sharded checkpoints saved by 3 ranks (mpi_worker.check_save)."""
     import mpi_worker  # its names; importing it starts no MPI
+    directory = tmp_path_factory.mktemp("saved_at_3")
+    ok = checks_by_rank(run_job(3, "save", "--dir", str(directory)), 3)
+    assert ok.get("a sharded save refuses a file's path: CheckpointError") == {0, 1, 2}
     for name in mpi_worker.CHECKPOINTED:
         assert ok.get(f"saved {name}") == {0, 1, 2}
+    return directory
+
+
+def test_checkpoint_saved_at_3_ranks_resumes_exactly_at_1_2_and_4(saved_at_3):
+    import mpi_worker
     for size in (1, 2, 4):
-        ok = checks_by_rank(run_job(size, "resume", "partial", "--dir", str(tmp_path)), size)
+        ok = checks_by_rank(run_job(size, "resume", "partial", "--dir", str(saved_at_3)), size)
         for name in mpi_worker.CHECKPOINTED:
-            assert ok.get(f"resumed {name} at {size} ranks") == set(range(size)), (name, size)
+            assert ok.get(f"resumed {name}.h5 at {size} ranks") == set(range(size)), (name, size)
         assert ok.get(f"partial load at {size} ranks") == set(range(size)), size
+
+
+def test_single_file_checkpoint_resumes_sharded_at_3_ranks(tmp_path):
+    import flatopt
+    import mpi_worker
+    for name in mpi_worker.CHECKPOINTED:
+        opt = mpi_worker.checkpointed(name, None)
+        for step in range(mpi_worker.SAVED_AT):
+            opt.step(mpi_worker.exact_gradients(opt, step))
+        flatopt.save(tmp_path / f"{name}.file.h5", opt, metadata={"step": mpi_worker.SAVED_AT},
+                     arrays={"rank": [0]})
+    ok = checks_by_rank(run_job(3, "resume_file", "--dir", str(tmp_path)), 3)
+    for name in mpi_worker.CHECKPOINTED:
+        assert ok.get(f"resumed {name}.file.h5 at 3 ranks") == {0, 1, 2}, name
+
+
+def _reference(name: str, steps: int):
+    import mpi_worker
+    opt = mpi_worker.checkpointed(name, None)
+    for step in range(steps):
+        opt.step(mpi_worker.exact_gradients(opt, step))
+    return opt
+
+
+def test_sharded_checkpoint_is_a_directory_that_one_process_reads(saved_at_3):
+    """One part file per rank of the last save only, plus the manifest; inspect and verify
+    read it; a plain optimizer loads it with the bits of a single-process run."""
+    import flatopt
+    import mpi_worker
+    from flatopt import checkpoint
+    for name in mpi_worker.CHECKPOINTED:
+        directory = saved_at_3 / f"{name}.h5"
+        entries = sorted(os.listdir(directory))
+        save_ids = {entry.split(".")[0] for entry in entries if entry != "manifest.h5"}
+        assert "manifest.h5" in entries and len(save_ids) == 1, entries
+        (save_id,) = save_ids
+        assert entries == sorted(["manifest.h5"] + [f"{save_id}.rank{r}-of-3.h5"
+                                                    for r in range(3)])
+        info = checkpoint.inspect_checkpoint(directory)
+        assert (info["format"], info["world_size"], info["save_id"]) == (
+            "flatopt.checkpoint.sharded", 3, save_id)
+        report = checkpoint.verify_checkpoint(directory)
+        assert report["ok"], report["problems"]
+        opt = mpi_worker.checkpointed(name, None)
+        result = flatopt.load(directory, opt)
+        reference = _reference(name, mpi_worker.SAVED_AT)
+        assert result.metadata == {"step": mpi_worker.SAVED_AT}
+        for path in reference.index.paths:
+            assert mpi_worker.same_bits(opt.params[path], reference.params[path]), path
+        assert not mpi_worker.state_differences(opt.state_dict(), reference.state_dict())
+
+
+def _damaged_copy(saved_at_3: Path, tmp_path: Path, name: str = "Adam") -> Path:
+    target = tmp_path / f"{name}.h5"
+    shutil.copytree(saved_at_3 / f"{name}.h5", target)
+    return target
+
+
+def _part(directory: Path, rank: int) -> Path:
+    (path,) = directory.glob(f"*.rank{rank}-of-3.h5")
+    return path
+
+
+def _flip_byte_in(path: Path, dataset: str, at: int) -> None:
+    import h5py
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(path, "r+b") as handle:
+        handle.seek(offset + at)
+        value = handle.read(1)[0]
+        handle.seek(offset + at)
+        handle.write(bytes([value ^ 0x10]))
+
+
+def test_a_damaged_missing_or_foreign_part_file_is_refused_by_name(saved_at_3, tmp_path):
+    import flatopt
+    import h5py
+    import mpi_worker
+    from flatopt import checkpoint
+
+    def refused(directory, error, *words):
+        opt = _reference("Adam", 1)
+        before = {path: opt.params[path].copy() for path in opt.index.paths}
+        state = opt.state_dict()
+        with pytest.raises(error) as caught:
+            flatopt.load(directory, opt)
+        for word in words:
+            assert word in str(caught.value), (word, str(caught.value))
+        assert all(mpi_worker.same_bits(opt.params[p], before[p]) for p in before)
+        assert not mpi_worker.state_differences(opt.state_dict(), state)
+        assert not checkpoint.verify_checkpoint(directory)["ok"]
+
+    damaged = _damaged_copy(saved_at_3, tmp_path / "damaged")
+    _flip_byte_in(_part(damaged, 1), "/fragments/0/float32/exp_avg_sq", 8)
+    refused(damaged, flatopt.CheckpointCorrupt, "rank1-of-3", "checksum mismatch")
+
+    missing = _damaged_copy(saved_at_3, tmp_path / "missing")
+    _part(missing, 2).unlink()
+    refused(missing, flatopt.CheckpointCorrupt, "rank 2's file", "is missing")
+
+    foreign = _damaged_copy(saved_at_3, tmp_path / "foreign")
+    shutil.copyfile(_part(saved_at_3 / "LAMB.h5", 1), _part(foreign, 1))
+    refused(foreign, flatopt.CheckpointCorrupt, "save_id")
+
+    uncommitted = _damaged_copy(saved_at_3, tmp_path / "uncommitted")
+    (uncommitted / "manifest.h5").unlink()
+    refused(uncommitted, flatopt.CheckpointError, "no manifest.h5")
+
+    edited = _damaged_copy(saved_at_3, tmp_path / "edited")
+    with h5py.File(edited / "manifest.h5", "r+") as f:
+        table = f["/groups/0/float32/exp_avg"]
+        rows = table[...]
+        rows[0, 2] -= 1  # first fragment one element shorter
+        table[...] = rows
+    refused(edited, flatopt.CheckpointCorrupt, "/groups/0/float32/exp_avg")
+
+
+def test_range_reads_read_and_check_only_the_blocks_they_need(saved_at_3, tmp_path):
+    import flatopt
+    import numpy as np
+    from flatopt import checkpoint
+    from flatopt.checkpoint.format import BLOCK_BYTES
+    # a file: 3 blocks of parameters; the third damaged
+    n = 3 * BLOCK_BYTES // 4 - 1000
+    opt = flatopt.SGD({"w": np.arange(n, dtype=np.float32)}, lr=0.1)
+    path = flatopt.save(tmp_path / "sgd.h5", opt)
+    _flip_byte_in(Path(path), "/groups/0/float32/params", 2 * BLOCK_BYTES + 5)
+    with checkpoint.open_checkpoint(path) as ck:
+        key = next(iter(ck.buffers))
+        for start, stop in [(0, 10), (5, BLOCK_BYTES // 4 + 7), (BLOCK_BYTES // 4 - 1,
+                                                                  2 * BLOCK_BYTES // 4)]:
+            assert np.array_equal(ck.read_range(key, "params", start, stop),
+                                  np.arange(start, stop, dtype=np.float32))
+        with pytest.raises(flatopt.CheckpointCorrupt, match="checksum mismatch"):
+            ck.read_range(key, "params", 2 * BLOCK_BYTES // 4 - 1, 2 * BLOCK_BYTES // 4 + 1)
+    # a sharded checkpoint without rank 2's file: ranges inside ranks 0 and 1 still read
+    whole = checkpoint.open_checkpoint(saved_at_3 / "Adam.h5")
+    partial = _damaged_copy(saved_at_3, tmp_path / "partial")
+    _part(partial, 2).unlink()
+    with whole as full, checkpoint.open_checkpoint(partial) as ck:
+        key = (0, "float32")
+        rows = ck.buffers[key].datasets["exp_avg"].rows
+        assert [row[0] for row in rows] == [0, 1, 2]
+        expected = full.read(key, "exp_avg")
+        end_of_1 = rows[1][2]
+        assert np.array_equal(ck.read_range(key, "exp_avg", 3, end_of_1),
+                              expected[3:end_of_1])
+        with pytest.raises(flatopt.CheckpointCorrupt, match="rank 2's file"):
+            ck.read_range(key, "exp_avg", 3, end_of_1 + 1)
 
 
 @pytest.mark.parametrize("killed", [0, 2])
@@ -127,7 +285,7 @@ def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path, killed
     if killed == 0:  # killed with its new part file written but not yet renamed into place
         assert list((tmp_path / "killed.h5").glob(".*.rank0-of-3.h5.*.tmp"))
     opt = mpi_worker.checkpointed("Adam", None)
-    result = flatopt.load(tmp_path / "killed.h5", opt)
+    result = flatopt.load(tmp_path / "killed.h5", opt)  # the first save's manifest and parts
     assert result.metadata == {"step": mpi_worker.SAVED_AT}
     reference = mpi_worker.checkpointed("Adam", None)
     for step in range(mpi_worker.SAVED_AT):

@@ -261,17 +261,17 @@ class ShardedContents(Contents):
         return part
 
     def pieces(self, key, slot: str) -> list[tuple]:
-        saved = self.buffers[key]
-        out = []
-        for rank, start, stop, digest in saved.datasets[slot].rows:
-            part = self.part(rank)
-            where = f"{part.name}:/fragments/{key[0]}/{key[1]}/{slot}"
-            located = self.located.get((rank, key, slot))
-            if located is None:
-                located = self.located[rank, key, slot] = self._locate(
-                    part, key, slot, stop - start, digest)
-            out.append((start, stop, part, *located, where))
-        return out
+        return [(start, stop, lambda rank=rank, length=stop - start, digest=digest:
+                 self._piece(rank, key, slot, length, digest))
+                for rank, start, stop, digest in self.buffers[key].datasets[slot].rows]
+
+    def _piece(self, rank: int, key, slot: str, length: int, digest: str) -> tuple:
+        part = self.part(rank)
+        located = self.located.get((rank, key, slot))
+        if located is None:
+            located = self.located[rank, key, slot] = self._locate(part, key, slot, length,
+                                                                   digest)
+        return (part, *located, f"{part.name}:/fragments/{key[0]}/{key[1]}/{slot}")
 
     @staticmethod
     def _locate(part: Contents, key, slot: str, length: int, digest: str):
