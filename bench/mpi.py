@@ -13,6 +13,14 @@ Reported per step (median over the timed steps, the slowest rank's): ``reduce`` 
 and for zero1 the agreement exchange), ``step`` (the update), ``gather`` (zero1's Allgatherv),
 and memory per rank: optimizer state, and everything the optimizer holds (parameters,
 gradients, state, zero1's receive scratch). Results go to ``bench/results/mpi.json``.
+
+With ``--checkpoint DIR`` (at world sizes above 1) it also times, per model size, saving and
+loading the sharded Adam: ``save`` (one file per rank and the manifest) against
+``save gathered`` (``consolidated`` to rank 0, which writes one file: what a sharded save did
+before per-rank files), ``load`` (each rank reads its ranges of the directory),
+``load file`` (each rank reads its ranges of the single file) and ``load whole`` (every rank
+reads the whole file into a plain copy: the route partial loads take). Each figure is the
+slowest rank's, page cache hot.
 """
 
 from __future__ import annotations
@@ -120,7 +128,47 @@ def _run_ddp(comm, elements: int, steps: int, warmup: int) -> dict:
             "state_mib": state / MiB, "held_mib": held / MiB}
 
 
-def worker(elements: list[int], steps: int, warmup: int) -> None:
+def _timed(comm, action) -> float:
+    """Seconds ``action()`` took on the slowest rank (started together)."""
+    comm.Barrier()
+    start = time.perf_counter()
+    action()
+    return max(comm.allgather(time.perf_counter() - start))
+
+
+def _run_checkpoint(comm, elements: int, directory: str) -> dict:
+    import flatopt
+    from flatopt import distributed
+    from flatopt.checkpoint import sharded
+    opt = flatopt.Adam(_model(elements), lr=1e-3, comm=comm)
+    rng = np.random.default_rng(comm.Get_rank())
+    for buf in opt.buffers:
+        buf.grads[...] = rng.standard_normal(buf.length).astype(np.float32)
+    opt.grads.mark_present()
+    opt.step()
+    sharded_path = os.path.join(directory, f"adam-{elements}-{comm.Get_size()}")
+    single_path = os.path.join(directory, f"adam-{elements}-{comm.Get_size()}.h5")
+
+    def save_gathered():
+        twin = distributed.consolidated(opt, root=0)
+        if comm.Get_rank() == 0:
+            flatopt.save(single_path, twin)
+        comm.Barrier()
+
+    row = {"save": _timed(comm, lambda: flatopt.save(sharded_path, opt)),
+           "save_gathered": _timed(comm, save_gathered),
+           "load": _timed(comm, lambda: flatopt.load(sharded_path, opt)),
+           "load_file": _timed(comm, lambda: flatopt.load(single_path, opt)),
+           "load_whole": _timed(comm, lambda: sharded._load_whole(single_path, opt, {}, ""))}
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        import shutil
+        shutil.rmtree(sharded_path, ignore_errors=True)
+        os.unlink(single_path)
+    return row
+
+
+def worker(elements: list[int], steps: int, warmup: int, checkpoint: str | None) -> None:
     import gc
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
@@ -130,6 +178,10 @@ def worker(elements: list[int], steps: int, warmup: int) -> None:
             row = run(comm, n, steps, warmup)
             gc.collect()
             rows.append({"mode": mode, "ranks": comm.Get_size(), "elements": n, **row})
+        if checkpoint and comm.Get_size() > 1:
+            row = _run_checkpoint(comm, n, checkpoint)
+            gc.collect()
+            rows.append({"mode": "ckpt", "ranks": comm.Get_size(), "elements": n, **row})
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
 
@@ -138,10 +190,20 @@ def _table(rows: list[dict]) -> str:
     lines = [f"{'elements':>9} {'ranks':>5} {'mode':>6} {'reduce ms':>10} {'step ms':>8} "
              f"{'gather ms':>10} {'total ms':>9} {'state MiB':>10} {'held MiB':>9}"]
     for r in rows:
+        if r["mode"] == "ckpt":
+            continue
         lines.append(f"{r['elements'] / MiB:>8.0f}M {r['ranks']:>5} {r['mode']:>6} "
                      f"{1e3 * r['reduce']:>10.2f} {1e3 * r['step']:>8.2f} "
                      f"{1e3 * r['gather']:>10.2f} {1e3 * r['total']:>9.2f} "
                      f"{r['state_mib']:>10.1f} {r['held_mib']:>9.1f}")
+    saved = [r for r in rows if r["mode"] == "ckpt"]
+    if saved:
+        lines += ["", f"{'elements':>9} {'ranks':>5} {'save ms':>8} {'save gathered ms':>17} "
+                      f"{'load ms':>8} {'load file ms':>13} {'load whole ms':>14}"]
+        lines += [f"{r['elements'] / MiB:>8.0f}M {r['ranks']:>5} {1e3 * r['save']:>8.0f} "
+                  f"{1e3 * r['save_gathered']:>17.0f} {1e3 * r['load']:>8.0f} "
+                  f"{1e3 * r['load_file']:>13.0f} {1e3 * r['load_whole']:>14.0f}"
+                  for r in saved]
     return "\n".join(lines)
 
 
@@ -156,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--out", default=str(RESULTS), help="JSON results (default "
                                                             "bench/results/mpi.json)")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="also time sharded checkpoints written to DIR (see above)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     elements = [_parse_elements(x) for x in args.elements.split(",")]
     if args.worker:
-        worker(elements, args.steps, args.warmup)
+        worker(elements, args.steps, args.warmup, args.checkpoint)
         return 0
     mpiexec = Path(sys.executable).with_name("mpiexec")
     rows = []
@@ -168,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     for ranks in [int(x) for x in args.ranks.split(",")]:
         command = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(ranks),
                    sys.executable, "-m", "bench.mpi", "--worker", "--elements", args.elements,
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   *(["--checkpoint", os.path.abspath(args.checkpoint)]
+                     if args.checkpoint else [])]
         # ranks share the cores: each gets its share of Numba threads (unless set)
         threads = os.environ.get("NUMBA_NUM_THREADS") or str(max(1, cores // ranks))
         print(f"NUMBA_NUM_THREADS={threads} " + " ".join(command[2:]), file=sys.stderr,
@@ -186,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"command": "python -m bench.mpi " + " ".join(argv or sys.argv[1:]),
               "machine": {"cpus": cores, "platform": platform.platform(),
                           "numba_threads_per_rank": os.environ.get("NUMBA_NUM_THREADS")
-                          or f"cores // ranks (at least 1)"},
+                          or "cores // ranks (at least 1)"},
               "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))

@@ -1,7 +1,7 @@
 """Data-parallel training of a NumPy MLP with flatopt over MPI (ZeRO-1 sharded AdamW).
 
-    mpiexec -n 4 python examples/mpi_train.py --check --save /tmp/mlp.h5
-    mpiexec -n 2 python examples/mpi_train.py --resume /tmp/mlp.h5 --steps 20
+    mpiexec -n 4 python examples/mpi_train.py --check --save /tmp/mlp
+    mpiexec -n 2 python examples/mpi_train.py --resume /tmp/mlp --steps 20
 
 Every rank holds the whole model and computes gradients on its slice of each batch; flatopt
 averages them across ranks, each rank updates its shard of the flat buffers (with optimizer
@@ -67,7 +67,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--check", action="store_true",
                         help="compare with one process stepping on the mean gradient")
-    parser.add_argument("--save", help="checkpoint written at the end (every rank calls save)")
+    parser.add_argument("--save", help="checkpoint written at the end (every rank calls save; "
+                        "a directory of one file per rank and a manifest when P > 1)")
     parser.add_argument("--resume", help="checkpoint to start from (saved at any world size)")
     args = parser.parse_args()
     opt = build(comm)

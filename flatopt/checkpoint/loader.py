@@ -244,7 +244,8 @@ def load(source, opt: Optimizer, *, strict: bool = True,
 
     A parameter whose id changed (the model was built in another order) still loads by path,
     whatever ``strict`` says; the change is listed in the result's ``differences``.
-    ``source`` is a path, bytes or a binary file object. With ``scheduler``, its
+    ``source`` is a path, bytes or a binary file object, or the directory of a sharded
+    checkpoint (saved by an optimizer sharded over ranks; see ``flatopt.checkpoint.sharded``). With ``scheduler``, its
     ``load_state_dict`` receives the saved scheduler state. Returns a :class:`LoadResult`
     (with the extra arrays saved by ``save(arrays=...)``).
 

@@ -62,8 +62,9 @@ def part_name(save_id: str, rank: int, world_size: int) -> str:
 
 
 def is_sharded(source) -> bool:
-    """Whether ``source`` names a directory (a sharded checkpoint, or nothing flatopt wrote)."""
-    if not isinstance(source, (str, bytes, os.PathLike)):
+    """Whether ``source`` names a directory (a sharded checkpoint, or nothing flatopt wrote);
+    bytes are a checkpoint's contents, never a path."""
+    if not isinstance(source, (str, os.PathLike)):
         return False
     try:
         return os.path.isdir(source)

@@ -411,6 +411,11 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     :class:`SaveHandle` (``wait()``, ``done()``, ``exception()``). A background save of the same
     optimizer still running is waited for first; so is one that a plain save would overtake.
     At exit, the interpreter waits for a running background save and says so on stderr.
+
+    For an optimizer sharded over several ranks (``comm=``), ``save`` is collective: every
+    rank calls it, and ``path`` becomes a directory holding one file per rank and a
+    ``manifest.h5`` that commits them (see ``flatopt.checkpoint.sharded``); it returns the
+    directory's absolute path.
     """
     if getattr(opt, "_sharding", None) is not None:  # comm= over several ranks: collective
         from . import sharded
