@@ -109,9 +109,9 @@ def file_name(path, what: str = "a checkpoint path must be a str or os.PathLike"
     return os.fsdecode(name) if isinstance(name, bytes) else name
 
 
-def target_path(path) -> str:
-    """The absolute target of a save, checked: a str or PathLike to a file in an existing
-    directory."""
+def target_path(path, directory_target: bool = False) -> str:
+    """The absolute target of a save, checked: a str or PathLike to a file (or, with
+    ``directory_target``, a sharded checkpoint's directory) in an existing directory."""
     final = file_name(path)
     try:
         os.fsencode(final)
@@ -125,7 +125,14 @@ def target_path(path) -> str:
     if not os.path.isdir(directory):
         raise CheckpointError(f"cannot save checkpoint {final}: directory {directory} does not "
                               "exist", path=final)
-    if os.path.isdir(final):
+    if directory_target and os.path.exists(final) and not os.path.isdir(final):
+        raise CheckpointError(
+            f"cannot save checkpoint {final}: it is a file, and an optimizer sharded over ranks "
+            "saves a directory (one file per rank and a manifest): choose another path, or "
+            "remove the file (to write one file, save flatopt.distributed.consolidated(opt, "
+            "root=0) on "
+            "rank 0)", path=final)
+    if not directory_target and os.path.isdir(final):
         raise CheckpointError(f"cannot save checkpoint {final}: it is a directory", path=final)
     return final
 

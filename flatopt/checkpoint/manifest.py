@@ -105,20 +105,7 @@ def fragment_problems(rows: list, length: int, world_size: int) -> list[str]:
 # ------------------------------------------------------------------------ writing
 def target_directory(path, create: bool) -> str:
     """The absolute directory of a sharded save, checked (and made, with ``create``)."""
-    final = files.file_name(path)
-    if not final or "\x00" in final:
-        raise CheckpointError(f"invalid checkpoint path {final!r}")
-    final = os.path.abspath(final)
-    parent = os.path.dirname(final)
-    if not os.path.isdir(parent):
-        raise CheckpointError(f"cannot save checkpoint {final}: directory {parent} does not "
-                              "exist", path=final)
-    if os.path.exists(final) and not os.path.isdir(final):
-        raise CheckpointError(
-            f"cannot save checkpoint {final}: it is a file, and an optimizer sharded over ranks "
-            "saves a directory (one file per rank and a manifest): choose another path, or "
-            "remove the file (to write one file, save flatopt.consolidated(opt, root=0) on "
-            "rank 0)", path=final)
+    final = files.target_path(path, directory_target=True)
     if create:
         try:
             os.makedirs(final, exist_ok=True)
