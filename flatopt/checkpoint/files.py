@@ -130,8 +130,7 @@ def target_path(path, directory_target: bool = False) -> str:
             f"cannot save checkpoint {final}: it is a file, and an optimizer sharded over ranks "
             "saves a directory (one file per rank and a manifest): choose another path, or "
             "remove the file (to write one file, save flatopt.distributed.consolidated(opt, "
-            "root=0) on "
-            "rank 0)", path=final)
+            "root=0) on rank 0)", path=final)
     if not directory_target and os.path.isdir(final):
         raise CheckpointError(f"cannot save checkpoint {final}: it is a directory", path=final)
     return final
