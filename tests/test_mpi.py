@@ -174,6 +174,13 @@ def test_sharded_checkpoint_is_a_directory_that_one_process_reads(saved_at_3):
         for path in reference.index.paths:
             assert mpi_worker.same_bits(opt.params[path], reference.params[path]), path
         assert not mpi_worker.state_differences(opt.state_dict(), reference.state_dict())
+        # the same state in one file: diff finds the format only
+        single = flatopt.save(saved_at_3 / f"{name}.single.h5", reference,
+                              metadata={"step": mpi_worker.SAVED_AT}, arrays={"rank": [0]})
+        found = checkpoint.diff_checkpoints(directory, single)
+        assert not (found["params"] or found["groups"] or found["arrays"]), found
+        assert {d["field"] for d in found["header"]} <= {"format", "format_version",
+                                                          "world_size"}, found["header"]
 
 
 def _damaged_copy(saved_at_3: Path, tmp_path: Path, name: str = "Adam") -> Path:

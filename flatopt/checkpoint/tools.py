@@ -112,8 +112,8 @@ def verify_checkpoint(source) -> dict:
 
 
 def _header_differences(ca, cb) -> list[dict]:
-    keys = ("format_version", "optimizer", "flatopt_version", "h5py_version", "hdf5_version",
-            "metadata", "scheduler")
+    keys = ("format", "format_version", "world_size", "optimizer", "flatopt_version",
+            "h5py_version", "hdf5_version", "metadata", "scheduler")
     return [{"field": key, "a": ca.header.get(key), "b": cb.header.get(key)}
             for key in keys if ca.header.get(key) != cb.header.get(key)]
 
