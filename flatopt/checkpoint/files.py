@@ -1,7 +1,7 @@
 """File handling: atomic replacement (a temporary file beside the target, space reserved up
-front, fsync, rename, directory fsync; stale temporary files of killed savers removed), and the
+front, fsync, rename, directory fsync; stale temporary files of killed savers removed), the
 raw block I/O of format version 2 (buffers read and written in blocks on several threads, each
-block hashed as it passes through the cache)."""
+block hashed as it passes through the cache), and opening a checkpoint file for reading."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import tempfile
 import threading
 from typing import Callable
 
+import h5py
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointCorrupt, CheckpointError
 from .format import BLOCK_BYTES, hash_block, n_blocks
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
@@ -346,3 +347,80 @@ def write_hashed(fd: int, offset: int, data: memoryview, workers: pool) -> np.nd
         return value
 
     return np.array(workers.map(one, _blocks(len(data))), dtype=np.uint64)
+
+
+# ----------------------------------------------------------------------------- opening
+def open_file(source) -> tuple[h5py.File, str, int, RawReader]:
+    """Open a checkpoint read-only: a path, bytes, or a binary file object. Returns the HDF5
+    file, its name, its size and the reader of its raw bytes (the same file, whatever happens
+    to the path meanwhile)."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(bytes(source))
+    if hasattr(source, "read") and hasattr(source, "seek"):
+        file, name, size = _open_object(source)
+        fd = None
+        if not isinstance(source, io.BytesIO):
+            try:
+                fd = source.fileno()
+            except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+                fd = None
+        return file, name, size, raw_reader(source, fd)
+    name = file_name(source, "a checkpoint is a path, bytes or a binary file object")
+    try:
+        st = os.stat(name)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {name}: the file does not exist",
+                              path=name) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {name!r}: {exc}", path=name) from exc
+    if not os.path.isfile(name):
+        raise CheckpointError(f"cannot read checkpoint {name}: not a regular file", path=name)
+    file, name, _ = _h5_open(name, name, st.st_size)
+    try:
+        fd = file.id.get_vfd_handle()
+        size = os.fstat(fd).st_size  # the file HDF5 opened, not whatever the path is now
+    except Exception as exc:
+        file.close()
+        raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
+    return file, name, size, raw_reader(None, fd)
+
+
+def _open_object(source) -> tuple[h5py.File, str, int]:
+    name = str(getattr(source, "name", "<in-memory checkpoint>"))
+    if isinstance(source, io.TextIOBase) or "b" not in getattr(source, "mode", "b"):
+        raise CheckpointError(f"cannot read checkpoint {name}: it was opened in text mode; "
+                              "open it with open(path, 'rb')", path=name)
+    try:
+        source.seek(0, os.SEEK_END)
+        size = source.tell()
+        source.seek(0)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
+    return _h5_open(source, name, size)
+
+
+def _h5_open(target, name: str, size: int) -> tuple[h5py.File, str, int]:
+    if size < 8:
+        raise CheckpointCorrupt(f"checkpoint {name} is damaged or not a valid flatopt checkpoint:"
+                                f" it is {size} bytes long, not an HDF5 file", path=name)
+    try:
+        return h5py.File(target, "r"), name, size
+    except BlockingIOError as exc:
+        raise CheckpointError(f"cannot read checkpoint {name}: it is locked by another process "
+                              f"that is writing it ({exc})", path=name) from exc
+    except PermissionError as exc:
+        raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
+    except Exception as exc:
+        text = str(exc)
+        if "signature not found" in text:
+            why = "not an HDF5 file"
+        elif "truncated file" in text:
+            why = "truncated (incomplete copy or interrupted write)"
+        elif "already open for write" in text:
+            why = ("it was never closed by its writer (a crashed save; a file flatopt saved "
+                   "would have been renamed into place only when complete; h5clear -s clears "
+                   "the flag, but the data may be incomplete)")
+        else:
+            why = "the HDF5 library cannot open it"
+        raise CheckpointCorrupt(f"checkpoint {name} is damaged or not a valid flatopt checkpoint:"
+                                f" {why} ({type(exc).__name__}: {text})", path=name) from exc

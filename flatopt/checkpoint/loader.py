@@ -16,7 +16,8 @@ from ..optimizer import BufferState, Optimizer
 from . import files, manifest, validate
 from .compare import Comparison, Difference, compare, is_relaxed, mismatch_message
 from .format import DTYPES
-from .reader import Contents, open_file, read_structure
+from .files import open_file
+from .reader import Contents, read_structure
 
 
 @dataclass

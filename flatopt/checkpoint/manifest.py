@@ -38,8 +38,9 @@ import numpy as np
 from ..errors import CheckpointError
 from . import files
 from .format import DTYPES, FORMAT_VERSION, LIBVER, MAX_MEMBERS, hashes_digest, manifest_digest
-from .reader import (Contents, SavedBuffer, attr, block_hashes, member, open_file, raw_offset,
-                     read_arrays, read_header, read_index)
+from .files import open_file
+from .reader import (Contents, SavedBuffer, attr, block_hashes, member, raw_offset, read_arrays,
+                     read_header, read_index)
 
 SHARDED_FORMAT = "flatopt.checkpoint.sharded"
 SHARDED_VERSION = 1

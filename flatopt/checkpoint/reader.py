@@ -3,15 +3,14 @@ allocated: external storage, links, virtual datasets, unknown filters, variable-
 sizes the file cannot hold. The commit digest is checked before the contents are interpreted
 (``validate``), so a sound file from a newer flatopt is told apart from a damaged one.
 
-Buffer data is read on demand (:meth:`Contents.read_into`): in format version 2 straight from
-the file's bytes into the destination, block by block on several threads, each block's XXH3
-checked as it lands; in version 1 through HDF5 (fletcher32 per chunk) and a zlib CRC-32."""
+Buffer data is read on demand (:meth:`Contents.read_into`, or only the blocks that hold a range
+with :meth:`Contents.read_range`): in format version 2 straight from the file's bytes into the
+destination, block by block on several threads, each block's XXH3 checked as it lands; in
+version 1 through HDF5 (fletcher32 per chunk) and a zlib CRC-32."""
 
 from __future__ import annotations
 
-import io
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,10 +19,9 @@ import h5py
 import numpy as np
 
 from .._layout import aligned_zeros
-from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch
+from ..errors import CheckpointCorrupt, CheckpointMismatch
 from ..schema import Schema
 from . import files
-from .files import file_name
 from .format import (BASE_COLUMNS, BLOCK_BYTES, DTYPES, FLETCHER32, FORMAT, FORMAT_VERSION,
                      MAX_ATTRS, MAX_JSON, MAX_MEMBERS, MAX_NAME, MAX_NDIM, ROOT_ATTRS,
                      array_dtype_problem, array_name_problem, crc, hashes_digest,
@@ -244,82 +242,6 @@ class Contents:
     def read_arrays(self) -> dict[str, np.ndarray]:
         with files.pool() as workers:
             return {name: self.read_array(name, workers) for name in self.arrays}
-
-
-def open_file(source) -> tuple[h5py.File, str, int, files.RawReader]:
-    """Open a checkpoint read-only: a path, bytes, or a binary file object. Returns the HDF5
-    file, its name, its size and the reader of its raw bytes (the same file, whatever happens
-    to the path meanwhile)."""
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        source = io.BytesIO(bytes(source))
-    if hasattr(source, "read") and hasattr(source, "seek"):
-        file, name, size = _open_object(source)
-        fd = None
-        if not isinstance(source, io.BytesIO):
-            try:
-                fd = source.fileno()
-            except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
-                fd = None
-        return file, name, size, files.raw_reader(source, fd)
-    name = file_name(source, "a checkpoint is a path, bytes or a binary file object")
-    try:
-        st = os.stat(name)
-    except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint at {name}: the file does not exist",
-                              path=name) from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {name!r}: {exc}", path=name) from exc
-    if not os.path.isfile(name):
-        raise CheckpointError(f"cannot read checkpoint {name}: not a regular file", path=name)
-    file, name, _ = _h5_open(name, name, st.st_size)
-    try:
-        fd = file.id.get_vfd_handle()
-        size = os.fstat(fd).st_size  # the file HDF5 opened, not whatever the path is now
-    except Exception as exc:
-        file.close()
-        raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
-    return file, name, size, files.raw_reader(None, fd)
-
-
-def _open_object(source) -> tuple[h5py.File, str, int]:
-    name = str(getattr(source, "name", "<in-memory checkpoint>"))
-    if isinstance(source, io.TextIOBase) or "b" not in getattr(source, "mode", "b"):
-        raise CheckpointError(f"cannot read checkpoint {name}: it was opened in text mode; "
-                              "open it with open(path, 'rb')", path=name)
-    try:
-        source.seek(0, os.SEEK_END)
-        size = source.tell()
-        source.seek(0)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
-    return _h5_open(source, name, size)
-
-
-def _h5_open(target, name: str, size: int) -> tuple[h5py.File, str, int]:
-    if size < 8:
-        raise CheckpointCorrupt(f"checkpoint {name} is damaged or not a valid flatopt checkpoint:"
-                                f" it is {size} bytes long, not an HDF5 file", path=name)
-    try:
-        return h5py.File(target, "r"), name, size
-    except BlockingIOError as exc:
-        raise CheckpointError(f"cannot read checkpoint {name}: it is locked by another process "
-                              f"that is writing it ({exc})", path=name) from exc
-    except PermissionError as exc:
-        raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
-    except Exception as exc:
-        text = str(exc)
-        if "signature not found" in text:
-            why = "not an HDF5 file"
-        elif "truncated file" in text:
-            why = "truncated (incomplete copy or interrupted write)"
-        elif "already open for write" in text:
-            why = ("it was never closed by its writer (a crashed save; a file flatopt saved "
-                   "would have been renamed into place only when complete; h5clear -s clears "
-                   "the flag, but the data may be incomplete)")
-        else:
-            why = "the HDF5 library cannot open it"
-        raise CheckpointCorrupt(f"checkpoint {name} is damaged or not a valid flatopt checkpoint:"
-                                f" {why} ({type(exc).__name__}: {text})", path=name) from exc
 
 
 def member(ck: Contents, parent: h5py.Group, name: str, want: str):
