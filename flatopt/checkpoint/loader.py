@@ -246,8 +246,8 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     A parameter whose id changed (the model was built in another order) still loads by path,
     whatever ``strict`` says; the change is listed in the result's ``differences``.
     ``source`` is a path, bytes or a binary file object, or the directory of a sharded
-    checkpoint (saved by an optimizer sharded over ranks; see ``flatopt.checkpoint.sharded``). With ``scheduler``, its
-    ``load_state_dict`` receives the saved scheduler state. Returns a :class:`LoadResult`
+    checkpoint (saved by an optimizer sharded over ranks; see ``flatopt.checkpoint.sharded``).
+    With ``scheduler``, its ``load_state_dict`` receives the saved scheduler state. Returns a :class:`LoadResult`
     (with the extra arrays saved by ``save(arrays=...)``).
 
     Memory: a buffer whose saved layout is the live one is read straight into the optimizer's
@@ -262,6 +262,8 @@ def load(source, opt: Optimizer, *, strict: bool = True,
                          f"{hyperparameters!r}")
     if rename is not None and not callable(rename) and not isinstance(rename, Mapping):
         raise TypeError(f"rename must be a dict or a function, got {type(rename).__name__}")
+    if staging is not None and (not isinstance(staging, (int, float)) or staging < 0):
+        raise ValueError(f"staging must be a number of bytes >= 0, got {staging!r}")
     if not isinstance(opt, Optimizer):
         raise CheckpointError(f"load() takes a flatopt optimizer, got {type(opt).__name__}")
     if opt._sharding is not None:  # comm= over several ranks: collective
@@ -273,8 +275,6 @@ def load(source, opt: Optimizer, *, strict: bool = True,
         plan, relaxed, settings = checked_plan(ck, opt, strict=strict, rename=rename,
                                                hyperparameters=hyperparameters,
                                                regroup=regroup, scheduler=scheduler)
-        if staging is not None and (not isinstance(staging, (int, float)) or staging < 0):
-            raise ValueError(f"staging must be a number of bytes >= 0, got {staging!r}")
         with files.pool() as workers:
             arrays = guarded(ck, lambda: ck.read_arrays())
             state, params, buffers = _restore_arguments(ck, opt, plan, workers)
