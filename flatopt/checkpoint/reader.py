@@ -141,7 +141,7 @@ class Contents:
 
     def pieces(self, key: tuple[int, str], slot: str) -> list[tuple]:
         """Where a slot's elements are stored (version 2 and later): one ``(first, stop,
-        where)`` per stored piece, ``where()`` giving (the Contents that reads it, byte
+        locate)`` per stored piece, ``locate()`` giving (the Contents that reads it, byte
         offset, block hashes, name) when the piece is read. A file holds each slot whole; a
         sharded checkpoint holds it in fragments, one per rank file."""
         saved = self.buffers[key]
@@ -156,9 +156,9 @@ class Contents:
         saved = self.buffers[key]
         if self.version >= 2:
             with files.pool(None if workers is None else 1) as own:
-                for first, stop, where in self.pieces(key, slot):
-                    part, offset, hashes, name = where()
-                    part._read_hashed(offset, out[first:stop], hashes, name, workers or own)
+                for first, stop, locate in self.pieces(key, slot):
+                    part, offset, hashes, where = locate()
+                    part._read_hashed(offset, out[first:stop], hashes, where, workers or own)
             return out
         ds = saved.datasets[slot]
         try:
@@ -188,11 +188,11 @@ class Contents:
             return out
         item = dtype.itemsize
         with files.pool(None if workers is None else 1) as own:
-            for first, last, where in self.pieces(key, slot):
+            for first, last, locate in self.pieces(key, slot):
                 lo, hi = max(start, first), min(stop, last)
                 if lo >= hi:
                     continue
-                part, offset, hashes, where = where()
+                part, offset, hashes, where = locate()
                 target = out[lo - start:hi - start]
                 if (lo, hi) == (first, last):
                     part._read_hashed(offset, target, hashes, where, workers or own)
