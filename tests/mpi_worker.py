@@ -388,6 +388,15 @@ def check_killed_save(directory: str, killed: int) -> None:
     report(False, "the job went on after a rank was killed")
 
 
+def check_resave(directory: str) -> None:
+    """Save again where a save was killed (its leftovers are removed once this one commits)."""
+    opt = checkpointed("Adam", COMM)
+    for step in range(SAVED_AT):
+        opt.step(exact_gradients(opt, step))
+    flatopt.save(os.path.join(directory, "killed.h5"), opt, metadata={"step": SAVED_AT})
+    report(True, "saved again")
+
+
 if __name__ == "__main__":
     from mpi4py import MPI
     COMM = MPI.COMM_WORLD
@@ -402,6 +411,7 @@ if __name__ == "__main__":
         {"identity": check_identity, "mismatch": check_mismatches,
          "single": check_world_size_one, "groups": check_added_group,
          "save": lambda: check_save(directory),
+         "resave": lambda: check_resave(directory),
          "resume": lambda: check_resume(directory),
          "resume_file": lambda: check_resume(directory, ".file.h5"),
          "partial": lambda: check_partial_load(directory)}[mode]()

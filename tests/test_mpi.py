@@ -299,3 +299,8 @@ def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path, killed
         reference.step(mpi_worker.exact_gradients(reference, step))
     for path in reference.index.paths:
         assert mpi_worker.same_bits(opt.params[path], reference.params[path]), path
+    # the next save that commits removes the killed save's part and temporary files
+    ok = checks_by_rank(run_job(3, "resave", "--dir", str(tmp_path)), 3)
+    assert ok.get("saved again") == {0, 1, 2}
+    entries = sorted(os.listdir(tmp_path / "killed.h5"))
+    assert len(entries) == 4 and entries[-1] == "manifest.h5", entries

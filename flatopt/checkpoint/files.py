@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import CheckpointCorrupt, CheckpointError
 from .format import BLOCK_BYTES, hash_block, n_blocks
 
-_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
+TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _FULL_TEXT = ("No space left", "Disk quota", "File too large")
 
@@ -81,7 +81,7 @@ def clean_stale_temps(directory: str, name: str) -> None:
     except OSError:
         return
     for entry in entries:
-        match = _TEMP.match(entry)
+        match = TEMPORARY.match(entry)
         if not match or match["name"] != name:
             continue
         pid = int(match["pid"])

@@ -188,7 +188,7 @@ def commit(directory: str, snapshot, save_id: str, world_size: int, rows: list[l
 
 def remove_other_saves(directory: str, save_id: str) -> None:
     """Part files of every other save (older, or never committed), once ``save_id`` is
-    committed; stale temporary files of killed savers go with the next save of each name."""
+    committed, and the temporary part files of savers that were killed."""
     for entry in os.listdir(directory):
         match = _PART.match(entry)
         if match and match["save_id"] != save_id:
@@ -196,6 +196,9 @@ def remove_other_saves(directory: str, save_id: str) -> None:
                 os.unlink(os.path.join(directory, entry))
             except OSError:
                 pass
+        temporary = files.TEMPORARY.match(entry)
+        if temporary and _PART.match(temporary["name"]):
+            files.clean_stale_temps(directory, temporary["name"])
 
 
 # ------------------------------------------------------------------------ reading
