@@ -366,6 +366,26 @@ def check_partial_load(directory: str) -> None:
     report(not problems, f"partial load at {SIZE} ranks" + "".join(f"\n    {p}"
                                                                   for p in problems))
 
+    def saved_settings(comm):  # a resume (each rank reads its ranges) taking the file's lr
+        opt = checkpointed("Adam", comm)
+        for group in opt.param_groups:
+            group["lr"] *= 3
+        result = flatopt.load(os.path.join(directory, "Adam.h5"), opt,
+                              hyperparameters="saved")
+        opt.step(exact_gradients(opt, SAVED_AT))
+        return opt, result
+    opt, result = saved_settings(COMM)
+    reference, expected = saved_settings(None)
+    problems = [f"parameter {path} differs" for path in reference.index.paths
+                if not same_bits(opt.params[path], reference.params[path])]
+    problems += [f"group {n} lr {a['lr']} != {b['lr']}" for n, (a, b) in enumerate(
+        zip(opt.param_groups, reference.param_groups)) if a["lr"] != b["lr"]]
+    if [(d.kind, d.where) for d in result.differences] != [(d.kind, d.where)
+                                                          for d in expected.differences]:
+        problems.append(f"differences {result.differences} != {expected.differences}")
+    report(not problems, f"saved hyperparameters at {SIZE} ranks" + "".join(
+        f"\n    {p}" for p in problems))
+
 
 def check_killed_save(directory: str, killed: int) -> None:
     """Save, step, then save again with rank ``killed`` killed in the middle (rank 0: its

@@ -124,6 +124,7 @@ def test_checkpoint_saved_at_3_ranks_resumes_exactly_at_1_2_and_4(saved_at_3):
         for name in mpi_worker.CHECKPOINTED:
             assert ok.get(f"resumed {name}.h5 at {size} ranks") == set(range(size)), (name, size)
         assert ok.get(f"partial load at {size} ranks") == set(range(size)), size
+        assert ok.get(f"saved hyperparameters at {size} ranks") == set(range(size)), size
 
 
 def test_single_file_checkpoint_resumes_sharded_at_3_ranks(tmp_path):
