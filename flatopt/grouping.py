@@ -28,19 +28,8 @@ def group_by_pattern(params: Mapping[str, Any], rules: Sequence[Mapping[str, Any
         ], rest={"label": "decay"})
         opt = flatopt.AdamW(groups, lr=1e-3, weight_decay=0.1)
     """
+    patterns = _rule_patterns(rules)
     problems: list[str] = []
-    patterns: list[list[str]] = []
-    for number, rule in enumerate(rules):
-        match = rule.get("match") if isinstance(rule, Mapping) else None
-        if isinstance(match, str):
-            match = [match]
-        if not match or not all(isinstance(p, str) for p in match):
-            problems.append(f"rule {number}: needs 'match', a glob pattern or a list of them")
-            match = []
-        patterns.append(list(match))
-    if problems:
-        raise GroupAssignmentError("\n".join(problems))
-
     members: list[dict[str, Any]] = [{} for _ in rules]
     leftover: dict[str, Any] = {}
     unmatched: list[str] = []
@@ -62,15 +51,7 @@ def group_by_pattern(params: Mapping[str, Any], rules: Sequence[Mapping[str, Any
                         f"{all_patterns}); add a rule or pass rest={{}}: "
                         + ", ".join(repr(p) for p in unmatched))
     if not allow_unused_rules:
-        for number, rule_patterns in enumerate(patterns):
-            if not members[number]:
-                problems.append(f"rule {number} {rule_patterns} matches no parameter; fix "
-                                "the pattern or pass allow_unused_rules=True")
-                continue
-            for pattern in rule_patterns:  # each pattern of a list must match something too
-                if not any(fnmatchcase(path, pattern) for path in members[number]):
-                    problems.append(f"rule {number}: pattern {pattern!r} matches no parameter "
-                                    f"(a typo?); fix it or pass allow_unused_rules=True")
+        problems += _unused_rule_problems(patterns, members)
     if problems:
         raise GroupAssignmentError("\n".join(problems))
 
@@ -82,3 +63,35 @@ def group_by_pattern(params: Mapping[str, Any], rules: Sequence[Mapping[str, Any
     if leftover:
         groups.append({"params": leftover, **dict(rest or {})})
     return groups
+
+
+def _rule_patterns(rules: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """Each rule's glob patterns (``"match"``: one or a list), or one error naming every bad
+    rule."""
+    problems, patterns = [], []
+    for number, rule in enumerate(rules):
+        match = rule.get("match") if isinstance(rule, Mapping) else None
+        if isinstance(match, str):
+            match = [match]
+        if not match or not all(isinstance(p, str) for p in match):
+            problems.append(f"rule {number}: needs 'match', a glob pattern or a list of them")
+            match = []
+        patterns.append(list(match))
+    if problems:
+        raise GroupAssignmentError("\n".join(problems))
+    return patterns
+
+
+def _unused_rule_problems(patterns: list[list[str]], members: list[dict]) -> list[str]:
+    """Rules, and patterns within a rule's list, that matched no parameter (a typo?)."""
+    problems = []
+    for number, rule_patterns in enumerate(patterns):
+        if not members[number]:
+            problems.append(f"rule {number} {rule_patterns} matches no parameter; fix "
+                            "the pattern or pass allow_unused_rules=True")
+            continue
+        for pattern in rule_patterns:
+            if not any(fnmatchcase(path, pattern) for path in members[number]):
+                problems.append(f"rule {number}: pattern {pattern!r} matches no parameter "
+                                f"(a typo?); fix it or pass allow_unused_rules=True")
+    return problems

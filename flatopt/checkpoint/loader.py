@@ -257,15 +257,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     temporary file beside the checkpoint beyond that. Peak memory is the live state plus
     ``staging`` (plus the buffers a partial, renamed or regrouped load takes per path).
     """
-    if hyperparameters not in (None, "saved", "live"):
-        raise ValueError(f"hyperparameters must be None, 'saved' or 'live', got "
-                         f"{hyperparameters!r}")
-    if rename is not None and not callable(rename) and not isinstance(rename, Mapping):
-        raise TypeError(f"rename must be a dict or a function, got {type(rename).__name__}")
-    if staging is not None and (not isinstance(staging, (int, float)) or staging < 0):
-        raise ValueError(f"staging must be a number of bytes >= 0, got {staging!r}")
-    if not isinstance(opt, Optimizer):
-        raise CheckpointError(f"load() takes a flatopt optimizer, got {type(opt).__name__}")
+    _check_options(opt, rename, hyperparameters, staging)
     if opt._sharding is not None:  # comm= over several ranks: collective
         from . import sharded
         return sharded.load(source, opt, strict=strict, rename=rename,
@@ -302,6 +294,18 @@ def load(source, opt: Optimizer, *, strict: bool = True,
                           unused=plan.unused, differences=relaxed, metadata=ck.metadata,
                           scheduler_state=ck.scheduler_state, info=dict(ck.header),
                           arrays=arrays)
+
+
+def _check_options(opt, rename, hyperparameters, staging) -> None:
+    if hyperparameters not in (None, "saved", "live"):
+        raise ValueError(f"hyperparameters must be None, 'saved' or 'live', got "
+                         f"{hyperparameters!r}")
+    if rename is not None and not callable(rename) and not isinstance(rename, Mapping):
+        raise TypeError(f"rename must be a dict or a function, got {type(rename).__name__}")
+    if staging is not None and (not isinstance(staging, (int, float)) or staging < 0):
+        raise ValueError(f"staging must be a number of bytes >= 0, got {staging!r}")
+    if not isinstance(opt, Optimizer):
+        raise CheckpointError(f"load() takes a flatopt optimizer, got {type(opt).__name__}")
 
 
 def load_scheduler(ck: Contents, scheduler) -> None:
