@@ -248,6 +248,11 @@ def test_a_damaged_missing_or_foreign_part_file_is_refused_by_name(saved_at_3, t
         table[...] = rows
     refused(edited, flatopt.CheckpointCorrupt, "/groups/0/float32/exp_avg")
 
+    newer = _damaged_copy(saved_at_3, tmp_path / "newer")
+    with h5py.File(newer / "manifest.h5", "r+") as f:
+        f.attrs["format_version"] = 2
+    refused(newer, flatopt.CheckpointMismatch, "format version 2", "upgrade flatopt")
+
 
 def test_range_reads_read_and_check_only_the_blocks_they_need(saved_at_3, tmp_path):
     import flatopt
