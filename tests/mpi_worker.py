@@ -305,6 +305,13 @@ def check_save(directory: str) -> None:
     COMM.Barrier()
     expect_everywhere(flatopt.CheckpointError, "a sharded save refuses a file's path",
                       lambda: flatopt.save(plain, checkpointed("Adam", COMM)))
+    poisoned = checkpointed("Adam", COMM)
+    poisoned.step(exact_gradients(poisoned, 0))
+    if RANK == SIZE - 1:  # a second moment no honest step writes, on one rank only
+        shard = next(s for s in poisoned._sharding.shards if s.state["exp_avg_sq"].size)
+        shard.state["exp_avg_sq"][0] = -1.0
+    expect_everywhere(flatopt.CheckpointError, "a sharded save refuses bad state on one rank",
+                      lambda: flatopt.save(os.path.join(directory, "poisoned.h5"), poisoned))
     for name in CHECKPOINTED:
         opt = checkpointed(name, COMM)
         path = os.path.join(directory, f"{name}.h5")

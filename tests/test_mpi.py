@@ -112,6 +112,8 @@ def saved_at_3(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("saved_at_3")
     ok = checks_by_rank(run_job(3, "save", "--dir", str(directory)), 3)
     assert ok.get("a sharded save refuses a file's path: CheckpointError") == {0, 1, 2}
+    assert ok.get("a sharded save refuses bad state on one rank: CheckpointError") == {0, 1, 2}
+    assert not (directory / "poisoned.h5").exists()  # refused before the target was touched
     for name in mpi_worker.CHECKPOINTED:
         assert ok.get(f"saved {name}") == {0, 1, 2}
     return directory

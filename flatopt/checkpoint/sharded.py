@@ -97,7 +97,7 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
         opt._sharding._sync_shards()  # buffers added by add_param_group since the last step
 
         def prepare():
-            directory = manifest.target_directory(path, create=rank == 0)
+            directory = manifest.target_directory(path, create=False)
             pieces = own_pieces(opt, rank, size)
             problems = []
             for buf in opt.buffers:
@@ -115,6 +115,8 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
             return directory, pieces, snapshot
 
         directory, pieces, snapshot = _collectively(comm, prepare, where)
+        # every rank's checks passed: only now is the target touched
+        _collectively(comm, lambda: manifest.target_directory(path, create=True), where, root=0)
         save_id = comm.bcast(manifest.new_save_id() if rank == 0 else None, root=0)
         rows = _collectively(comm, lambda: manifest.write_part(
             directory, save_id, rank, size,

@@ -46,15 +46,15 @@ def _error_record(error: BaseException) -> tuple[str, str]:
 
 def _raise_collected(records: list, where: str) -> None:
     """Raise on every rank when some rank failed: that rank re-raises its own error, the
-    others an error of the same flatopt type (DistributedError otherwise) naming the rank."""
+    others an error of the same flatopt type (DistributedError otherwise) naming the rank, so
+    one ``except flatopt.CheckpointError`` (say) works on every rank. (Their error carries the
+    message only: a CheckpointMismatch's ``differences`` are on the failing rank's.)"""
     failed = [(rank, record) for rank, record in enumerate(records) if record is not None]
     if not failed:
         return
     rank, (kind, message) = failed[0]
     error_type = getattr(errors, kind, None)
-    if not (isinstance(error_type, type) and issubclass(error_type, FlatoptError)) or \
-            error_type in (errors.CheckpointError, errors.CheckpointMismatch,
-                           errors.CheckpointCorrupt):
+    if not (isinstance(error_type, type) and issubclass(error_type, FlatoptError)):
         error_type = DistributedError
     others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
     raise error_type(f"{where} failed on rank {rank}{others}, so it was stopped on every rank "
