@@ -415,6 +415,49 @@ def check_killed_save(directory: str, killed: int) -> None:
     report(False, "the job went on after a rank was killed")
 
 
+def check_scheduler_undo(directory: str) -> None:
+    """A scheduler whose load fails on one rank: every rank raises, every other rank's
+    scheduler keeps its state; the same load without the failure takes the saved state."""
+    from flatopt.lr_scheduler import StepLR
+    opt = checkpointed("Adam", COMM)
+    scheduler = StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(3):
+        opt.step(exact_gradients(opt, step))
+        scheduler.step()
+    path = os.path.join(directory, "scheduled.h5")
+    flatopt.save(path, opt, scheduler=scheduler)
+    fresh = checkpointed("Adam", COMM)
+    fresh_scheduler = StepLR(fresh, step_size=2, gamma=0.5)
+    before = fresh_scheduler.state_dict()
+    if RANK == 1:
+        def refuse(state):
+            raise RuntimeError("refused on rank 1")
+        fresh_scheduler.load_state_dict = refuse
+    expect_everywhere(flatopt.CheckpointError, "a scheduler failing on one rank",
+                      lambda: flatopt.load(path, fresh, scheduler=fresh_scheduler))
+    if RANK != 1:
+        report(fresh_scheduler.state_dict() == before,
+               "the other ranks' schedulers are unchanged")
+        flatopt.load(path, fresh, scheduler=fresh_scheduler)
+        report(fresh_scheduler.state_dict() == scheduler.state_dict(),
+               "a load that works takes the scheduler's state")
+    else:
+        del fresh_scheduler.load_state_dict
+        flatopt.load(path, fresh, scheduler=fresh_scheduler)
+
+
+def check_unused(directory: str) -> None:
+    """A partial resume (each rank reads its ranges) still verifies the file's buffers it
+    does not use, as one process does: a damaged one is refused on every rank."""
+    def build():
+        return flatopt.Adam({"w": np.arange(40000, dtype=np.float32)}, lr=0.1, comm=COMM)
+    expect_everywhere(flatopt.CheckpointCorrupt, "a damaged unused buffer is refused",
+                      lambda: flatopt.load(os.path.join(directory, "unused.h5"), build(),
+                                           strict=False))
+    result = flatopt.load(os.path.join(directory, "sound.h5"), build(), strict=False)
+    report(result.unused == ["x"], "the sound file loads")
+
+
 def check_resave(directory: str) -> None:
     """Save again where a save was killed (its leftovers are removed once this one commits)."""
     opt = checkpointed("Adam", COMM)
@@ -439,6 +482,8 @@ if __name__ == "__main__":
          "single": check_world_size_one, "groups": check_added_group,
          "save": lambda: check_save(directory),
          "resave": lambda: check_resave(directory),
+         "unused": lambda: check_unused(directory),
+         "scheduler": lambda: check_scheduler_undo(directory),
          "resume": lambda: check_resume(directory),
          "resume_file": lambda: check_resume(directory, ".file.h5"),
          "partial": lambda: check_partial_load(directory)}[mode]()

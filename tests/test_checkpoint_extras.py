@@ -340,3 +340,45 @@ def test_cli_diff_reports_extra_arrays(tmp_path, capsys):
     flatopt.save(tmp_path / "c.h5", opt, arrays={"ema": np.zeros(4), "gone": np.ones(2),
                                                  "kind": np.zeros(2, np.int32)})
     assert cli.main(["diff", str(tmp_path / "a.h5"), str(tmp_path / "c.h5")]) == 0
+
+
+def test_read_range_equals_the_whole_read_around_block_edges(tmp_path):
+    """Contents.read_range reads the blocks wholly inside a range straight into place and
+    the cut ones through a block buffer: every range around the block edges of a 3-block
+    buffer gives the bytes a whole read gives (float32 and float64)."""
+    from flatopt.checkpoint import open_checkpoint
+    from flatopt.checkpoint.format import BLOCK_BYTES
+    rng = np.random.default_rng(3)
+    for dtype in (np.float32, np.float64):
+        item = np.dtype(dtype).itemsize
+        n = 3 * BLOCK_BYTES // item - 77
+        opt = flatopt.SGD({"w": rng.standard_normal(n).astype(dtype)}, lr=0.1)
+        path = flatopt.save(tmp_path / f"{np.dtype(dtype).name}.h5", opt)
+        per_block = BLOCK_BYTES // item
+        edges = [0, 1, per_block - 1, per_block, per_block + 1, 2 * per_block - 3,
+                 2 * per_block, 2 * per_block + 5, n - 1, n]
+        with open_checkpoint(path) as ck:
+            key = next(iter(ck.buffers))
+            whole = ck.read(key, "params")
+            for start in edges:
+                for stop in edges:
+                    if stop >= start:
+                        got = ck.read_range(key, "params", start, stop)
+                        assert np.array_equal(got, whole[start:stop]), (dtype, start, stop)
+
+
+def test_fragment_tables_tile_their_slot_with_one_fragment_per_rank():
+    """The one check of a sharded checkpoint's fragment table (made by the save before it
+    commits and by every reader)."""
+    from flatopt.checkpoint.manifest import fragment_problems
+    digest = "xxh3:" + "0" * 16
+    assert fragment_problems([[0, 0, 16, digest], [1, 16, 32, digest]], 32, 2) == []
+    assert fragment_problems([], 0, 2) == []
+    bad = {"a rank twice": ([[0, 0, 16, digest], [0, 16, 32, digest]], 32, 2),
+           "a gap": ([[0, 0, 16, digest], [1, 17, 32, digest]], 32, 2),
+           "a rank out of range": ([[0, 0, 16, digest], [2, 16, 32, digest]], 32, 2),
+           "too short": ([[0, 0, 16, digest]], 32, 2),
+           "an empty fragment": ([[0, 0, 0, digest], [1, 0, 32, digest]], 32, 2),
+           "a bad digest": ([[0, 0, 32, "crc32:0"]], 32, 1)}
+    for what, arguments in bad.items():
+        assert fragment_problems(*arguments), what

@@ -143,6 +143,27 @@ def test_single_file_checkpoint_resumes_sharded_at_3_ranks(tmp_path):
         assert ok.get(f"resumed {name}.file.h5 at 3 ranks") == {0, 1, 2}, name
 
 
+def test_a_scheduler_failing_on_one_rank_leaves_the_others_unchanged(tmp_path):
+    ok = checks_by_rank(run_job(3, "scheduler", "--dir", str(tmp_path)), 3)
+    assert ok.get("a scheduler failing on one rank: CheckpointError") == {0, 1, 2}
+    assert ok.get("the other ranks' schedulers are unchanged") == {0, 2}
+    assert ok.get("a load that works takes the scheduler's state") == {0, 2}
+
+
+def test_a_partial_sharded_resume_verifies_the_buffers_it_does_not_use(tmp_path):
+    import flatopt
+    import numpy as np
+    params = {"w": np.arange(40000, dtype=np.float32), "x": np.arange(30000, dtype=np.float64)}
+    opt = flatopt.Adam(params, lr=0.1)
+    opt.step({path: np.ones_like(value) for path, value in params.items()})
+    flatopt.save(tmp_path / "sound.h5", opt)
+    shutil.copyfile(tmp_path / "sound.h5", tmp_path / "unused.h5")
+    _flip_byte_in(tmp_path / "unused.h5", "/groups/0/float64/exp_avg", 100)
+    ok = checks_by_rank(run_job(2, "unused", "--dir", str(tmp_path)), 2)
+    assert ok.get("a damaged unused buffer is refused: CheckpointCorrupt") == {0, 1}
+    assert ok.get("the sound file loads") == {0, 1}
+
+
 def _reference(name: str, steps: int):
     import mpi_worker
     opt = mpi_worker.checkpointed(name, None)
@@ -212,6 +233,7 @@ def test_a_damaged_missing_or_foreign_part_file_is_refused_by_name(saved_at_3, t
     import flatopt
     import h5py
     import mpi_worker
+    import numpy as np
     from flatopt import checkpoint
 
     def refused(directory, error, *words):
@@ -235,8 +257,13 @@ def test_a_damaged_missing_or_foreign_part_file_is_refused_by_name(saved_at_3, t
     refused(missing, flatopt.CheckpointCorrupt, "rank 2's file", "is missing")
 
     foreign = _damaged_copy(saved_at_3, tmp_path / "foreign")
-    shutil.copyfile(_part(saved_at_3 / "LAMB.h5", 1), _part(foreign, 1))
-    refused(foreign, flatopt.CheckpointCorrupt, "save_id")
+    shutil.copyfile(_part(saved_at_3 / "LAMB.h5", 1), _part(foreign, 1))  # a smaller file
+    refused(foreign, flatopt.CheckpointCorrupt, "rank 1's file", "more than its")
+
+    relabelled = _damaged_copy(saved_at_3, tmp_path / "relabelled")
+    with h5py.File(_part(relabelled, 1), "r+") as f:
+        f.attrs["save_id"] = np.bytes_("0" * 16)
+    refused(relabelled, flatopt.CheckpointCorrupt, "save_id", "rank1-of-3")
 
     uncommitted = _damaged_copy(saved_at_3, tmp_path / "uncommitted")
     (uncommitted / "manifest.h5").unlink()
@@ -274,10 +301,10 @@ def test_range_reads_read_and_check_only_the_blocks_they_need(saved_at_3, tmp_pa
                                   np.arange(start, stop, dtype=np.float32))
         with pytest.raises(flatopt.CheckpointCorrupt, match="checksum mismatch"):
             ck.read_range(key, "params", 2 * BLOCK_BYTES // 4 - 1, 2 * BLOCK_BYTES // 4 + 1)
-    # a sharded checkpoint without rank 2's file: ranges inside ranks 0 and 1 still read
+    # a sharded checkpoint with rank 2's fragment damaged: ranges of ranks 0 and 1 still read
     whole = checkpoint.open_checkpoint(saved_at_3 / "Adam.h5")
     partial = _damaged_copy(saved_at_3, tmp_path / "partial")
-    _part(partial, 2).unlink()
+    _flip_byte_in(_part(partial, 2), "/fragments/0/float32/exp_avg", 4)
     with whole as full, checkpoint.open_checkpoint(partial) as ck:
         key = (0, "float32")
         rows = ck.buffers[key].datasets["exp_avg"].rows
@@ -286,7 +313,7 @@ def test_range_reads_read_and_check_only_the_blocks_they_need(saved_at_3, tmp_pa
         end_of_1 = rows[1][2]
         assert np.array_equal(ck.read_range(key, "exp_avg", 3, end_of_1),
                               expected[3:end_of_1])
-        with pytest.raises(flatopt.CheckpointCorrupt, match="rank 2's file"):
+        with pytest.raises(flatopt.CheckpointCorrupt, match="rank2-of-3.*checksum mismatch"):
             ck.read_range(key, "exp_avg", 3, end_of_1 + 1)
 
 

@@ -86,12 +86,15 @@ def fragment_array(rows: list) -> np.ndarray:
 
 def fragment_problems(rows: list, length: int, world_size: int) -> list[str]:
     """Why fragment rows cannot be one slot of ``length`` elements saved by ``world_size``
-    ranks: they must tile ``[0, length)`` in order, each non-empty, from ranks in range. The
-    one check of a fragment table, made by the save before it commits and by every reader."""
-    problems, end = [], 0
+    ranks: they must tile ``[0, length)`` in order, each non-empty, each from another rank in
+    range (a part file holds one fragment of a slot). The one check of a fragment table, made
+    by the save before it commits and by every reader."""
+    problems, end, ranks = [], 0, set()
     for rank, start, stop, digest in rows:
-        if not 0 <= rank < world_size:
-            problems.append(f"a fragment of rank {rank} in a save of {world_size} ranks")
+        if not 0 <= rank < world_size or rank in ranks:
+            problems.append(f"a fragment of rank {rank} in a save of {world_size} ranks "
+                            "(out of range, or the rank's second fragment of the slot)")
+        ranks.add(rank)
         if start != end or stop <= start:
             problems.append(f"fragment [{start}, {stop}) of rank {rank} does not follow the "
                             f"previous one (which ends at {end})")
@@ -224,6 +227,11 @@ class ShardedContents(Contents):
             part.close()
         super().close()
 
+    def missing(self, rank: int):
+        name = part_name(self.header["save_id"], rank, self.header["world_size"])
+        return self.corrupt(f"rank {rank}'s file {name} is missing; the checkpoint cannot be "
+                            "read without it: restore the file or use an earlier checkpoint")
+
     def part(self, rank: int) -> Contents:
         part = self.parts.get(rank)
         if part is not None:
@@ -231,25 +239,27 @@ class ShardedContents(Contents):
         save_id, size = self.header["save_id"], self.header["world_size"]
         path = os.path.join(self.name, part_name(save_id, rank, size))
         if not os.path.isfile(path):
-            raise self.corrupt(f"rank {rank}'s file {os.path.basename(path)} is missing; the "
-                               "checkpoint cannot be read without it: restore the file or use "
-                               "an earlier checkpoint")
+            raise self.missing(rank)
         file, name, nbytes, raw = open_file(path)
-        part = self.parts[rank] = Contents(name, file, nbytes, raw)
+        part = Contents(name, file, nbytes, raw)
         part.version = FORMAT_VERSION
-        expected = {"format": PART_FORMAT, "save_id": save_id}
-        for key, want in expected.items():
-            got = attr(part, file, key, str, required=False)
-            if got != want:
-                raise part.corrupt(f"its {key} is {got!r}, not {want!r}: it is not rank "
-                                   f"{rank}'s file of the save {self.name} commits")
-        version = attr(part, file, "format_version", int)
-        if not 1 <= version <= PART_VERSION:
-            raise part.corrupt(f"part format version {version}: this flatopt reads up to "
-                               f"{PART_VERSION}; upgrade flatopt")
-        for key, want in (("rank", rank), ("world_size", size)):
-            if attr(part, file, key, int) != want:
-                raise part.corrupt(f"its {key} is not {want}")
+        try:
+            for key, want in (("format", PART_FORMAT), ("save_id", save_id)):
+                got = attr(part, file, key, str, required=False)
+                if got != want:
+                    raise part.corrupt(f"its {key} is {got!r}, not {want!r}: it is not rank "
+                                       f"{rank}'s file of the save {self.name} commits")
+            version = attr(part, file, "format_version", int)
+            if not 1 <= version <= PART_VERSION:
+                raise part.corrupt(f"part format version {version}: this flatopt reads up to "
+                                   f"{PART_VERSION}; upgrade flatopt")
+            for key, want in (("rank", rank), ("world_size", size)):
+                if attr(part, file, key, int) != want:
+                    raise part.corrupt(f"its {key} is not {want}")
+        except BaseException:
+            part.close()  # never kept: the next read of this rank checks it again
+            raise
+        self.parts[rank] = part
         return part
 
     def pieces(self, key, slot: str) -> list[tuple]:
@@ -322,11 +332,32 @@ def read_structure(ck: ShardedContents) -> None:
         raise ck.corrupt(f"save_id {ck.header['save_id'][:40]!r} is not 16 hex digits")
     columns = read_index(ck)
     table = _read_tables(ck)
+    _check_part_sizes(ck)
     arrays = read_arrays(ck)
     if manifest_digest(ck.header, ck.raw_groups, columns, table, arrays) != digest:
         raise ck.corrupt("its metadata digest does not match (attributes, index or fragment "
                          "tables were modified or damaged)")
     ck.raw_columns = columns
+
+
+def _check_part_sizes(ck: ShardedContents) -> None:
+    """Every rank's file is there and can hold the fragments the manifest gives it, so no
+    buffer is allocated for data that is not there (as a file's declared buffers must fit in
+    the file)."""
+    declared = [0] * ck.header["world_size"]
+    for key, saved in ck.buffers.items():
+        for slot, fragments in saved.datasets.items():
+            for rank, start, stop, _ in fragments.rows:
+                declared[rank] += (stop - start) * DTYPES[key[1]].itemsize
+    for rank, nbytes in enumerate(declared):
+        name = part_name(ck.header["save_id"], rank, ck.header["world_size"])
+        try:
+            size = os.stat(os.path.join(ck.name, name)).st_size
+        except OSError:
+            raise ck.missing(rank) from None
+        if nbytes > size:
+            raise ck.corrupt(f"the manifest gives rank {rank}'s file {name} {nbytes:,} bytes "
+                             f"of fragments, more than its {size:,} bytes")
 
 
 def _read_tables(ck: ShardedContents) -> dict[str, list]:

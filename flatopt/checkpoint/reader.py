@@ -193,20 +193,34 @@ class Contents:
                 if lo >= hi:
                     continue
                 part, offset, hashes, where = locate()
-                target = out[lo - start:hi - start]
-                if (lo, hi) == (first, last):
-                    part._read_hashed(offset, target, hashes, where, workers or own)
-                    continue
-                # the blocks covering [lo, hi) of this piece, read and checked, then cut
-                head = (lo - first) * item
-                block0, block1 = head // BLOCK_BYTES, n_blocks((hi - first) * item)
-                begin = block0 * BLOCK_BYTES
-                staged = np.empty(min(block1 * BLOCK_BYTES, (last - first) * item) - begin,
-                                  np.uint8)
-                part._read_hashed(offset + begin, staged, hashes[block0:block1], where,
-                                  workers or own)
-                files.byte_view(target)[:] = staged[head - begin:head - begin + target.nbytes]
+                self._read_blocks_of(part, offset, hashes, where, (last - first) * item,
+                                     (lo - first) * item, files.byte_view(out[lo - start:
+                                                                              hi - start]),
+                                     workers or own)
         return out
+
+    @staticmethod
+    def _read_blocks_of(part: "Contents", offset: int, hashes: np.ndarray, where: str,
+                        nbytes: int, head: int, target: memoryview, workers) -> None:
+        """Bytes ``[head, head + len(target))`` of a stored piece of ``nbytes`` bytes at
+        ``offset`` into ``target``, reading and checking only the blocks that hold them: the
+        blocks wholly inside land in ``target`` directly, a block cut by either end passes
+        through a block-sized buffer."""
+        tail = head + len(target)
+        inner0 = -(-head // BLOCK_BYTES)
+        inner1 = n_blocks(nbytes) if tail == nbytes else tail // BLOCK_BYTES
+        if inner1 > inner0:
+            begin, end = inner0 * BLOCK_BYTES, min(inner1 * BLOCK_BYTES, nbytes)
+            part._read_hashed(offset + begin, target[begin - head:end - head],
+                              hashes[inner0:inner1], where, workers)
+        for block in sorted({head // BLOCK_BYTES, n_blocks(tail) - 1}):
+            if inner0 <= block < inner1 or tail == head:
+                continue
+            begin, end = block * BLOCK_BYTES, min((block + 1) * BLOCK_BYTES, nbytes)
+            staged = np.empty(end - begin, np.uint8)
+            part._read_hashed(offset + begin, staged, hashes[block:block + 1], where, workers)
+            low, high = max(begin, head), min(end, tail)
+            target[low - head:high - head] = staged[low - begin:high - begin]
 
     def close(self) -> None:
         try:

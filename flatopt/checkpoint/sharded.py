@@ -23,6 +23,7 @@ every rank, which keeps its range.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -72,13 +73,30 @@ def own_pieces(opt, rank: int, size: int) -> list[tuple]:
     return pieces
 
 
-def piece_problems(schema, buf, name: str, start: int, stop: int, values: np.ndarray,
+def piece_problems(schema, layout, name: str, start: int, stop: int, values: np.ndarray,
                    stateful: np.ndarray, paths) -> list[str]:
-    """A range of one state slot checked as a whole slot is (``slot_value_problems``)."""
+    """A range of one slot laid out as ``layout`` checked as a whole slot is
+    (``slot_value_problems``; parameters have no value check)."""
     if name == "params":
         return []
-    return slot_value_problems(schema, name, values, RangeLayout(buf.layout(name), start, stop),
+    return slot_value_problems(schema, name, values, RangeLayout(layout, start, stop),
                                stateful, paths)
+
+
+def _undone_on_failure(scheduler, action):
+    """``action()``; when it raises, ``scheduler`` gets back the state it had (a load that
+    fails on another rank must not leave this rank's scheduler loaded)."""
+    keep = callable(getattr(scheduler, "state_dict", None))
+    previous = copy.deepcopy(scheduler.state_dict()) if keep else None
+    try:
+        return action()
+    except BaseException:
+        if keep:
+            try:
+                scheduler.load_state_dict(previous)
+            except Exception:  # the load's own error is the one to report
+                pass
+        raise
 
 
 def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
@@ -104,8 +122,11 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
                 what = f"param group {buf.group} {buf.dtype} buffer"
                 problems += column_problems(opt.schema, buf.columns, len(buf.paths), what)
                 stateful = opt.schema.stateful(buf.columns)
-                problems += [f"{what}: {problem}" for piece in pieces if piece[0] is buf
-                             for problem in piece_problems(opt.schema, *piece, stateful,
+                problems += [f"{what}: {problem}"
+                             for piece_buf, name, start, stop, values in pieces
+                             if piece_buf is buf
+                             for problem in piece_problems(opt.schema, buf.layout(name), name,
+                                                           start, stop, values, stateful,
                                                            buf.paths)]
             if problems:
                 raise CheckpointError("cannot save this optimizer (nothing was written): "
@@ -163,7 +184,8 @@ def _load_whole(source, opt, options: dict, where: str):
     # live state never survives a load (state comes from the file or is reset), so the copy
     # needs this optimizer's parameter values and settings only, not its state
     twin = distributed.plain_copy(opt)
-    result = _collectively(opt.comm, lambda: load_plain(source, twin, **options), where)
+    result = _undone_on_failure(options.get("scheduler"), lambda: _collectively(
+        opt.comm, lambda: load_plain(source, twin, **options), where))
     distributed.take_from(opt, twin)
     return result
 
@@ -175,34 +197,42 @@ def _load_ranges(ck, opt, planned, matched: dict, options: dict, where: str):
     plan, relaxed, settings = planned
     sharding, schema = opt._sharding, ck.schema
 
+    rank, size = opt.comm.Get_rank(), opt.comm.Get_size()
+
     def read_mine():
+        def checked(key, slot: str, start: int, stop: int) -> np.ndarray:
+            saved = ck.buffers[key]
+            values = guarded(ck, lambda: ck.read_range(key, slot, start, stop, workers))
+            problems = piece_problems(
+                schema, saved.layouts[slot], slot, start, stop, values,
+                np.array([schema.stateful(e.columns) for e in saved.members], bool),
+                [e.path for e in saved.members])
+            if problems:
+                raise ck.corrupt("; ".join(problems), buffer=saved.datasets[slot].name)
+            return values
+
         taken = []
         with files.pool() as workers:
             for shard, buf in zip(sharding.shards, opt.buffers):
                 key, ordered = matched[buf.number]
                 saved = ck.buffers[key]
-                stateful = np.array([schema.stateful(e.columns) for e in saved.members], bool)
-                paths = [e.path for e in saved.members]
-                params = guarded(ck, lambda: ck.read_range(
-                    key, "params", shard.reduce_lo, shard.reduce_hi, workers))
-                state = {}
-                for slot in saved.datasets:
-                    if slot == "params":
-                        continue
-                    start, stop = ((0, saved.lengths[slot]) if shard.replicated
-                                   else (shard.lo, shard.hi))
-                    values = guarded(ck, lambda: ck.read_range(key, slot, start, stop, workers))
-                    problems = piece_problems(schema, buf, slot, start, stop, values, stateful,
-                                              paths)
-                    if problems:
-                        raise ck.corrupt("; ".join(problems), buffer=saved.datasets[slot].name)
-                    state[slot] = values
-                taken.append((params, state, saved_columns(ck, buf, ordered)))
+                state = {slot: checked(key, slot, *((0, saved.lengths[slot]) if shard.replicated
+                                                    else (shard.lo, shard.hi)))
+                         for slot in saved.datasets if slot != "params"}
+                taken.append((checked(key, "params", shard.reduce_lo, shard.reduce_hi), state,
+                              saved_columns(ck, buf, ordered)))
+            # the file's other buffers (a partial load's unused ones) are verified as a
+            # plain load verifies them, each rank its share
+            used = {key for key, _ in matched.values()}
+            for key in sorted(set(ck.buffers) - used):
+                for slot, length in ck.buffers[key].lengths.items():
+                    checked(key, slot, length * rank // size, length * (rank + 1) // size)
         return taken, guarded(ck, ck.read_arrays)
 
     taken, arrays = _collectively(opt.comm, read_mine, where)
     scheduler = options.get("scheduler")
-    _collectively(opt.comm, lambda: load_scheduler(ck, scheduler), where)
+    _undone_on_failure(scheduler, lambda: _collectively(
+        opt.comm, lambda: load_scheduler(ck, scheduler), where))
     # nothing below can fail: the optimizer changes only now
     for number, values in enumerate(settings):
         if values is not None:

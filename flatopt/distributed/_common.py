@@ -40,8 +40,8 @@ def _mpi_type(dtype: np.dtype):
 
 
 # ------------------------------------------------------------------------ agreement and errors
-def _error_record(error: BaseException) -> tuple[str, str]:
-    return type(error).__name__, str(error)
+def _error_record(error: BaseException) -> tuple[str, str, str | None]:
+    return type(error).__name__, str(error), getattr(error, "path", None)
 
 
 def _raise_collected(records: list, where: str) -> None:
@@ -52,13 +52,14 @@ def _raise_collected(records: list, where: str) -> None:
     failed = [(rank, record) for rank, record in enumerate(records) if record is not None]
     if not failed:
         return
-    rank, (kind, message) = failed[0]
+    rank, (kind, message, path) = failed[0]
     error_type = getattr(errors, kind, None)
     if not (isinstance(error_type, type) and issubclass(error_type, FlatoptError)):
         error_type = DistributedError
     others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+    named = {"path": path} if issubclass(error_type, errors.CheckpointError) else {}
     raise error_type(f"{where} failed on rank {rank}{others}, so it was stopped on every rank "
-                     f"before any rank changed anything:\n{kind}: {message}")
+                     f"before any rank changed anything:\n{kind}: {message}", **named)
 
 
 def _structure(opt) -> tuple:
