@@ -185,6 +185,7 @@ def adafactor_update(param, grad, state, settings, columns):
     eps1, eps2 = settings["eps"]
     if eps1 is None:
         eps1 = float(np.finfo(param.dtype).eps)
+    # Python floats, formed as torch forms them, then cast: not float32 kernel arithmetic
     beta2_t = step ** settings["beta2_decay"]
     rho = min(settings["lr"], 1 / step ** 0.5)
     lr, weight_decay, negate = settings["lr"], settings["weight_decay"], settings["maximize"]
