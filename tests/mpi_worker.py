@@ -336,10 +336,7 @@ def check_resume(directory: str, suffix: str = ".h5") -> None:
             reference = checkpointed(name, None)
             for step in range(STEPS):
                 reference.step(exact_gradients(reference, step))
-            problems = [f"parameter {path} differs" for path in reference.index.paths
-                        if not same_bits(opt.params[path], reference.params[path])]
-            problems += state_differences(distributed.consolidated(opt).state_dict(),
-                                          reference.state_dict())
+            problems = differences_from(opt, reference)
             if result.metadata != {"step": SAVED_AT}:
                 problems.append(f"metadata {result.metadata}")
             if result.arrays["rank"].tolist() != [0]:
@@ -350,48 +347,53 @@ def check_resume(directory: str, suffix: str = ".h5") -> None:
             report(False, f"resumed {name}{suffix}: {traceback.format_exc()}")
 
 
+def differences_from(opt, reference) -> list[str]:
+    """Parameters and state of (sharded) ``opt`` that differ from a one-process
+    ``reference``."""
+    problems = [f"parameter {path} differs" for path in reference.index.paths
+                if not same_bits(opt.params[path], reference.params[path])]
+    return problems + state_differences(distributed.consolidated(opt).state_dict(),
+                                        reference.state_dict())
+
+
 def check_partial_load(directory: str) -> None:
-    """Load options pass through: strict=False with a saved path dropped by rename leaves
-    that live parameter its value with fresh state (its live state is not kept), exactly as
-    one process does."""
+    """Load options pass through, exactly as one process takes them: strict=False with a
+    saved path dropped by rename leaves that live parameter its value with fresh state (its
+    live state is not kept); hyperparameters="saved" on a resume (each rank reads its
+    ranges) takes the file's lr."""
     def loaded(comm):
         opt = checkpointed("Adam", comm)
         for step in range(2):  # live state that the load must replace or reset
             opt.step(exact_gradients(opt, 10 + step))
-        result = flatopt.load(os.path.join(directory, "Adam.h5"), opt, strict=False,
-                              rename={"body.w1": None})
-        opt.step(exact_gradients(opt, SAVED_AT))
-        return opt, result
-    opt, result = loaded(COMM)
-    reference, expected = loaded(None)
-    problems = [f"parameter {path} differs" for path in reference.index.paths
-                if not same_bits(opt.params[path], reference.params[path])]
-    problems += state_differences(distributed.consolidated(opt).state_dict(),
-                                  reference.state_dict())
-    if result.fresh != expected.fresh or "body.w1" not in result.fresh:
-        problems.append(f"fresh {result.fresh} != {expected.fresh}")
-    report(not problems, f"partial load at {SIZE} ranks" + "".join(f"\n    {p}"
-                                                                  for p in problems))
+        return opt, flatopt.load(os.path.join(directory, "Adam.h5"), opt, strict=False,
+                                 rename={"body.w1": None})
 
-    def saved_settings(comm):  # a resume (each rank reads its ranges) taking the file's lr
+    def saved_settings(comm):
         opt = checkpointed("Adam", comm)
         for group in opt.param_groups:
             group["lr"] *= 3
-        result = flatopt.load(os.path.join(directory, "Adam.h5"), opt,
-                              hyperparameters="saved")
-        opt.step(exact_gradients(opt, SAVED_AT))
-        return opt, result
-    opt, result = saved_settings(COMM)
-    reference, expected = saved_settings(None)
-    problems = [f"parameter {path} differs" for path in reference.index.paths
-                if not same_bits(opt.params[path], reference.params[path])]
-    problems += [f"group {n} lr {a['lr']} != {b['lr']}" for n, (a, b) in enumerate(
-        zip(opt.param_groups, reference.param_groups)) if a["lr"] != b["lr"]]
-    if [(d.kind, d.where) for d in result.differences] != [(d.kind, d.where)
-                                                          for d in expected.differences]:
-        problems.append(f"differences {result.differences} != {expected.differences}")
-    report(not problems, f"saved hyperparameters at {SIZE} ranks" + "".join(
-        f"\n    {p}" for p in problems))
+        return opt, flatopt.load(os.path.join(directory, "Adam.h5"), opt,
+                                 hyperparameters="saved")
+
+    for what, load in (("partial load", loaded), ("saved hyperparameters", saved_settings)):
+        runs = []
+        for comm in (COMM, None):
+            opt, result = load(comm)
+            opt.step(exact_gradients(opt, SAVED_AT))
+            runs.append((opt, result))
+        (opt, result), (reference, expected) = runs
+        problems = differences_from(opt, reference)
+        problems += [f"group {n} lr {a['lr']} != {b['lr']}" for n, (a, b) in enumerate(
+            zip(opt.param_groups, reference.param_groups)) if a["lr"] != b["lr"]]
+        if [(d.kind, d.where) for d in result.differences] != [
+                (d.kind, d.where) for d in expected.differences]:
+            problems.append(f"differences {result.differences} != {expected.differences}")
+        if result.fresh != expected.fresh:
+            problems.append(f"fresh {result.fresh} != {expected.fresh}")
+        if load is loaded and "body.w1" not in result.fresh:
+            problems.append(f"body.w1 not fresh: {result.fresh}")
+        report(not problems, f"{what} at {SIZE} ranks" + "".join(f"\n    {p}"
+                                                               for p in problems))
 
 
 def check_killed_save(directory: str, killed: int) -> None:
