@@ -41,6 +41,15 @@ class LoadResult:
     """The extra arrays saved with ``save(arrays=...)``: name -> a fresh array of the saved
     dtype and shape (verified like every buffer)."""
 
+    @classmethod
+    def of(cls, ck, opt, plan, relaxed: list, arrays: dict) -> "LoadResult":
+        """What a load of ``ck`` into ``opt`` following ``plan`` did."""
+        loaded = {info.path for info, _ in plan.matches}
+        return cls(path=ck.name, loaded=[p for p in opt.index.paths if p in loaded],
+                   fresh=[p for p in opt.index.paths if p not in loaded], unused=plan.unused,
+                   differences=relaxed, metadata=ck.metadata,
+                   scheduler_state=ck.scheduler_state, info=dict(ck.header), arrays=arrays)
+
 
 def parse(source) -> Contents:
     """Open and check a checkpoint (a file, or a sharded checkpoint's directory): structure,
@@ -288,12 +297,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
                                       f"({exc}); the optimizer is unchanged; pass a larger "
                                       "staging= to keep the copy in memory",
                                       path=ck.name) from exc
-        loaded = {info.path for info, _ in plan.matches}
-        return LoadResult(path=ck.name, loaded=[p for p in opt.index.paths if p in loaded],
-                          fresh=[p for p in opt.index.paths if p not in loaded],
-                          unused=plan.unused, differences=relaxed, metadata=ck.metadata,
-                          scheduler_state=ck.scheduler_state, info=dict(ck.header),
-                          arrays=arrays)
+        return LoadResult.of(ck, opt, plan, relaxed, arrays)
 
 
 def _check_options(opt, rename, hyperparameters, staging) -> None:

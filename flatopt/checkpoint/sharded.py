@@ -251,6 +251,4 @@ def _load_ranges(ck, opt, planned, matched: dict, options: dict, where: str):
         shard.state.update(state)
         shard.arrays = shard.arrays_plan = None
     opt._plans = [None] * len(opt.buffers)
-    return LoadResult(path=ck.name, loaded=list(opt.index.paths), fresh=[],
-                      unused=plan.unused, differences=relaxed, metadata=ck.metadata,
-                      scheduler_state=ck.scheduler_state, info=dict(ck.header), arrays=arrays)
+    return LoadResult.of(ck, opt, plan, relaxed, arrays)
