@@ -216,7 +216,8 @@ class EMA:
             for average, buf in zip(self.buffers, self.opt.buffers):
                 w = float(buf.dtype.type(weight))
                 from_end = not abs(w) < 0.5
-                lerp = lerp_into if self._device is None else self._device.lerp
+                lerp = (lerp_into.for_size(average.size) if self._device is None
+                        else self._device.lerp)
                 lerp(average, self._live(buf), buf.dtype.type(w - 1.0 if from_end else w),
                      from_end)
         self.num_updates += 1

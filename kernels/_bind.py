@@ -38,5 +38,7 @@ def bind(rule: Rule, decorate: Callable[[Callable], Callable]) -> dict[str, Call
 
 def instantiate(template: Callable, qualname: str, **bound: Callable) -> Callable:
     """A copy of a backend's walk ``template`` with ``bound`` names resolved to compiled rule
-    functions. The qualname names the compiled kernel, and with it Numba's cache entry."""
-    return _rebuild(template, {**template.__globals__, **bound}, qualname)
+    functions. The qualname names the compiled kernel, and with it Numba's cache entry. With
+    nothing bound the copy reads its module's own globals (names defined later resolve too)."""
+    namespace = {**template.__globals__, **bound} if bound else template.__globals__
+    return _rebuild(template, namespace, qualname)

@@ -18,9 +18,10 @@ How the element loops are kept fast (each point was measured; see ``bench/``):
 - Flags stay run-time arguments: once the loop vectorises, LLVM hoists or selects the rule's
   flag branches. Flags that change which arrays are written (AMSGrad, SGD's momentum) get
   separate loops in the span.
-- Small buffers (below ``PARALLEL_MIN_ELEMENTS``), and any buffer when Numba runs on one
-  thread, take a serial path inside the same kernel (``serial=True``, see :func:`run_serially`):
-  the parallel launch's fixed cost exceeds the whole update of a small buffer.
+- Every walk is a :class:`~.threads.Threaded` kernel: compiled once with threads and once
+  without, and small buffers (see :func:`~.threads.run_serially`) take the one without, which
+  never touches Numba's thread pool. The threaded one's ``prange`` loop is its only parallel
+  region (no ``np.zeros`` or ``.sum()`` in it: those would be parallel launches of their own).
 - Kernels are cached on disk (``cache=True``) under the rule's name and source fingerprint,
   so a process loads them instead of compiling, and an edited rule compiles afresh.
 """
@@ -28,20 +29,13 @@ How the element loops are kept fast (each point was measured; see ``bench/``):
 from __future__ import annotations
 
 from typing import NamedTuple
-
 import numpy as np
-from numba import get_num_threads, njit, prange, uint64
+from numba import njit, prange, uint64
 
 from .._layout import aligned_zeros
 from ._bind import bind, instantiate
 from .rule import Rule
-
-# Below this many elements a buffer is updated on the calling thread. In a back-to-back loop a
-# parallel launch costs a few microseconds and pays off from ~32K elements, but in a training
-# loop the forward and backward passes run between steps, the worker threads have gone to sleep
-# and waking them costs tens of microseconds (more when BLAS threads compete for the cores):
-# the demo's 74K-element buffer took 75-87 us serially against 80-650 us in parallel on 2 cores.
-PARALLEL_MIN_ELEMENTS = 1 << 17
+from .threads import Threaded, threaded
 
 
 def _prepare_walk(present, columns, scalars, flags):
@@ -62,21 +56,12 @@ def _scale(g, start, stop, multiplier):
 
 
 def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_first,
-               chunk_size, serial, grad_multiplier, scale_grads):
+               chunk_size, grad_multiplier, scale_grads):
     """``scale_grads``: each segment's gradients are first multiplied in place by
     ``grad_multiplier`` (loss-scale removal, clipping, averaging), while they are in cache."""
     n_params = offsets.size
     total = arrays[0].size
     one = uint64(1)
-    if serial:
-        for k in range(n_params):
-            if present[k] != 0:
-                a = uint64(offsets[k])
-                b = uint64(offsets[k] + sizes[k])
-                if scale_grads:
-                    _scale(arrays[1], a, b, grad_multiplier)
-                span(arrays, scalars, columns, flags, k, a, b, one)  # noqa: F821 (bound)
-        return
     for c in prange(chunk_first.size):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
@@ -100,16 +85,13 @@ def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk
     n_chunks = chunk_first.size
     n_params = offsets.size
     total = arrays[0].size
-    first_segment = np.zeros(n_chunks + 1, np.int64)
+    n_sums = sums.shape[1]
+    first_segment = np.empty(n_chunks + 1, np.int64)
+    first_segment[0] = 0
     for c in range(n_chunks):
-        hi = min(c * chunk_size + chunk_size, total)
-        k = chunk_first[c]
-        count = 0
-        while k < n_params and offsets[k] < hi:
-            count += 1
-            k += 1
-        first_segment[c + 1] = first_segment[c] + count
-    partial = np.zeros((first_segment[n_chunks], sums.shape[1]))
+        first_segment[c + 1] = first_segment[c] + _overlaps(offsets, chunk_first, chunk_size,
+                                                            total, c)
+    partial = np.empty((first_segment[n_chunks], n_sums))  # rows of absent parameters unread
     one = uint64(1)
     for c in prange(n_chunks):
         lo = c * chunk_size
@@ -123,20 +105,35 @@ def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk
                 if scale_grads:
                     _scale(arrays[1], a, b, grad_multiplier)
                 values = reduce(arrays, scalars, columns, flags, k, a, b, one)  # noqa: F821
-                for j in range(sums.shape[1]):
+                for j in range(n_sums):
                     partial[segment, j] = values[j]
             k += 1
             segment += 1
-    sums[...] = 0.0
+    for k in range(n_params):
+        for j in range(n_sums):
+            sums[k, j] = 0.0
     for c in range(n_chunks):
         hi = min(c * chunk_size + chunk_size, total)
         k = chunk_first[c]
         segment = first_segment[c]
         while k < n_params and offsets[k] < hi:
-            for j in range(sums.shape[1]):
-                sums[k, j] += partial[segment, j]
+            if present[k] != 0:
+                for j in range(n_sums):
+                    sums[k, j] += partial[segment, j]
             k += 1
             segment += 1
+
+
+@njit(inline="always")
+def _overlaps(offsets, chunk_first, chunk_size, total, c):
+    """How many parameters reach into chunk ``c``."""
+    hi = min(c * chunk_size + chunk_size, total)
+    k = chunk_first[c]
+    count = 0
+    while k < offsets.size and offsets[k] < hi:
+        count += 1
+        k += 1
+    return count
 
 
 def _finalize_walk(present, columns, scalars, flags, sums):
@@ -147,33 +144,40 @@ def _finalize_walk(present, columns, scalars, flags, sums):
 COUNT_NONFINITE, SUM_SQUARES, SUM_POWERS, MAX_ABS = 0, 1, 2, 3
 
 
-@njit(inline="always", error_model="numpy")
+@njit(fastmath={"reassoc"}, error_model="numpy")
 def _reduce_segment(g, start, stop, power, mode):
     """(sum of |g|**power or of g*g, or max |g|; how many values are NaN or infinite), in
-    float64, over g[start:stop]."""
+    float64, over g[start:stop].
+
+    Compiled with reassociation (only this function: the callers add segments and chunks up
+    in order), so the sums vectorize: 12x on float32 squares here. Their order is then fixed
+    by the build and the machine, not by the thread count. The values are counted only when
+    the result is not finite, which a NaN or an infinity among them makes it."""
+    a = uint64(start)
+    b = uint64(stop)
     value = 0.0
-    bad = 0
     if mode == SUM_SQUARES:
-        for i in range(start, stop):
+        for i in range(a, b):
             x = float(g[i])
             value += x * x
-            bad += not (x - x == 0)
     elif mode == SUM_POWERS:
-        for i in range(start, stop):
-            x = abs(float(g[i]))
-            value += x ** power
-            bad += not (x - x == 0)
+        for i in range(a, b):
+            value += abs(float(g[i])) ** power
     elif mode == MAX_ABS:
-        for i in range(start, stop):
+        for i in range(a, b):
             x = abs(float(g[i]))
             if not (x <= value):  # NaN propagates, as torch's max does
                 value = x
-            bad += not (x - x == 0)
     else:
-        for i in range(start, stop):
+        for i in range(a, b):
+            x = float(g[i])
+            value += x - x  # 0, or NaN for a NaN or an infinity
+    bad = 0
+    if not (value - value == 0):
+        for i in range(a, b):
             x = g[i]
             bad += not (x - x == 0)
-    return value, bad
+    return (0.0 if mode == COUNT_NONFINITE else value), bad
 
 
 @njit(inline="always", error_model="numpy")
@@ -197,56 +201,44 @@ def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, mo
     return value, bad
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power, mode, serial):
+@threaded(cache=True, error_model="numpy")
+def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power, mode):
     """One pass over the present gradients of a buffer: (value, non-finite count), ``value``
     per ``mode`` (see the constants). Partial results are combined in chunk order whatever the
     thread count, so the result does not depend on it."""
     n_chunks = chunk_first.size
-    partial = np.zeros(n_chunks)
-    partial_bad = np.zeros(n_chunks, np.int64)
-    if serial:
-        for c in range(n_chunks):
-            partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
-                                                       chunk_size, power, mode, c)
-    else:
-        for c in prange(n_chunks):
-            partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
-                                                       chunk_size, power, mode, c)
+    partial = np.empty(n_chunks)
+    partial_bad = np.empty(n_chunks, np.int64)
+    for c in prange(n_chunks):
+        partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
+                                                   chunk_size, power, mode, c)
     value = 0.0
+    bad = 0
     for c in range(n_chunks):
         if mode == MAX_ABS:
             if not (partial[c] <= value):
                 value = partial[c]
         else:
             value += partial[c]
-    return value, partial_bad.sum()
-
-
-def run_serially(n_elements: int) -> bool:
-    """Whether a buffer of ``n_elements`` should skip the parallel launch."""
-    return n_elements < PARALLEL_MIN_ELEMENTS or get_num_threads() == 1
+        bad += partial_bad[c]
+    return value, bad
 
 
 class CompiledRule(NamedTuple):
     """A rule's CPU kernels (Numba dispatchers, compiled on first call or loaded from the
-    cache): prepare and step, and reduce and finalize for rules with per-parameter totals."""
+    cache): prepare and step, and reduce and finalize for rules with per-parameter totals.
+    ``step`` and ``reduce`` are :class:`Threaded` walks."""
 
     prepare_kernel: object
-    step_kernel: object
-    reduce_kernel: object = None
+    step_kernel: Threaded
+    reduce_kernel: Threaded | None = None
     finalize_kernel: object = None
-    serial_reduce_kernel: object = None
-    """The same walk compiled without threads (``prange`` is then ``range``), for small
-    buffers: the same segments summed in the same order, so the same totals."""
 
     def reduce(self, arrays, scalars, columns, flags, layout, sums, grad_multiplier,
                scale_grads: bool) -> None:
-        kernel = (self.serial_reduce_kernel if run_serially(layout.length)
-                  else self.reduce_kernel)
-        kernel(arrays, scalars, columns, flags, layout.present, layout.offsets,
-                           layout.sizes, layout.chunk_first, layout.chunk_size, sums,
-                           grad_multiplier, scale_grads)
+        self.reduce_kernel.for_size(layout.length)(
+            arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
+            layout.chunk_first, layout.chunk_size, sums, grad_multiplier, scale_grads)
 
     def finalize(self, present, columns, scalars, flags, sums) -> None:
         self.finalize_kernel(present, columns, scalars, flags, sums)
@@ -257,16 +249,16 @@ class CompiledRule(NamedTuple):
     def step(self, arrays, scalars, columns, flags, layout, grad_multiplier,
              scale_grads: bool) -> None:
         """``grad_multiplier`` is a scalar of the buffer's dtype."""
-        self.step_kernel(arrays, scalars, columns, flags, layout.present, layout.offsets,
-                         layout.sizes, layout.chunk_first, layout.chunk_size,
-                         run_serially(layout.length), grad_multiplier, scale_grads)
+        self.step_kernel.for_size(layout.length)(
+            arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
+            layout.chunk_first, layout.chunk_size, grad_multiplier, scale_grads)
 
 
 _compiled: dict[tuple[str, bool], CompiledRule] = {}
 
 
 def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
-    """The rule's CPU kernels (one pair per rule and fingerprint, per process). ``cache=False``
+    """The rule's CPU kernels (one set per rule and fingerprint, per process). ``cache=False``
     gives kernels that always compile in this process (to inspect their LLVM IR)."""
     key = f"{rule.name}_{rule.fingerprint}"
     compiled = _compiled.get((key, cache))
@@ -274,22 +266,18 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
         functions = bind(rule, njit(inline="always", error_model="numpy"))
         prepare = njit(cache=cache)(instantiate(
             _prepare_walk, f"prepare_{key}", prepare=functions[rule.prepare.__name__]))
-        step = njit(parallel=True, cache=cache, error_model="numpy")(instantiate(
-            _step_walk, f"step_{key}", span=functions[rule.span.__name__]))
-        reduce = finalize = serial_reduce = None
+        step = Threaded(_step_walk, f"step_{key}", cache=cache, error_model="numpy",
+                        bound={"span": functions[rule.span.__name__]})
+        reduce = finalize = None
         if rule.reduce is not None:
             # reassociation lets the sums vectorize (4x here); reduce stores nothing, so
             # no stored value depends on it (kernels/rule.py)
-            reduce, serial_reduce = (
-                njit(parallel=parallel, cache=cache, error_model="numpy",
-                     fastmath={"reassoc"})(instantiate(
-                         _reduce_walk, f"reduce_{'parallel' if parallel else 'serial'}_{key}",
-                         reduce=functions[rule.reduce.__name__]))
-                for parallel in (True, False))
+            reduce = Threaded(_reduce_walk, f"reduce_{key}", cache=cache, error_model="numpy",
+                              fastmath={"reassoc"},
+                              bound={"reduce": functions[rule.reduce.__name__]})
             finalize = njit(cache=cache)(instantiate(
                 _finalize_walk, f"finalize_{key}", finalize=functions[rule.finalize.__name__]))
-        compiled = _compiled[key, cache] = CompiledRule(prepare, step, reduce, finalize,
-                                                        serial_reduce)
+        compiled = _compiled[key, cache] = CompiledRule(prepare, step, reduce, finalize)
     return compiled
 
 
@@ -311,5 +299,4 @@ class CpuBackend:
         return "CpuBackend()"
 
 
-__all__ = ["CpuBackend", "CompiledRule", "compile_rule", "run_serially",
-           "PARALLEL_MIN_ELEMENTS"]
+__all__ = ["CpuBackend", "CompiledRule", "compile_rule", "reduce_gradients"]

@@ -4,9 +4,10 @@ exponential moving average of whole flat buffers."""
 
 from __future__ import annotations
 
-from numba import njit, prange
+from numba import prange
 
 from .rule import Rule
+from .threads import threaded
 
 
 def untouched_span(arrays, scalars, columns, flags, k, start, stop, stride):
@@ -22,14 +23,13 @@ SCALE_GRADIENTS = Rule(name="scale_gradients", span=untouched_span, prepare=unto
 """Run with ``scale_grads=True``: each present gradient segment is multiplied in place."""
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def lerp_into(average, value, weight, from_end):
     """``average = lerp(average, value, weight)`` over a whole flat buffer, computed from the
     nearer end as torch's lerp does: ``a + w (v - a)`` for ``w < 0.5``, else
     ``v - (1 - w)(v - a)`` (``weight`` is then passed as ``w - 1``, in the buffer's dtype)."""
-    if from_end:
-        for i in prange(average.size):
+    for i in prange(average.size):  # one parallel region; LLVM unswitches the branch
+        if from_end:
             average[i] = value[i] + weight * (value[i] - average[i])
-    else:
-        for i in prange(average.size):
+        else:
             average[i] = average[i] + weight * (value[i] - average[i])

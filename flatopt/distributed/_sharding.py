@@ -8,11 +8,12 @@ import warnings
 from typing import Callable, NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from .. import _stepping
 from .._layout import aligned_zeros, chunk_table
 from ..kernels import cpu
+from ..kernels.threads import threaded
 from ._common import (DistributedError, RankMismatchError, _canonical, _differences,
                       _digest, _error_record, _mpi, _mpi_type, _raise_collected,
                       _settings_differences, _settings_text, _structure,
@@ -20,14 +21,14 @@ from ._common import (DistributedError, RankMismatchError, _canonical, _differen
 
 
 # ------------------------------------------------------------------------ kernels
-@njit(parallel=True, cache=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def _gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size, power, mode,
                              first_chunk, stop_chunk):
     """cpu.reduce_gradients' per-chunk partial values and non-finite counts for the chunks
     ``[first_chunk, stop_chunk)`` of the buffer, left for the caller to combine in order."""
     n = stop_chunk - first_chunk
-    partial = np.zeros(n)
-    bad = np.zeros(n, np.int64)
+    partial = np.empty(n)
+    bad = np.empty(n, np.int64)
     for j in prange(n):
         partial[j], bad[j] = cpu._reduce_chunk(g, present, offsets, sizes, chunk_first,
                                                chunk_size, power, mode, first_chunk + j)
@@ -298,7 +299,7 @@ class Sharding:
             if shard.stop_chunk == shard.first_chunk:
                 mine.append((np.zeros(0), 0))
                 continue
-            partial, bad = _gradient_chunk_partials(
+            partial, bad = _gradient_chunk_partials.for_size(shard.hi - shard.lo)(
                 buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first,
                 buf.chunk_size, power, mode, shard.first_chunk, shard.stop_chunk)
             mine.append((partial, int(bad.sum())))

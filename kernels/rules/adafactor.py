@@ -15,6 +15,7 @@ import numba
 import numpy as np
 
 from ..rule import Rule, positions
+from ..threads import threaded
 from .muon import torch_lerp
 
 # Rows per unit of parallel work in the pass that sums squares (GPT-2's 768 x 3072 matrices
@@ -49,7 +50,7 @@ def rows_per_block(n_rows: int, n_cols: int) -> int:
     return max(ROW_BLOCK, -(-n_rows * n_cols // COLUMN_PARTS_LIMIT))
 
 
-@numba.njit(parallel=True, cache=True, fastmath={"reassoc"}, error_model="numpy")
+@threaded(cache=True, fastmath={"reassoc"}, error_model="numpy")
 def _square_sums(p, g, block):
     """One pass over each ``(R, C)`` matrix of ``p`` and ``g`` (``(L, R, C)``), blocks of
     ``block`` rows in parallel: per row the sums of g² and of p², per block the column sums of
@@ -57,12 +58,14 @@ def _square_sums(p, g, block):
     they vectorize), in an order fixed for a given build, machine and shape."""
     n_lead, n_rows, n_cols = g.shape
     n_blocks = (n_rows + block - 1) // block
-    g_sums = np.zeros((n_lead, n_rows))
-    p_sums = np.zeros(n_lead * n_rows)
-    column_parts = np.zeros((n_lead, n_blocks, n_cols))
+    g_sums = np.empty((n_lead, n_rows))
+    p_sums = np.empty(n_lead * n_rows)
+    column_parts = np.empty((n_lead, n_blocks, n_cols))
     for i in numba.prange(n_lead * n_blocks):
         lead, b = i // n_blocks, i % n_blocks
         columns = column_parts[lead, b]
+        for c in range(n_cols):
+            columns[c] = 0.0
         for r in range(b * block, min(n_rows, (b + 1) * block)):
             g_total = 0.0
             p_total = 0.0
@@ -77,12 +80,12 @@ def _square_sums(p, g, block):
     return g_sums, p_sums, column_parts
 
 
-@numba.njit(parallel=True, cache=True, fastmath={"reassoc"}, error_model="numpy")
+@threaded(cache=True, fastmath={"reassoc"}, error_model="numpy")
 def _update_square_sums(g, row_var, col_var, row_mean, floor, one, negate):
     """Per row, the sum of u² of ``u = g / sqrt(max(row_var * col_var / row_mean, floor))``
     (float64, rows in parallel; the caller adds them up in row order)."""
     n_lead, n_rows, n_cols = g.shape
-    parts = np.zeros(n_lead * n_rows)
+    parts = np.empty(n_lead * n_rows)
     for i in numba.prange(n_lead * n_rows):
         lead, r = i // n_rows, i % n_rows
         total = 0.0
@@ -94,7 +97,7 @@ def _update_square_sums(g, row_var, col_var, row_mean, floor, one, negate):
     return parts
 
 
-@numba.njit(parallel=True, cache=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def _apply(p, g, row_var, col_var, row_mean, floor, one, negate, decay, apply_decay, step):
     """``p = p * decay`` (when ``apply_decay``), then ``p = p + step * u`` (u as above)."""
     n_lead, n_rows, n_cols = g.shape
@@ -196,7 +199,9 @@ def adafactor_update(param, grad, state, settings, columns):
         g3 = grad.reshape(-1, rows, cols)
         row_var = state["row_var"].reshape(-1, rows)
         col_var = state["col_var"].reshape(-1, cols)
-        row_sums, p_parts, column_parts = _square_sums(p3, g3, rows_per_block(rows, cols))
+        square_sums, update_square_sums, apply = (
+            kernel.for_size(param.size) for kernel in (_square_sums, _update_square_sums, _apply))
+        row_sums, p_parts, column_parts = square_sums(p3, g3, rows_per_block(rows, cols))
         col_sums = column_parts.sum(axis=1)
         # torch: norm (a float32 value), squared, divided by the count, in the param's dtype
         row_var[...] = torch_lerp(row_var, np.square(np.sqrt(row_sums).astype(dtype))
@@ -206,10 +211,10 @@ def adafactor_update(param, grad, state, settings, columns):
         row_mean = np.maximum(row_var.mean(axis=1, dtype=dtype), dtype(eps1))
         floor = dtype(eps1 * eps1)
         alpha = max(eps2, math.sqrt(p_parts.sum()) / math.sqrt(param.size)) * rho
-        u_norm = math.sqrt(_update_square_sums(g3, row_var, col_var, row_mean, floor,
+        u_norm = math.sqrt(update_square_sums(g3, row_var, col_var, row_mean, floor,
                                                dtype(1), negate).sum())
         denom = max(1.0, u_norm / (math.sqrt(param.size) * settings["d"]))
-        _apply(p3, g3, row_var, col_var, row_mean, floor, dtype(1), negate, decay,
+        apply(p3, g3, row_var, col_var, row_mean, floor, dtype(1), negate, decay,
                weight_decay != 0, dtype(-alpha / denom))
         return
     _vector_update(param.reshape(-1), grad.reshape(-1), state["variance"].reshape(-1),

@@ -1,0 +1,120 @@
+"""Where the CPU kernels use Numba's threads: a serial kernel never calls the parallel scheduler
+(no launch, no wake-up of worker threads), and a parallel kernel has exactly one parallel region,
+its ``prange`` loop (no allocation or final reduction compiled as a parallel loop of its own).
+Checked in the LLVM IR of every threaded kernel a training loop compiles."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from numba import prange
+
+import flatopt
+from flatopt.distributed import _sharding
+from flatopt.kernels import threads
+
+from optimizers import NAMES, build, fit_params
+
+SCHEDULER_CALL = re.compile(r"call [^\n]*@do_scheduling_(?:un)?signed")
+
+
+def _run_everything(monkeypatch, parallel: bool) -> None:
+    """A step with clipping of every registered optimizer (Adafactor with a matrix), an EMA
+    update, a gradient scaling and the sharded norm's partial sums, all in float32."""
+    if parallel:
+        monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 0)
+    shapes = {"w": (24, 40), "b": (40,)}
+    for name in NAMES:
+        params = fit_params(name, {k: np.ones(s, np.float32) for k, s in shapes.items()})
+        opt = build(name, params)
+        opt.step({k: np.full(v.shape, 0.5, np.float32) for k, v in params.items()},
+                 max_grad_norm=1.0)
+        flatopt.EMA(opt).update()
+        flatopt.scale_gradients(opt, 0.5)
+    buf = opt.buffers[0]
+    _sharding._gradient_chunk_partials.for_size(buf.length)(
+        buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first, buf.chunk_size, 2.0,
+        1, 0, buf.chunk_first.size)
+    monkeypatch.undo()
+
+
+def _scheduler_calls(threaded: threads.Threaded, way: str) -> dict[str, int]:
+    """Per float32 signature used in this process: calls of Numba's parallel scheduler in the
+    LLVM IR of ``way`` ("serial" or "parallel"). A kernel loaded from the disk cache has no IR:
+    that one is compiled afresh."""
+    used = getattr(threaded, way)
+    fresh = None
+    counts = {}
+    for signature in used.signatures:
+        if "float64" in str(signature) and "float32" not in str(signature):
+            continue
+        if used.stats.cache_hits.get(signature):
+            fresh = fresh or getattr(threaded.uncached(), way)
+            fresh.compile(signature)
+            ir = fresh.inspect_llvm(signature)
+        else:
+            ir = used.inspect_llvm(signature)
+        counts[str(signature)] = len(SCHEDULER_CALL.findall(ir))
+    return counts
+
+
+@pytest.fixture(scope="module")
+def exercised():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _run_everything(monkeypatch, parallel=False)
+        _run_everything(monkeypatch, parallel=True)
+    return list(threads.ALL)
+
+
+def test_every_threaded_kernel_of_a_training_loop_ran_both_ways(exercised):
+    ran = {t.name for t in exercised if t.serial.signatures and t.parallel.signatures}
+    assert {"cpu.reduce_gradients", "tools.lerp_into", "adafactor._square_sums",
+            "adafactor._update_square_sums", "adafactor._apply",
+            "_sharding._gradient_chunk_partials"} <= ran
+    rules = [flatopt.registry.lookup(name).schema.rule for name in NAMES]
+    for rule in rules:
+        if rule.per_parameter is None:
+            assert any(t.startswith(f"step_{rule.name}_") for t in ran), rule.name
+    assert any(t.startswith("reduce_lamb_") for t in ran)
+
+
+def test_serial_kernels_never_call_the_parallel_scheduler(exercised):
+    checked = 0
+    for threaded in exercised:
+        for signature, calls in _scheduler_calls(threaded, "serial").items():
+            assert calls == 0, f"{threaded.name} {signature}: {calls} parallel launches"
+            checked += 1
+    assert checked >= len(NAMES)  # every rule's step walk at least
+
+
+def test_parallel_kernels_launch_once(exercised):
+    """np.zeros, .sum() and array expressions in a parallel=True kernel would each add a
+    parallel region (a launch that waits for every worker thread)."""
+    checked = 0
+    for threaded in exercised:
+        if not threaded.parallel.signatures:
+            continue
+        for signature, calls in _scheduler_calls(threaded, "parallel").items():
+            assert calls == 1, f"{threaded.name} {signature}: {calls} parallel regions"
+            checked += 1
+    assert checked >= len(NAMES)
+
+
+def test_the_check_sees_a_parallel_region_made_by_an_array_expression():
+    """The IR check is not blind: a reduction written as .sum() in a parallel kernel counts as
+    a second region."""
+    def two_regions(x):
+        total = np.empty(x.size)
+        for i in prange(x.size):
+            total[i] = x[i] * 2
+        return np.zeros(x.size).sum() + total[0]
+
+    kernel = threads.Threaded(two_regions, "test_threads.two_regions", cache=False)
+    threads.ALL.remove(kernel)
+    x = np.ones(10)
+    assert kernel.parallel(x) == kernel.serial(x) == 2.0
+    assert len(SCHEDULER_CALL.findall(kernel.parallel.inspect_llvm(
+        kernel.parallel.signatures[0]))) >= 2
+    assert not SCHEDULER_CALL.findall(kernel.serial.inspect_llvm(kernel.serial.signatures[0]))
