@@ -32,21 +32,59 @@ from .schema import Schema, describe_group, near
 
 
 
+_IMMUTABLE = (type(None), bool, int, float, str)
+
+
 def _frozen(value: Any) -> Any:
     """A type-exact, immutable copy of a group value, to tell whether it changed since the
-    last validation (a list mutated in place, or 0 replacing False, counts as a change)."""
+    last validation (a list mutated in place, or 0 replacing False, counts as a change); None
+    for a value that cannot change in place (the same object is then the same value)."""
     kind = type(value)
-    if value is None or kind in (bool, int, float, str):
-        return (kind, value)
+    if kind in _IMMUTABLE:
+        return None
     if kind in (tuple, list):
-        return (kind, tuple(_frozen(item) for item in value))
+        items = tuple(_frozen(item) for item in value)
+        if kind is tuple and not any(items):
+            return None
+        return (kind, tuple((type(item), item) if frozen is None else frozen
+                            for item, frozen in zip(value, items)))
     return (kind, id(value), repr(value))
 
 
-def _group_snapshot(group: Mapping[str, Any]) -> tuple:
-    # "params" is compared by identity: it must stay the tuple the optimizer made.
-    return tuple((key, id(value) if key == "params" else _frozen(value))
-                 for key, value in group.items())
+class _Validated:
+    """A group as last validated: its keys, its value objects (and a frozen copy of each that
+    can change in place) and the normalised values. At every step a group whose keys are the
+    same and whose values are the same objects is this; otherwise only the values that changed
+    are checked again (a scheduler's ``lr``: a few microseconds)."""
+
+    __slots__ = ("keys", "objects", "mutable", "values")
+
+    def __init__(self, group: Mapping[str, Any], values: dict[str, Any],
+                 previous: "_Validated | None" = None, changes: Mapping[str, Any] = ()):
+        """``previous``, ``changes``: the record ``group`` differs from by ``changes`` only
+        (its frozen copies of the other values are kept)."""
+        self.keys = tuple(group)
+        self.objects = tuple(group.values())
+        self.mutable = {} if previous is None else dict(previous.mutable)
+        for key, value in (group.items() if previous is None else changes.items()):
+            frozen = _frozen(value)
+            if frozen is None:
+                self.mutable.pop(key, None)
+            else:
+                self.mutable[key] = frozen
+        self.values = values
+
+    def changes(self, group: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The keys of ``group`` whose values changed (empty: none did); None when keys were
+        added or removed. ``params`` is compared by identity, like every value."""
+        if len(group) != len(self.keys) or tuple(group) != self.keys:
+            return None
+        changed = {key: value for key, value, known
+                   in zip(self.keys, group.values(), self.objects) if value is not known}
+        for key, frozen in self.mutable.items():
+            if key not in changed and _frozen(group[key]) != frozen:
+                changed[key] = group[key]
+        return changed
 
 
 def _locked(method):
@@ -129,7 +167,7 @@ class Optimizer:
         self._param_views: dict[str, np.ndarray] = {}
         self._grad_views: dict[str, np.ndarray] = {}
         self._group_paths: list[tuple[str, ...]] = []
-        self._validated: list[tuple[tuple, dict]] = []
+        self._validated: list[_Validated | None] = []
         self._plans: list[_Plan | None] = []
         self._warned_no_gradient = False
         self.lock = threading.RLock()
@@ -243,7 +281,7 @@ class Optimizer:
             paths = tuple(path for path, _ in entries)
             self.param_groups.append({"params": paths, **values})
             self._group_paths.append(paths)
-            self._validated.append(((), {}))
+            self._validated.append(None)
         # Views are handed out in id order, as the user gave them; new ids come last.
         infos.sort(key=lambda info: info.id)
         self.index._extend(infos)
@@ -308,11 +346,18 @@ class Optimizer:
                 problems.append(f"param group {number} was replaced by a "
                                 f"{type(group).__name__}; change values inside the group dict")
                 continue
-            snapshot = _group_snapshot(group)
-            cached_snapshot, cached_values = self._validated[number]
-            if snapshot == cached_snapshot:
-                settings.append(cached_values)
+            validated = self._validated[number]
+            changes = None if validated is None else validated.changes(group)
+            if changes == {}:
+                settings.append(validated.values)
                 continue
+            if changes is not None and "params" not in changes:  # values changed: those only
+                values, value_problems = self.schema.check_group(changes, "",
+                                                                 base=validated.values)
+                if not value_problems:
+                    settings.append(values)
+                    self._validated[number] = _Validated(group, values, validated, changes)
+                    continue
             where = describe_group(number, group)
             if group.get("params") is not self._group_paths[number]:
                 problems.append(f"{where}: 'params' was changed or the groups were reordered; "
@@ -322,7 +367,7 @@ class Optimizer:
             problems += value_problems
             settings.append(values)
             if not value_problems:
-                self._validated[number] = (snapshot, values)
+                self._validated[number] = _Validated(group, values)
         _raise(problems, HyperparameterError)
         return settings
 
@@ -340,19 +385,24 @@ class Optimizer:
         return self.schema.rule.prepare_scalars()
 
     def _plan(self, buf: FlatBuffer, settings: dict) -> _Plan:
+        """The kernel arguments for ``settings`` (a new plan each time they change: a
+        scheduler's new ``lr`` costs this once per buffer and step, a few microseconds)."""
         rule = self.schema.rule
-        layouts = ((self.kernel_scalars(settings, buf.dtype), rule.scalars),
-                   (self.prepare_scalars(settings), rule.prepare_scalars),
-                   (self.kernel_flags(settings), rule.flags))
-        for value, layout in layouts:
+        scalars = self.kernel_scalars(settings, buf.dtype)
+        prepare = self.prepare_scalars(settings)
+        flags = self.kernel_flags(settings)
+        for value, layout in ((scalars, rule.scalars), (prepare, rule.prepare_scalars),
+                              (flags, rule.flags)):
             if type(value) is not layout:
                 raise TypeError(f"{type(self).__name__} gave a {type(value).__name__} where "
                                 f"rule {rule.name!r} takes its {layout.__name__}")
-        scalars, prepare, flags = (value for value, _ in layouts)
         plan = _Plan(settings, np.array(scalars, dtype=buf.dtype),
-                     np.array(prepare, dtype=np.float64), tuple(bool(f) for f in flags),
+                     np.array(prepare, dtype=np.float64), tuple(map(bool, flags)),
                      self.schema.used_slots(settings))
-        if rule.reductions:
+        previous = self._plans[buf.number]
+        if previous is not None and previous.used == plan.used:  # the same slots: keep them
+            plan.arrays, plan.sums = previous.arrays, previous.sums
+        elif rule.reductions:
             plan.sums = np.zeros((len(buf), len(rule.reductions)))
         self._plans[buf.number] = plan
         return plan

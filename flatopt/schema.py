@@ -267,31 +267,40 @@ class Schema:
         return {**{key: h.default for key, h in self.hyperparameters.items()}, **overrides}
 
     def check_group(self, values: Mapping[str, Any], where: str, *,
-                    extras: tuple[str, ...] = GROUP_EXTRAS,
-                    complete: bool = True) -> tuple[dict[str, Any], list[str]]:
+                    extras: tuple[str, ...] = GROUP_EXTRAS, complete: bool = True,
+                    base: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
         """Normalise one group's values; return (normalised, problems).
 
         Every key must be a hyperparameter or one of ``extras``; with ``complete`` every
         hyperparameter must be present. ``label`` and ``initial_lr`` are checked too, and the
         schema's cross-check runs when every value passed its own check.
+
+        ``base``: a complete group this method normalised before; ``values`` then holds only
+        the keys that changed since (a scheduler's ``lr``), and only those are checked again
+        (the cross-check runs on the whole result, as always).
         """
         problems: list[str] = []
-        normalised: dict[str, Any] = {}
+        normalised: dict[str, Any] = {} if base is None else dict(base)
         known = [*self.hyperparameters, *extras]
         for key in values:
             if key not in self.hyperparameters and key not in extras:
                 problems.append(f"{where}: unknown hyperparameter {key!r}{near(key, known)}; "
                                 f"known: {', '.join(self.hyperparameters)}")
-        for key, hyper in self.hyperparameters.items():
+        for key, hyper in self.hyperparameters.items() if base is None else \
+                ((key, self.hyperparameters[key]) for key in values
+                 if key in self.hyperparameters):
             if key not in values:
                 continue
             try:
                 normalised[key] = hyper.check(values[key])
             except Invalid as exc:
                 problems.append(f"{where}: {key}={values[key]!r} is invalid: {exc}")
-        missing = [key for key in self.hyperparameters if key not in values]
+        missing = [] if base is not None else \
+            [key for key in self.hyperparameters if key not in values]
         if complete and missing:
             problems.append(f"{where}: hyperparameters {missing} are missing")
+        if "label" in values:
+            normalised.pop("label", None)
         if "label" in values and values["label"] is not None:
             try:
                 normalised["label"] = text(values["label"], "label")

@@ -462,14 +462,17 @@ def test_adafactor_keeps_rows_plus_columns_of_state_per_matrix_as_torch_does():
     assert state["variance"].size == 208 + 16
 
 
-def test_adafactor_passes_compile_once_per_dtype_and_do_not_depend_on_threads():
+def test_adafactor_passes_compile_once_per_dtype_and_do_not_depend_on_threads(monkeypatch):
+    """On threads (forced for these small matrices) and on one thread (the serial kernels),
+    the same bits."""
     import numba
 
+    from flatopt.kernels import threads
     from flatopt.kernels.rules import adafactor as rule
-    passes = (rule._square_sums, rule._update_square_sums,
-              rule._apply)
+    passes = [p.parallel for p in (rule._square_sums, rule._update_square_sums, rule._apply)]
     params, grads = _adafactor_problem(1)
     opt = flatopt.Adafactor(params, weight_decay=0.1)
+    monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 0)
     opt.step(grads[0])
     counts = [len(p.signatures) for p in passes]
     assert all(counts)
