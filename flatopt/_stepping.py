@@ -55,8 +55,8 @@ def reduce_present(opt, mode: int, power: float) -> tuple[float, int]:
     for buf in opt.buffers:
         if not buf.chunk_first.size:
             continue
-        value, count = cpu.reduce_gradients.for_size(buf.length)(
-            buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first, buf.chunk_size,
+        value, count = cpu.reduce_gradients(
+            buf.length, buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first, buf.chunk_size,
             power, mode)
         bad += int(count)
         if mode == cpu.MAX_ABS:

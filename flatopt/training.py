@@ -216,10 +216,11 @@ class EMA:
             for average, buf in zip(self.buffers, self.opt.buffers):
                 w = float(buf.dtype.type(weight))
                 from_end = not abs(w) < 0.5
-                lerp = (lerp_into.for_size(average.size) if self._device is None
-                        else self._device.lerp)
-                lerp(average, self._live(buf), buf.dtype.type(w - 1.0 if from_end else w),
-                     from_end)
+                weight_t = buf.dtype.type(w - 1.0 if from_end else w)
+                if self._device is None:
+                    lerp_into(average.size, average, self._live(buf), weight_t, from_end)
+                else:
+                    self._device.lerp(average, self._live(buf), weight_t, from_end)
         self.num_updates += 1
 
     @contextlib.contextmanager

@@ -236,8 +236,8 @@ class CompiledRule(NamedTuple):
 
     def reduce(self, arrays, scalars, columns, flags, layout, sums, grad_multiplier,
                scale_grads: bool) -> None:
-        self.reduce_kernel.for_size(layout.length)(
-            arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
+        self.reduce_kernel(
+            layout.length, arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
             layout.chunk_first, layout.chunk_size, sums, grad_multiplier, scale_grads)
 
     def finalize(self, present, columns, scalars, flags, sums) -> None:
@@ -249,8 +249,8 @@ class CompiledRule(NamedTuple):
     def step(self, arrays, scalars, columns, flags, layout, grad_multiplier,
              scale_grads: bool) -> None:
         """``grad_multiplier`` is a scalar of the buffer's dtype."""
-        self.step_kernel.for_size(layout.length)(
-            arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
+        self.step_kernel(
+            layout.length, arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
             layout.chunk_first, layout.chunk_size, grad_multiplier, scale_grads)
 
 

@@ -3,39 +3,108 @@
 Every CPU kernel that has a ``prange`` loop is a :class:`Threaded`: one Python function compiled
 twice. ``serial`` is compiled without ``parallel=True``, so ``prange`` is ``range`` and nothing in
 it calls Numba's thread pool: a small buffer is updated on the calling thread with no launch and
-no wake-up of worker threads (which, right after NumPy's BLAS or beside a busy process, wait for
-a core: milliseconds). ``parallel`` has its ``prange`` loop as its only parallel region: in a
-``parallel=True`` function ``np.zeros``, ``.sum()`` and array expressions are parallel loops too,
-each a launch of its own, so these kernels allocate with ``np.empty`` and combine partial results
-in plain loops (``tests/test_threads.py`` counts the regions in the compiled code).
+no wake-up of worker threads. ``parallel`` has its ``prange`` loop as its only parallel region:
+in a ``parallel=True`` function ``np.zeros``, ``.sum()`` and array expressions are parallel loops
+too, each a launch of its own, so these kernels allocate with ``np.empty`` and combine partial
+results in plain loops (``tests/test_threads.py`` counts the regions in the compiled code). Both
+compute the same values in the same order, so the choice never changes a result.
 
-:func:`run_serially` picks between the two by the number of elements a call touches.
+Which one runs (the *policy*, ``FLATOPT_PARALLEL`` or :func:`set_policy`):
+
+- ``"auto"`` (default): below :data:`PARALLEL_MIN_ELEMENTS`, with one Numba thread or one usable
+  core, serial. Above, each kernel times both ways for each size it is called with and runs the
+  faster, trying the other again every :data:`RETRY_EVERY` calls. Measured because the answer
+  depends on where the step runs: back to back the threads win (2x on 2 cores); right after
+  NumPy matmuls, BLAS's idle threads spin on the other cores for milliseconds and Numba's
+  workers wait for them (the same step took 4 ms in parallel, 1 ms serially); beside a busy
+  process, 13-29 ms against 2 ms (``python -m bench.inloop``).
+- ``"always"``: parallel above the size threshold (the previous behaviour, for benchmarks).
+- ``"never"``: every kernel on the calling thread.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Callable
 
 from numba import get_num_threads, njit
 
 from ._bind import instantiate
 
-# Below this many elements a kernel runs on the calling thread. In a back-to-back loop a parallel
-# launch pays off from ~32K elements, but in a training loop the worker threads have gone to
-# sleep between steps, and waking them costs tens of microseconds on a quiet machine and
-# milliseconds when BLAS's spinning threads or another process hold the cores
-# (``python -m bench.inloop``).
+# Below this many elements a kernel always runs on the calling thread: a parallel launch pays
+# off back to back from ~32K elements, but in a training loop the workers have gone to sleep
+# between steps and waking them costs tens of microseconds on a quiet machine.
 PARALLEL_MIN_ELEMENTS = 1 << 17
+RETRY_EVERY = 64
+"""In ``"auto"``, every this many calls of a size the way not chosen runs once (its time is
+what it costs now: BLAS threads and other processes come and go)."""
+POLICIES = ("auto", "always", "never")
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+USABLE_CORES = _usable_cores()
+_policy = "auto"
+
+
+def set_policy(policy: str) -> str:
+    """Set when threaded kernels run in parallel (``"auto"``, ``"always"``, ``"never"``, see
+    the module docstring); returns the previous policy."""
+    global _policy
+    if policy not in POLICIES:
+        raise ValueError(f"parallel policy must be one of {POLICIES}, got {policy!r}")
+    previous, _policy = _policy, policy
+    return previous
+
+
+def get_policy() -> str:
+    return _policy
 
 
 def run_serially(n_elements: int) -> bool:
-    """Whether a kernel call over ``n_elements`` should stay on the calling thread."""
-    return n_elements < PARALLEL_MIN_ELEMENTS or get_num_threads() == 1
+    """Whether a kernel call over ``n_elements`` stays on the calling thread whatever the
+    timings say."""
+    return (n_elements < PARALLEL_MIN_ELEMENTS or _policy == "never" or USABLE_CORES == 1
+            or get_num_threads() == 1)
+
+
+class _Timings:
+    """Recent seconds per call of each way for one size (exponential averages), and whether
+    each has run once (its first call may load or compile it: not counted)."""
+
+    __slots__ = ("seconds", "warm", "calls")
+
+    def __init__(self):
+        self.seconds = [0.0, 0.0]  # serial, parallel
+        self.warm = [False, False]
+        self.calls = 0
+
+    def choose(self) -> int:
+        self.calls += 1
+        for way in (0, 1):
+            if not self.warm[way] or not self.seconds[way]:
+                return way
+        best = 0 if self.seconds[0] <= self.seconds[1] else 1
+        return 1 - best if self.calls % RETRY_EVERY == 0 else best
+
+    def record(self, way: int, seconds: float) -> None:
+        if not self.warm[way]:
+            self.warm[way] = True
+        elif not self.seconds[way]:
+            self.seconds[way] = seconds
+        else:
+            self.seconds[way] = 0.75 * self.seconds[way] + 0.25 * seconds
 
 
 class Threaded:
-    """One kernel, compiled as ``serial`` and as ``parallel`` from the same function (so both
-    compute the same values in the same order wherever the order is fixed by the code).
+    """One kernel, compiled as ``serial`` and as ``parallel`` from the same function; calling
+    it (``kernel(n_elements, *args)``) runs the way the policy picks for ``n_elements``.
 
     The two are compiled under different names (``<name>_serial``, ``<name>_parallel``): Numba's
     on-disk cache is keyed by name and signature, not by compile options, so one name for both
@@ -49,6 +118,7 @@ class Threaded:
         self.options = options
         self.serial = njit(cache=cache, **options)(self._named("serial"))
         self.parallel = njit(parallel=True, cache=cache, **options)(self._named("parallel"))
+        self.timings: dict[int, _Timings] = {}
         ALL.append(self)
 
     def _named(self, way: str) -> Callable:
@@ -62,11 +132,22 @@ class Threaded:
                                                               self.bound, self.options)
         copy.serial = njit(cache=False, **self.options)(self._named("serial"))
         copy.parallel = njit(parallel=True, cache=False, **self.options)(self._named("parallel"))
+        copy.timings = {}
         return copy
 
-    def for_size(self, n_elements: int):
-        """``serial`` or ``parallel``, by :func:`run_serially`."""
-        return self.serial if run_serially(n_elements) else self.parallel
+    def __call__(self, n_elements: int, *args):
+        if run_serially(n_elements):
+            return self.serial(*args)
+        if _policy == "always":
+            return self.parallel(*args)
+        timings = self.timings.get(n_elements)
+        if timings is None:
+            timings = self.timings[n_elements] = _Timings()
+        way = timings.choose()
+        start = time.perf_counter()
+        result = (self.parallel if way else self.serial)(*args)
+        timings.record(way, time.perf_counter() - start)
+        return result
 
     def __repr__(self) -> str:
         return f"Threaded({self.name!r})"
@@ -84,4 +165,10 @@ def threaded(**options) -> Callable[[Callable], Threaded]:
     return decorate
 
 
-__all__ = ["ALL", "PARALLEL_MIN_ELEMENTS", "Threaded", "run_serially", "threaded"]
+try:
+    set_policy(os.environ.get("FLATOPT_PARALLEL", "auto").strip().lower() or "auto")
+except ValueError as exc:
+    raise ValueError(f"environment variable FLATOPT_PARALLEL: {exc}") from None
+
+__all__ = ["ALL", "PARALLEL_MIN_ELEMENTS", "POLICIES", "RETRY_EVERY", "Threaded", "USABLE_CORES",
+           "get_policy", "run_serially", "set_policy", "threaded"]

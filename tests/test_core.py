@@ -546,6 +546,7 @@ def test_parallel_chunk_walk_equals_serial_walk(name, monkeypatch):
                  if (step + len(k)) % 3}
         serial.step(grads)
         monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(threads, "_policy", "always")
         chunked.step(grads)
         monkeypatch.undo()
     for path in shapes:

@@ -25,6 +25,7 @@ def _run_everything(monkeypatch, parallel: bool) -> None:
     update, a gradient scaling and the sharded norm's partial sums, all in float32."""
     if parallel:
         monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(threads, "_policy", "always")
     shapes = {"w": (24, 40), "b": (40,)}
     for name in NAMES:
         params = fit_params(name, {k: np.ones(s, np.float32) for k, s in shapes.items()})
@@ -34,8 +35,8 @@ def _run_everything(monkeypatch, parallel: bool) -> None:
         flatopt.EMA(opt).update()
         flatopt.scale_gradients(opt, 0.5)
     buf = opt.buffers[0]
-    _sharding._gradient_chunk_partials.for_size(buf.length)(
-        buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first, buf.chunk_size, 2.0,
+    _sharding._gradient_chunk_partials(
+        buf.length, buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first, buf.chunk_size, 2.0,
         1, 0, buf.chunk_first.size)
     monkeypatch.undo()
 
@@ -118,3 +119,65 @@ def test_the_check_sees_a_parallel_region_made_by_an_array_expression():
     assert len(SCHEDULER_CALL.findall(kernel.parallel.inspect_llvm(
         kernel.parallel.signatures[0]))) >= 2
     assert not SCHEDULER_CALL.findall(kernel.serial.inspect_llvm(kernel.serial.signatures[0]))
+
+
+# ---------------------------------------------------------------------------- the policy
+def test_auto_runs_the_faster_way_and_tries_the_other_again(monkeypatch):
+    monkeypatch.setattr(threads, "_policy", "auto")
+    monkeypatch.setattr(threads, "USABLE_CORES", 2)
+    monkeypatch.setattr(threads, "get_num_threads", lambda: 2)
+    n = threads.PARALLEL_MIN_ELEMENTS
+    durations = {"serial": 1.0, "parallel": 5.0}  # parallel slow: BLAS threads spinning
+    kernel = threads.Threaded(lambda x: x, "test_threads.fake", cache=False)
+    threads.ALL.remove(kernel)
+    ran = []
+    clock = [0.0]
+    kernel.serial = lambda x: ran.append("serial") or clock.__setitem__(
+        0, clock[0] + durations["serial"])
+    kernel.parallel = lambda x: ran.append("parallel") or clock.__setitem__(
+        0, clock[0] + durations["parallel"])
+    monkeypatch.setattr(threads.time, "perf_counter", lambda: clock[0])
+    for _ in range(3 * threads.RETRY_EVERY):
+        kernel(n, None)
+    settled = ran[8:]
+    assert settled.count("parallel") == 3  # one retry per RETRY_EVERY calls
+    durations.update(serial=5.0, parallel=1.0)  # the machine went quiet
+    ran.clear()
+    for _ in range(3 * threads.RETRY_EVERY):
+        kernel(n, None)
+    assert ran[-threads.RETRY_EVERY:].count("serial") == 1  # settled on parallel, one retry
+    ran.clear()
+    kernel(n - 1, None)  # below the threshold: serial, untimed
+    assert ran == ["serial"] and n - 1 not in kernel.timings
+
+
+@pytest.mark.parametrize("policy, expected", [("never", "serial"), ("always", "parallel")])
+def test_never_and_always_are_what_they_say(monkeypatch, policy, expected):
+    monkeypatch.setattr(threads, "USABLE_CORES", 2)
+    monkeypatch.setattr(threads, "get_num_threads", lambda: 2)
+    previous = threads.set_policy(policy)
+    try:
+        kernel = threads.Threaded(lambda x: x, "test_threads.fake", cache=False)
+        threads.ALL.remove(kernel)
+        ran = []
+        kernel.serial = lambda x: ran.append("serial")
+        kernel.parallel = lambda x: ran.append("parallel")
+        for _ in range(10):
+            kernel(1 << 30, None)
+        assert ran == [expected] * 10
+    finally:
+        threads.set_policy(previous)
+    with pytest.raises(ValueError, match="'auto', 'always', 'never'"):
+        threads.set_policy("sometimes")
+
+
+def test_the_policy_comes_from_the_environment_and_bad_values_are_named():
+    import subprocess
+    import sys
+    code = "import flatopt; print(flatopt.kernels.threads.get_policy())"
+    env = {**__import__("os").environ, "FLATOPT_PARALLEL": "never"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "never", out.stderr
+    env["FLATOPT_PARALLEL"] = "maybe"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "FLATOPT_PARALLEL" in out.stderr and "maybe" in out.stderr

@@ -299,8 +299,8 @@ class Sharding:
             if shard.stop_chunk == shard.first_chunk:
                 mine.append((np.zeros(0), 0))
                 continue
-            partial, bad = _gradient_chunk_partials.for_size(shard.hi - shard.lo)(
-                buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first,
+            partial, bad = _gradient_chunk_partials(
+                shard.hi - shard.lo, buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first,
                 buf.chunk_size, power, mode, shard.first_chunk, shard.stop_chunk)
             mine.append((partial, int(bad.sum())))
         gathered = self.comm.allgather(mine)

@@ -199,9 +199,8 @@ def adafactor_update(param, grad, state, settings, columns):
         g3 = grad.reshape(-1, rows, cols)
         row_var = state["row_var"].reshape(-1, rows)
         col_var = state["col_var"].reshape(-1, cols)
-        square_sums, update_square_sums, apply = (
-            kernel.for_size(param.size) for kernel in (_square_sums, _update_square_sums, _apply))
-        row_sums, p_parts, column_parts = square_sums(p3, g3, rows_per_block(rows, cols))
+        n = param.size
+        row_sums, p_parts, column_parts = _square_sums(n, p3, g3, rows_per_block(rows, cols))
         col_sums = column_parts.sum(axis=1)
         # torch: norm (a float32 value), squared, divided by the count, in the param's dtype
         row_var[...] = torch_lerp(row_var, np.square(np.sqrt(row_sums).astype(dtype))
@@ -211,10 +210,10 @@ def adafactor_update(param, grad, state, settings, columns):
         row_mean = np.maximum(row_var.mean(axis=1, dtype=dtype), dtype(eps1))
         floor = dtype(eps1 * eps1)
         alpha = max(eps2, math.sqrt(p_parts.sum()) / math.sqrt(param.size)) * rho
-        u_norm = math.sqrt(update_square_sums(g3, row_var, col_var, row_mean, floor,
+        u_norm = math.sqrt(_update_square_sums(n, g3, row_var, col_var, row_mean, floor,
                                                dtype(1), negate).sum())
         denom = max(1.0, u_norm / (math.sqrt(param.size) * settings["d"]))
-        apply(p3, g3, row_var, col_var, row_mean, floor, dtype(1), negate, decay,
+        _apply(n, p3, g3, row_var, col_var, row_mean, floor, dtype(1), negate, decay,
                weight_decay != 0, dtype(-alpha / denom))
         return
     _vector_update(param.reshape(-1), grad.reshape(-1), state["variance"].reshape(-1),
