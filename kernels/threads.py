@@ -78,12 +78,13 @@ class _Timings:
     """Recent seconds per call of each way for one size (exponential averages), and whether
     each has run once (its first call may load or compile it: not counted)."""
 
-    __slots__ = ("seconds", "warm", "calls")
+    __slots__ = ("seconds", "warm", "calls", "retry")
 
     def __init__(self):
         self.seconds = [0.0, 0.0]  # serial, parallel
         self.warm = [False, False]
         self.calls = 0
+        self.retry = False
 
     def choose(self) -> int:
         self.calls += 1
@@ -91,7 +92,10 @@ class _Timings:
             if not self.warm[way] or not self.seconds[way]:
                 return way
         best = 0 if self.seconds[0] <= self.seconds[1] else 1
-        return 1 - best if self.calls % RETRY_EVERY == 0 else best
+        if self.retry or self.calls % RETRY_EVERY == 0:
+            self.retry = False
+            return 1 - best
+        return best
 
     def record(self, way: int, seconds: float) -> None:
         if not self.warm[way]:
@@ -99,6 +103,9 @@ class _Timings:
         elif not self.seconds[way]:
             self.seconds[way] = seconds
         else:
+            # a call twice as slow as usual: conditions changed (BLAS threads started
+            # spinning, a process got busy), so the other way's figure is stale: try it next
+            self.retry = seconds > 2 * self.seconds[way]
             self.seconds[way] = 0.75 * self.seconds[way] + 0.25 * seconds
 
 
