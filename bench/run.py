@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import extras
+from . import extras, inloop
 from .impls import (ELEMENTWISE, OPTIMIZERS, Case, available_impls, bytes_per_element, make_impl,
                     max_threads, set_threads)
 from .profiles import DEFAULT_ORDER, PROFILES
@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-seconds", type=float, default=0.02,
                         help="small steps are repeated to fill a sample of about this long")
     parser.add_argument("--no-extras", action="store_true",
-                        help="skip compile time, latency, memory and checkpoint figures")
+                        help="skip compile time, latency, memory, checkpoint and in-loop "
+                             "figures")
     parser.add_argument("--out", type=Path, default=Path("bench/results"),
                         help="folder for results.json and the PNG plots")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
@@ -397,6 +398,13 @@ def main(argv: list[str] | None = None) -> int:
                                           progress=progress)
         progress.finish()
         extras.print_extras(report["extras"])
+        progress = Progress(1, enabled=not args.quiet)
+        progress.show("in-loop profiles (bench.inloop)")
+        rows, bandwidth = inloop.measure(inloop.PROFILES, steps=20 if args.quick else 40)
+        report["inloop"] = {"copy_bandwidth": bandwidth, "rows": rows}
+        progress.finish()
+        print("\nThe step in a training loop (python -m bench.inloop):")
+        inloop.print_rows(rows, bandwidth)
     report["targets"] = check_targets(records, report.get("extras"))
     print_targets(report["targets"])
     report["runtime_s"] = time.perf_counter() - start

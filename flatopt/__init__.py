@@ -24,6 +24,8 @@ from .optimizers import (ASGD, SGD, Adadelta, AdadeltaParamState, Adafactor,
 from .schema import Column, Hyperparameter, Schema, Slot
 from ._stepping import StepResult
 from .training import EMA, GradScaler, clip_grad_norm, scale_gradients
+from .kernels.threads import get_policy as get_parallel_policy
+from .kernels.threads import set_policy as set_parallel_policy
 
 from . import lr_scheduler  # noqa: E402 (it builds on the optimizer classes above)
 
@@ -35,6 +37,7 @@ __all__ = [
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
+    "set_parallel_policy", "get_parallel_policy",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
     "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",

@@ -1,4 +1,5 @@
-"""The CPU backend: every rule compiled into two Numba kernels over one flat buffer.
+"""The CPU backend: every rule compiled into Numba kernels over one flat buffer (prepare and
+step; reduce and finalize for rules with per-parameter totals; the walks serial and parallel).
 
 A buffer holds many parameters back to back (with alignment padding between them). Work is cut
 into fixed-size element chunks, independent of parameter boundaries, so threads get even work

@@ -252,6 +252,34 @@ def test_values_changed_in_place_or_retyped_are_seen_and_validated_at_the_next_s
         opt.step({"a": np.ones(3)})
 
 
+def test_a_scheduled_value_is_checked_alone_and_used_at_once():
+    """A changed lr is re-checked by itself (a scheduler's every step), with the same messages
+    and cross-checks as a whole group; other keys stay as validated."""
+    opt = flatopt.SGD([{"params": {"a": np.ones(3)}, "label": "x"}], lr=0.5, momentum=0.9,
+                      nesterov=True)
+    group = opt.param_groups[0]
+    group["lr"] = 0.25
+    assert opt.settings()[0] == {**opt.settings()[0], "lr": 0.25, "momentum": 0.9,
+                                 "label": "x"}
+    group["lr"] = -1.0
+    with pytest.raises(HyperparameterError, match=r"param group 0 \('x'\): lr=-1.0 is invalid"):
+        opt.step({"a": np.ones(3)})
+    group["lr"] = 0.25
+    group["momentum"] = 0.0  # nesterov needs momentum: the cross-check still runs
+    with pytest.raises(HyperparameterError, match="nesterov"):
+        opt.settings()
+    group.update(momentum=0.0, nesterov=False, label=None)
+    assert "label" not in opt.settings()[0]
+    opt.step({"a": np.ones(3)})
+    np.testing.assert_array_equal(opt.params["a"], 0.75)
+    group["lr"] = 0.5  # the next step's plan has the new scalars
+    opt.step({"a": np.ones(3)})
+    np.testing.assert_array_equal(opt.params["a"], 0.25)
+    group["lr_typo"] = 0.1  # a new key: the whole group is checked
+    with pytest.raises(HyperparameterError, match="unknown hyperparameter 'lr_typo'"):
+        opt.step({"a": np.ones(3)})
+
+
 def test_replacing_a_groups_params_is_refused():
     opt = flatopt.SGD({"a": f32(2)})
     opt.param_groups[0]["params"] = ["a", "b"]
