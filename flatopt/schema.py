@@ -40,6 +40,10 @@ class Invalid(Exception):
 # ----------------------------------------------------------------------------- checkers
 def real(value: Any) -> float:
     """A real number, not NaN (infinities pass: callers bound them)."""
+    if type(value) is float:  # the common case, without the ABC check (every scheduled step)
+        if value != value:
+            raise Invalid("must not be NaN")
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise Invalid(f"must be a real number, got {type(value).__name__} {value!r}")
     try:
@@ -281,14 +285,13 @@ class Schema:
         """
         problems: list[str] = []
         normalised: dict[str, Any] = {} if base is None else dict(base)
-        known = [*self.hyperparameters, *extras]
         for key in values:
             if key not in self.hyperparameters and key not in extras:
+                known = [*self.hyperparameters, *extras]
                 problems.append(f"{where}: unknown hyperparameter {key!r}{near(key, known)}; "
                                 f"known: {', '.join(self.hyperparameters)}")
-        for key, hyper in self.hyperparameters.items() if base is None else \
-                ((key, self.hyperparameters[key]) for key in values
-                 if key in self.hyperparameters):
+        # in the hyperparameters' order (a base dict keeps its own)
+        for key, hyper in self.hyperparameters.items():
             if key not in values:
                 continue
             try:
