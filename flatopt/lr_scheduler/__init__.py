@@ -17,6 +17,9 @@ What is here (torch 2.13's names, signatures, defaults and lr sequences):
                                  (SGD-like groups) or ``betas[0]`` (Adam-like groups)
 ``SequentialLR``                 children one after another, switching at milestones
 ``ReduceLROnPlateau``            ``step(metrics)``: ``lr *= factor`` after ``patience`` bad steps
+``LambdaLR``                     ``initial_lr * lr_lambda(t)`` (functions are not saved: a
+                                 callable object's attributes are, as in torch)
+``MultiplicativeLR``             ``lr *= lr_lambda(t)`` after the first step
 =============================== ==========================================================
 
 Every scheduler computes its values with the same Python expressions, in the same order, as
@@ -83,7 +86,7 @@ How this differs from torch (deliberately):
 - ``step(epoch)`` (deprecated in torch) works as in torch: a ``UserWarning`` and the closed
   form where there is one; ``epoch`` must be an integer >= 0 (``CosineAnnealingWarmRestarts``:
   a real number >= 0, as in torch).
-- Not provided: ``LambdaLR``, ``MultiplicativeLR``, ``ChainedScheduler``, ``CyclicLR``.
+- Not provided yet: ``ChainedScheduler``, ``CyclicLR``.
 
 A subclass of :class:`LRScheduler` implements ``get_lr()`` (and optionally
 ``_get_closed_form_lr()``), and lists its own state attributes in ``extra_state``; their
@@ -94,6 +97,7 @@ from __future__ import annotations
 
 from ._checks import EPOCH_DEPRECATION_WARNING
 from .base import LRScheduler
+from .lambdas import LambdaLR, MultiplicativeLR
 from .onecycle import OneCycleLR
 from .plateau import ReduceLROnPlateau
 from .schedules import (ConstantLR, CosineAnnealingLR, CosineAnnealingWarmRestarts,
@@ -103,5 +107,6 @@ from .sequential import SequentialLR
 __all__ = [
     "LRScheduler", "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR",
     "CosineAnnealingWarmRestarts", "LinearLR", "ConstantLR", "PolynomialLR", "OneCycleLR",
-    "SequentialLR", "ReduceLROnPlateau", "EPOCH_DEPRECATION_WARNING",
+    "SequentialLR", "ReduceLROnPlateau", "LambdaLR", "MultiplicativeLR",
+    "EPOCH_DEPRECATION_WARNING",
 ]

@@ -1,0 +1,143 @@
+"""LambdaLR and MultiplicativeLR: torch 2.13's lr sequences (compared with ==), torch's
+``lr_lambdas`` state (None for a function, a callable object's attributes), JSON round trips
+and checkpoints mid-schedule, and their errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import flatopt
+from flatopt import StateDictError
+from flatopt import lr_scheduler as L
+
+from test_lr_scheduler import flat_optimizer, pair, run_both
+
+
+def linear_warmup_then_decay(warmup: int, total: int):
+    """transformers.get_linear_schedule_with_warmup's lambda."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return float(step) / float(max(1, warmup))
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    return factor
+
+
+class Decay:
+    """A callable object with state: its attributes are saved (torch's rule)."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.calls = 0
+
+    def __call__(self, step: int) -> float:
+        self.calls += 1
+        return self.rate ** (step % 7)
+
+
+CASES = {
+    "LambdaLR": lambda: [linear_warmup_then_decay(10, 150),
+                         lambda step: 0.5 * (1 + math.cos(math.pi * step / 150))],
+    "MultiplicativeLR": lambda: [lambda step: 0.97, lambda step: 1.0 if step % 10 else 0.5],
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("shared", [False, True])
+def test_conformance_with_torch(name, shared):
+    torch = pytest.importorskip("torch")
+    flat_opt, torch_opt = pair("adam", [0.1, 0.02])
+    functions = CASES[name]()
+    lr_lambda = functions[0] if shared else functions
+    ours = getattr(L, name)(flat_opt, lr_lambda)
+    theirs = getattr(torch.optim.lr_scheduler, name)(torch_opt, lr_lambda)
+    run_both(ours, theirs, flat_opt, torch_opt, 160)
+    assert ours.state_dict()["lr_lambdas"] == theirs.state_dict()["lr_lambdas"] == [None, None]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_callable_objects_attributes_are_saved_and_restored_as_in_torch(name):
+    torch = pytest.importorskip("torch")
+    flat_opt, torch_opt = pair("sgd", [0.1, 0.2])
+    ours = getattr(L, name)(flat_opt, [Decay(0.9), lambda step: 0.99])
+    theirs = getattr(torch.optim.lr_scheduler, name)(torch_opt, [Decay(0.9), lambda step: 0.99])
+    run_both(ours, theirs, flat_opt, torch_opt, 20)
+    saved = ours.state_dict()
+    assert saved["lr_lambdas"] == theirs.state_dict()["lr_lambdas"]
+    assert saved["lr_lambdas"][0] == {"rate": 0.9, "calls": ours.lr_lambdas[0].calls}
+    # resume from JSON in a fresh pair: the object's attributes come back, the sequence goes on
+    state = flat_opt.state_dict()
+    expected = []
+    for _ in range(15):
+        ours.step()
+        expected.append(ours.get_last_lr())
+    fresh_opt = flat_optimizer("sgd", [0.1, 0.2])
+    fresh = getattr(L, name)(fresh_opt, [Decay(0.5), lambda step: 0.99])
+    fresh_opt.load_state_dict(state)
+    fresh.load_state_dict(json.loads(json.dumps(saved)))
+    assert vars(fresh.lr_lambdas[0]) == saved["lr_lambdas"][0]
+    resumed = []
+    for _ in range(15):
+        fresh.step()
+        resumed.append(fresh.get_last_lr())
+    assert resumed == expected
+
+
+def test_resume_from_a_checkpoint_continues_the_sequence(tmp_path):
+    def run(opt, sched, steps):
+        lrs = []
+        for _ in range(steps):
+            opt.step({path: np.ones_like(view) for path, view in opt.params.items()})
+            sched.step()
+            lrs.append(sched.get_last_lr())
+        return lrs
+
+    opt = flat_optimizer("adam", [0.1, 0.02])
+    sched = L.LambdaLR(opt, linear_warmup_then_decay(5, 40))
+    run(opt, sched, 12)
+    flatopt.save(tmp_path / "ck.h5", opt, scheduler=sched)
+    rest = run(opt, sched, 20)
+    resumed_opt = flat_optimizer("adam", [0.1, 0.02])
+    resumed = L.LambdaLR(resumed_opt, linear_warmup_then_decay(5, 40))
+    flatopt.load(tmp_path / "ck.h5", resumed_opt, scheduler=resumed)
+    assert run(resumed_opt, resumed, 20) == rest
+    for path, view in opt.params.items():
+        assert resumed_opt.params[path].tobytes() == view.tobytes()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_errors(name):
+    cls = getattr(L, name)
+    opt = flat_optimizer("sgd", [0.1, 0.2])
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match="^Expected 2 lr_lambdas, but got 1$"):
+        cls(opt, [lambda step: 1.0])
+    with pytest.raises(TypeError, match="lr_lambda should be a function, but got float"):
+        cls(opt, 0.5)
+    unsaveable = Decay(0.9)
+    unsaveable.cache = {1: 2}  # an int key: not JSON data, so it could never be saved
+    with pytest.raises(TypeError, match="state keys must be strings"):
+        cls(opt, unsaveable)
+    assert [dict(g) for g in opt.param_groups] == before
+    sched = cls(opt, [Decay(0.9), lambda step: 0.9])
+    sched.step()
+    saved = sched.state_dict()
+    other = cls(flat_optimizer("sgd", [0.1, 0.2]), [lambda step: 0.9, lambda step: 0.9])
+    with pytest.raises(StateDictError, match=r"lr_lambdas\[0\] was saved from a callable "
+                                             "object, but this scheduler's is a function"):
+        other.load_state_dict(saved)
+    state = dict(saved, lr_lambdas=[None])
+    with pytest.raises(StateDictError, match="lr_lambdas must be a list of 2 entries"):
+        sched.load_state_dict(state)
+    last = sched.get_last_lr()
+    assert sched.state_dict() == saved and sched.get_last_lr() == last
+
+
+def test_get_lr_outside_step_warns_as_torch():
+    opt = flat_optimizer("sgd", [0.1])
+    sched = L.LambdaLR(opt, lambda step: 0.5)
+    with pytest.warns(UserWarning, match="get_last_lr"):
+        sched.get_lr()
