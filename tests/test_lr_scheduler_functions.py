@@ -141,3 +141,17 @@ def test_get_lr_outside_step_warns_as_torch():
     sched = L.LambdaLR(opt, lambda step: 0.5)
     with pytest.warns(UserWarning, match="get_last_lr"):
         sched.get_lr()
+
+
+def test_warm_up_by_lambda_then_cosine_in_a_sequence_matches_torch():
+    torch = pytest.importorskip("torch")
+    flat_opt, torch_opt = pair("adam", [0.1, 0.02])
+    warm_up = linear_warmup_then_decay(10, 10)
+    ours = L.SequentialLR(flat_opt, [L.LambdaLR(flat_opt, warm_up),
+                                     L.CosineAnnealingLR(flat_opt, 50)], [10])
+    T = torch.optim.lr_scheduler
+    theirs = T.SequentialLR(torch_opt, [T.LambdaLR(torch_opt, warm_up),
+                                        T.CosineAnnealingLR(torch_opt, 50)], [10])
+    run_both(ours, theirs, flat_opt, torch_opt, 80)
+    ours.load_state_dict(json.loads(json.dumps(ours.state_dict())))
+    assert ours.get_last_lr() == theirs.get_last_lr()
