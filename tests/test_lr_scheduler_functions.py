@@ -155,3 +155,59 @@ def test_warm_up_by_lambda_then_cosine_in_a_sequence_matches_torch():
     run_both(ours, theirs, flat_opt, torch_opt, 80)
     ours.load_state_dict(json.loads(json.dumps(ours.state_dict())))
     assert ours.get_last_lr() == theirs.get_last_lr()
+
+
+# ----------------------------------------------------------------------------- ChainedScheduler
+@pytest.mark.parametrize("case", range(3))
+def test_chained_scheduler_matches_torch(case):
+    torch = pytest.importorskip("torch")
+    T = torch.optim.lr_scheduler
+    flat_opt, torch_opt = pair("sgd", [0.1, 0.3])
+
+    def children(module, opt):
+        if case == 0:
+            return [module.ExponentialLR(opt, 0.97), module.StepLR(opt, 7, 0.5)]
+        if case == 1:
+            return [module.LinearLR(opt, 0.1, total_iters=10),
+                    module.CosineAnnealingLR(opt, 40, 1e-4)]
+        return [module.LambdaLR(opt, linear_warmup_then_decay(5, 60)),
+                module.MultiplicativeLR(opt, lambda step: 0.99)]
+
+    ours = L.ChainedScheduler(children(L, flat_opt))
+    theirs = T.ChainedScheduler(children(T, torch_opt))
+    run_both(ours, theirs, flat_opt, torch_opt, 60)
+    saved = ours.state_dict()
+    assert set(saved) == {"scheduler", *theirs.state_dict()}
+    rest = []
+    for _ in range(10):
+        ours.step()
+        rest.append(ours.get_last_lr())
+    fresh_opt = flat_optimizer("sgd", [0.1, 0.3])
+    fresh = L.ChainedScheduler(children(L, fresh_opt), optimizer=fresh_opt)
+    fresh.load_state_dict(json.loads(json.dumps(saved)))
+    for group, lr in zip(fresh_opt.param_groups, saved["_last_lr"]):
+        group["lr"] = lr  # the optimizer's own state would bring these back
+    again = []
+    for _ in range(10):
+        fresh.step()
+        again.append(fresh.get_last_lr())
+    assert again == rest
+
+
+def test_chained_scheduler_errors_are_torchs_and_change_nothing():
+    torch = pytest.importorskip("torch")
+    opt = flat_optimizer("sgd", [0.1, 0.2])
+    other = flat_optimizer("sgd", [0.1, 0.2])
+    with pytest.raises(ValueError, match="expects at least one scheduler"):
+        L.ChainedScheduler([])
+    with pytest.raises(ValueError, match="does not support `ReduceLROnPlateau`"):
+        L.ChainedScheduler([L.StepLR(opt, 2), L.ReduceLROnPlateau(opt)])
+    with pytest.raises(ValueError, match="expects all schedulers to belong to the same"):
+        L.ChainedScheduler([L.StepLR(opt, 2), L.StepLR(other, 2)])
+    chain = L.ChainedScheduler([L.ExponentialLR(opt, 0.9), L.StepLR(opt, 2)])
+    opt.add_param_group({"params": {"new": np.zeros(2, np.float32)}, "lr": 0.1})
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match="built for 2 param groups"):
+        chain.step()
+    assert [dict(g) for g in opt.param_groups] == before
+    assert chain._schedulers[0].last_epoch == 0  # the first child did not step either

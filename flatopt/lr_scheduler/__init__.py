@@ -16,6 +16,7 @@ What is here (torch 2.13's names, signatures, defaults and lr sequences):
 ``OneCycleLR``                   1cycle (cos/linear, two or three phases), cycles ``momentum``
                                  (SGD-like groups) or ``betas[0]`` (Adam-like groups)
 ``SequentialLR``                 children one after another, switching at milestones
+``ChainedScheduler``             every child at every step, each on the previous one's lrs
 ``ReduceLROnPlateau``            ``step(metrics)``: ``lr *= factor`` after ``patience`` bad steps
 ``LambdaLR``                     ``initial_lr * lr_lambda(t)`` (functions are not saved: a
                                  callable object's attributes are, as in torch)
@@ -86,7 +87,7 @@ How this differs from torch (deliberately):
 - ``step(epoch)`` (deprecated in torch) works as in torch: a ``UserWarning`` and the closed
   form where there is one; ``epoch`` must be an integer >= 0 (``CosineAnnealingWarmRestarts``:
   a real number >= 0, as in torch).
-- Not provided yet: ``ChainedScheduler``, ``CyclicLR``.
+- Not provided yet: ``CyclicLR``.
 
 A subclass of :class:`LRScheduler` implements ``get_lr()`` (and optionally
 ``_get_closed_form_lr()``), and lists its own state attributes in ``extra_state``; their
@@ -102,11 +103,11 @@ from .onecycle import OneCycleLR
 from .plateau import ReduceLROnPlateau
 from .schedules import (ConstantLR, CosineAnnealingLR, CosineAnnealingWarmRestarts,
                         ExponentialLR, LinearLR, MultiStepLR, PolynomialLR, StepLR)
-from .sequential import SequentialLR
+from .sequential import ChainedScheduler, SequentialLR
 
 __all__ = [
     "LRScheduler", "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR",
     "CosineAnnealingWarmRestarts", "LinearLR", "ConstantLR", "PolynomialLR", "OneCycleLR",
-    "SequentialLR", "ReduceLROnPlateau", "LambdaLR", "MultiplicativeLR",
+    "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau", "LambdaLR", "MultiplicativeLR",
     "EPOCH_DEPRECATION_WARNING",
 ]
