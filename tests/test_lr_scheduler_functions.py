@@ -211,3 +211,107 @@ def test_chained_scheduler_errors_are_torchs_and_change_nothing():
         chain.step()
     assert [dict(g) for g in opt.param_groups] == before
     assert chain._schedulers[0].last_epoch == 0  # the first child did not step either
+
+
+# ----------------------------------------------------------------------------- CyclicLR
+class Halving:
+    """A custom scale_fn object with state."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return 1 / (2.0 ** (x - 1))
+
+
+def cyclic_configs():
+    yield {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 7}
+    yield {"base_lr": [0.01, 0.02], "max_lr": [0.1, 0.3], "step_size_up": 5,
+           "step_size_down": 9, "mode": "triangular2"}
+    yield {"base_lr": 0.001, "max_lr": 0.05, "step_size_up": 4, "mode": "exp_range",
+           "gamma": 0.97, "base_momentum": [0.7, 0.75], "max_momentum": 0.95}
+    yield {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 3.5, "scale_fn": lambda x: 0.9 ** x,
+           "scale_mode": "iterations", "cycle_momentum": False}
+    yield {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 6, "step_size_down": 0}
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("number", range(5))
+def test_cyclic_lr_matches_torch(kind, number):
+    torch = pytest.importorskip("torch")
+    config = list(cyclic_configs())[number]
+    flat_opt, torch_opt = pair(kind, [0.1, 0.2])
+    ours = L.CyclicLR(flat_opt, **config)
+    theirs = torch.optim.lr_scheduler.CyclicLR(torch_opt, **config)
+    # torch writes max_momentum/base_momentum into its groups; flatopt keeps them in its state
+    for group in torch_opt.param_groups:
+        group.pop("max_momentum", None), group.pop("base_momentum", None)
+    run_both(ours, theirs, flat_opt, torch_opt, 45)
+    mine, torchs = ours.state_dict(), theirs.state_dict()
+    for key in ("max_lrs", "total_size", "step_ratio", "mode", "gamma", "scale_mode",
+                "cycle_momentum", "base_lrs", "last_epoch", "_last_lr"):
+        assert mine[key] == torchs[key], key
+
+
+def test_cyclic_lr_resumes_through_json_with_a_callable_scale_fn():
+    opt = flat_optimizer("sgd", [0.1, 0.2])
+    sched = L.CyclicLR(opt, 0.01, 0.1, step_size_up=3, scale_fn=Halving())
+    for _ in range(10):
+        sched.step()
+    saved = json.loads(json.dumps(sched.state_dict()))
+    assert saved["_scale_fn_custom"] == {"calls": sched._scale_fn.calls}
+    state = opt.state_dict()
+    expected = []
+    for _ in range(12):
+        sched.step()
+        expected.append((sched.get_last_lr(), opt.param_groups[0]["momentum"]))
+    fresh_opt = flat_optimizer("sgd", [0.1, 0.2])
+    fresh = L.CyclicLR(fresh_opt, 0.01, 0.1, step_size_up=3, scale_fn=Halving())
+    fresh_opt.load_state_dict(state)
+    fresh.load_state_dict(saved)
+    assert fresh._scale_fn.calls == saved["_scale_fn_custom"]["calls"]
+    resumed = []
+    for _ in range(12):
+        fresh.step()
+        resumed.append((fresh.get_last_lr(), fresh_opt.param_groups[0]["momentum"]))
+    assert resumed == expected
+    plain = L.CyclicLR(flat_optimizer("sgd", [0.1, 0.2]), 0.01, 0.1, step_size_up=3)
+    with pytest.raises(StateDictError, match="_scale_fn_custom was saved from a callable"):
+        plain.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda o: L.CyclicLR(o, 0.01, 0.1, mode="sawtooth"), ValueError,
+     "^mode is invalid and scale_fn is None$"),
+    (lambda o: L.CyclicLR(o, 0.01, 0.1, step_size_up=0), ValueError,
+     "step_size_up must be > 0.0"),
+    (lambda o: L.CyclicLR(o, [0.01], 0.1), ValueError,
+     "base_lr must have the same length as optimizer.param_groups"),
+    (lambda o: L.CyclicLR(o, 0.01, 0.1, scale_fn=lambda x: 1.0, scale_mode="epochs"),
+     ValueError, "scale_mode must be one of"),
+    (lambda o: L.CyclicLR(o, -0.01, 0.1), ValueError, "base_lr must be >= 0.0"),
+])
+def test_cyclic_lr_errors_change_nothing(make, error, message):
+    opt = flat_optimizer("sgd", [0.1, 0.2])
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(error, match=message):
+        make(opt)
+    assert [dict(g) for g in opt.param_groups] == before
+
+
+def test_cyclic_lr_refuses_momentums_the_optimizer_would_refuse():
+    opt = flat_optimizer("adam", [0.1, 0.2])
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(flatopt.HyperparameterError,
+                       match=r"CyclicLR max_momentum=1.0 would be written into betas"):
+        L.CyclicLR(opt, 0.01, 0.1, max_momentum=1.0)
+    assert [dict(g) for g in opt.param_groups] == before
+
+
+def test_cyclic_lr_needs_momentum_or_betas_to_cycle_momentum():
+    opt = flatopt.Adagrad({"w": np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match="optimizer must support momentum or beta1"):
+        L.CyclicLR(opt, 0.01, 0.1)
+    sched = L.CyclicLR(opt, 0.01, 0.1, cycle_momentum=False)
+    assert sched.owned_hyperparameters == ("lr",)

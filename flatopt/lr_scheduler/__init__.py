@@ -17,6 +17,8 @@ What is here (torch 2.13's names, signatures, defaults and lr sequences):
                                  (SGD-like groups) or ``betas[0]`` (Adam-like groups)
 ``SequentialLR``                 children one after another, switching at milestones
 ``ChainedScheduler``             every child at every step, each on the previous one's lrs
+``CyclicLR``                     lr cycling between ``base_lr`` and ``max_lr`` (triangular,
+                                 triangular2, exp_range or ``scale_fn``), momentum inversely
 ``ReduceLROnPlateau``            ``step(metrics)``: ``lr *= factor`` after ``patience`` bad steps
 ``LambdaLR``                     ``initial_lr * lr_lambda(t)`` (functions are not saved: a
                                  callable object's attributes are, as in torch)
@@ -87,7 +89,7 @@ How this differs from torch (deliberately):
 - ``step(epoch)`` (deprecated in torch) works as in torch: a ``UserWarning`` and the closed
   form where there is one; ``epoch`` must be an integer >= 0 (``CosineAnnealingWarmRestarts``:
   a real number >= 0, as in torch).
-- Not provided yet: ``CyclicLR``.
+- ``CyclicLR``, like ``OneCycleLR``, keeps ``max_momentum``/``base_momentum`` in its state.
 
 A subclass of :class:`LRScheduler` implements ``get_lr()`` (and optionally
 ``_get_closed_form_lr()``), and lists its own state attributes in ``extra_state``; their
@@ -98,6 +100,7 @@ from __future__ import annotations
 
 from ._checks import EPOCH_DEPRECATION_WARNING
 from .base import LRScheduler
+from .cyclic import CyclicLR
 from .lambdas import LambdaLR, MultiplicativeLR
 from .onecycle import OneCycleLR
 from .plateau import ReduceLROnPlateau
@@ -109,5 +112,6 @@ __all__ = [
     "LRScheduler", "StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR",
     "CosineAnnealingWarmRestarts", "LinearLR", "ConstantLR", "PolynomialLR", "OneCycleLR",
     "SequentialLR", "ChainedScheduler", "ReduceLROnPlateau", "LambdaLR", "MultiplicativeLR",
+    "CyclicLR",
     "EPOCH_DEPRECATION_WARNING",
 ]

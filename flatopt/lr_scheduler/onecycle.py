@@ -6,11 +6,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import HyperparameterError
-from ..optimizer import Optimizer
-from ..schema import describe_group
 from ._checks import (_check_last_epoch, _check_optimizer, _flag, _is_int,
                       _per_group, _real, _reals, _require_initial_lr)
+from ._momentum import check_momentum_values, uses_beta1, write_momentums
 from .base import LRScheduler
 
 
@@ -60,7 +58,7 @@ class OneCycleLR(LRScheduler):
         max_momentums: list | None = None
         base_momentums: list | None = None
         if cycle_momentum:
-            use_beta1 = self._uses_beta1(optimizer)
+            use_beta1 = uses_beta1(optimizer)
             max_momentums = _per_group("max_momentum", optimizer, max_momentum)
             base_momentums = _per_group("base_momentum", optimizer, base_momentum)
         values = self._checked_extra({
@@ -71,7 +69,7 @@ class OneCycleLR(LRScheduler):
             "cycle_momentum": cycle_momentum, "use_beta1": use_beta1,
             "max_momentums": max_momentums, "base_momentums": base_momentums})
         if cycle_momentum:
-            self._check_momentum_values(optimizer, values)
+            self._check_momentums(optimizer, values)
         if last_epoch != -1:  # torch's KeyError, before anything is written
             _require_initial_lr(optimizer)
         self.__dict__.update(values)
@@ -79,25 +77,8 @@ class OneCycleLR(LRScheduler):
             for idx, group in enumerate(optimizer.param_groups):
                 group["initial_lr"] = max_lrs[idx] / div_factor
             if cycle_momentum:
-                for m_momentum, group in zip(self.max_momentums, optimizer.param_groups,
-                                             strict=True):
-                    if self.use_beta1:
-                        group["betas"] = (m_momentum, *group["betas"][1:])
-                    else:
-                        group["momentum"] = m_momentum
+                write_momentums(optimizer, self.max_momentums, self.use_beta1)
         super().__init__(optimizer, last_epoch)
-
-    @staticmethod
-    def _uses_beta1(optimizer: Any) -> bool:
-        """Whether momentum is cycled in ``betas[0]`` (torch: the optimizer's defaults have
-        ``betas``) or in ``momentum``; neither is torch's ValueError."""
-        defaults = getattr(optimizer, "defaults", None)
-        keys = defaults if isinstance(defaults, Mapping) else \
-            (optimizer.param_groups[0] if optimizer.param_groups else {})
-        if "momentum" not in keys and "betas" not in keys:
-            raise ValueError("optimizer must support momentum or beta1 with "
-                             "`cycle_momentum` option enabled")
-        return "betas" in keys
 
     @staticmethod
     def _phases(total_steps: int, pct_start: float, three_phase: bool) -> list[tuple]:
@@ -156,13 +137,19 @@ class OneCycleLR(LRScheduler):
         self._check_phase_lengths(phases, total_steps, pct_start)
         checked["_schedule_phases"] = phases
         if checked["cycle_momentum"] and hasattr(self, "optimizer"):  # loading a state
-            if checked["use_beta1"] != self._uses_beta1(self.optimizer):
+            if checked["use_beta1"] != uses_beta1(self.optimizer):
                 raise ValueError(
                     f"the state cycles {'betas' if checked['use_beta1'] else 'momentum'}, "
                     f"but this {type(self.optimizer).__name__} has "
                     f"{'momentum' if checked['use_beta1'] else 'betas'}")
-            self._check_momentum_values(self.optimizer, checked)
+            self._check_momentums(self.optimizer, checked)
         return checked
+
+    @staticmethod
+    def _check_momentums(optimizer: Any, values: dict) -> None:
+        check_momentum_values("OneCycleLR", optimizer, values["use_beta1"],
+                              {"max_momentum": values["max_momentums"],
+                               "base_momentum": values["base_momentums"]})
 
     @staticmethod
     def _check_phase_lengths(phases: list[tuple], total_steps: int, pct_start: float) -> None:
@@ -183,26 +170,6 @@ class OneCycleLR(LRScheduler):
                     f"({total_steps}) so that every phase has a length")
             latest_end = max(latest_end, end)
             start = end
-
-    @staticmethod
-    def _check_momentum_values(optimizer: Any, values: dict) -> None:
-        """Momentum values the optimizer would refuse at its next step are refused now."""
-        if not isinstance(optimizer, Optimizer):
-            return
-        key = "betas" if values["use_beta1"] else "momentum"
-        problems = []
-        for number, group in enumerate(optimizer.param_groups):
-            for name, momentums in (("max_momentum", values["max_momentums"]),
-                                    ("base_momentum", values["base_momentums"])):
-                value = momentums[number]
-                candidate = dict(group)
-                candidate[key] = (value, *group["betas"][1:]) if key == "betas" else value
-                _, found = optimizer.schema.check_group(candidate,
-                                                        describe_group(number, group))
-                problems += [f"OneCycleLR {name}={value!r} would be written into {key}: {p}"
-                             for p in found]
-        if problems:
-            raise HyperparameterError("\n".join(dict.fromkeys(problems)))
 
     @property
     def owned_hyperparameters(self) -> tuple[str, ...]:
@@ -240,9 +207,5 @@ class OneCycleLR(LRScheduler):
                     break
                 start_step = end_step
         if self.cycle_momentum:  # torch's side effect of get_lr
-            for group, momentum in zip(self.optimizer.param_groups, momentums, strict=True):
-                if self.use_beta1:
-                    group["betas"] = (momentum, *group["betas"][1:])
-                else:
-                    group["momentum"] = momentum
+            write_momentums(self.optimizer, momentums, self.use_beta1)
         return lrs
