@@ -444,12 +444,24 @@ class CudaDevice:
     def write_gradient(self, opt, info: ParamInfo, source) -> None:
         """Copy a checked source into the flat gradient buffer (host to device, or device to
         device on the stream)."""
+        self._write(self.buffers[info.buffer].grads, info, source)
+
+    def write_param(self, opt, info: ParamInfo, source: np.ndarray) -> None:
+        """Copy a checked NumPy array into the flat parameter buffer."""
+        self._write(self.buffers[info.buffer].params, info, source)
+
+    def _write(self, flat, info: ParamInfo, source) -> None:
         if info.size:
-            d = self.buffers[info.buffer]
-            target = self._segment(d.grads, info)
-            flat = source.reshape(info.size) if not isinstance(source, np.ndarray) else \
+            target = self._segment(flat, info)
+            values = source.reshape(info.size) if not isinstance(source, np.ndarray) else \
                 np.ascontiguousarray(source).reshape(info.size)
-            target.copy_to_device(flat, stream=self.stream)
+            target.copy_to_device(values, stream=self.stream)
+
+    def zero_gradient(self, opt, info: ParamInfo) -> None:
+        """Zero one parameter's slice of the gradient buffer (a missing gradient's view)."""
+        self.kernels_module.launch_elementwise(
+            self.kernels_module.fill_kernel, info.size, self.stream,
+            self._segment(self.buffers[info.buffer].grads, info), info.dtype.type(0))
 
     def add_gradient(self, opt, info: ParamInfo, source) -> None:
         if info.size:

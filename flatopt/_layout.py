@@ -147,6 +147,8 @@ class FlatBuffer:
     (``state[name]``) is another such array, allocated when first needed. Parameter ``slot``
     occupies ``[offsets[slot], offsets[slot] + sizes[slot])`` in all of them.
     ``present[slot]`` marks whether that parameter has a gradient for the next step;
+    ``stale[slot]`` that its gradient values are left over from before it went missing
+    (``opt.grads[path]`` zeroes them when the view is next taken);
     ``columns`` holds the rule's per-parameter arrays (step counts, flags, bias corrections),
     ``kernel_columns`` the same arrays in the order the rule's kernels take them.
 
@@ -171,6 +173,8 @@ class FlatBuffer:
         self.params = aligned_zeros(self.length, self.dtype)
         self.grads = aligned_zeros(self.length, self.dtype)
         self.present = np.zeros(len(self.paths), dtype=np.uint8)
+        self.stale = np.zeros(len(self.paths), dtype=np.uint8)
+        # the gradient buffer starts as zeros: nothing is stale
         self.state: dict[str, np.ndarray] = {}
         self.columns: dict[str, np.ndarray] = {
             name: np.zeros(len(self.paths), dtype=column_dtype)
@@ -181,6 +185,18 @@ class FlatBuffer:
 
     def __len__(self) -> int:
         return len(self.paths)
+
+    def mark_present(self, slot: int | None = None) -> None:
+        """The gradient of ``slot`` (all when None) holds what the next step uses."""
+        where = slice(None) if slot is None else slot
+        self.present[where] = 1
+        self.stale[where] = 0
+
+    def mark_missing(self, slot: int | None = None) -> None:
+        """The gradient of ``slot`` (all when None) is missing; its values are stale."""
+        where = slice(None) if slot is None else slot
+        self.present[where] = 0
+        self.stale[where] = 1
 
     def view(self, flat: np.ndarray, slot: int) -> np.ndarray:
         """The parameter at ``slot`` as a view into ``flat`` with its own shape."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._layout import ParamInfo
-from .errors import GradientError, UnknownGradientError, UnknownPathError
+from .errors import GradientError, ParamError, UnknownGradientError, UnknownPathError
 from .schema import near
 
 if TYPE_CHECKING:
@@ -16,9 +16,12 @@ if TYPE_CHECKING:
 
 
 class ParamViews(Mapping):
-    """``opt.params``: path -> writable view into the flat parameter buffer."""
+    """``opt.params``: path -> writable view into the flat parameter buffer.
+    ``opt.params[path] = value`` copies a NumPy array of the parameter's shape and dtype in
+    (checked as gradients are; on ``device="cuda"``, a NumPy array copied to the device)."""
 
-    def __init__(self, views: dict[str, np.ndarray]):
+    def __init__(self, optimizer: "Optimizer", views: dict[str, np.ndarray]):
+        self._opt = optimizer
         self._views = views
 
     def __getitem__(self, path: str) -> np.ndarray:
@@ -28,6 +31,23 @@ class ParamViews(Mapping):
             raise UnknownPathError(f"no parameter {path!r}{near(path, self._views)}; "
                                    "opt.index.paths lists them") from None
 
+    def __setitem__(self, path: str, value: np.ndarray) -> None:
+        view = self[path]
+        info = self._opt.index[path]
+        if self._opt._device is not None and not isinstance(value, (np.ndarray, np.generic)):
+            problem = (f"value for {info.path!r} is a {type(value).__name__}; on "
+                       "device='cuda', opt.params[path] = value takes a NumPy array (copy a "
+                       "device array with opt.params[path].copy_to_device(array))")
+        else:
+            problem = value_problem(info, value, "value")
+        if problem:
+            raise ParamError(problem)
+        with self._opt.lock:
+            if self._opt._device is not None:
+                self._opt._device.write_param(self._opt, info, np.asarray(value))
+            else:
+                view[...] = value
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._views)
 
@@ -35,23 +55,29 @@ class ParamViews(Mapping):
         return len(self._views)
 
 
-def gradient_problem(info: ParamInfo, value: Any) -> str | None:
-    """Why ``value`` cannot be the gradient of ``info``, or None."""
+def value_problem(info: ParamInfo, value: Any, what: str) -> str | None:
+    """Why ``value`` cannot be copied into ``info``'s view (``what``: "gradient" or
+    "value"), or None."""
     if isinstance(value, np.generic):
         value = np.asarray(value)
     if not isinstance(value, np.ndarray):
-        return (f"gradient for {info.path!r} is a {type(value).__name__}; give a numpy array "
+        return (f"{what} for {info.path!r} is a {type(value).__name__}; give a numpy array "
                 f"of shape {info.shape} and dtype {info.dtype}")
     if isinstance(value, np.ma.MaskedArray):
-        return (f"gradient for {info.path!r} is a masked array, whose mask flatopt would "
+        return (f"{what} for {info.path!r} is a masked array, whose mask flatopt would "
                 "ignore; pass value.filled(0) (or the values you mean)")
     if value.shape != info.shape:
-        return (f"gradient for {info.path!r} has shape {value.shape}, but the parameter has "
+        return (f"{what} for {info.path!r} has shape {value.shape}, but the parameter has "
                 f"shape {info.shape}")
     if value.dtype != info.dtype:
-        return (f"gradient for {info.path!r} has dtype {value.dtype}, but the parameter is "
+        return (f"{what} for {info.path!r} has dtype {value.dtype}, but the parameter is "
                 f"{info.dtype}; cast it with .astype(np.{info.dtype})")
     return None
+
+
+def gradient_problem(info: ParamInfo, value: Any) -> str | None:
+    """Why ``value`` cannot be the gradient of ``info``, or None."""
+    return value_problem(info, value, "gradient")
 
 
 class Gradients(Mapping):
@@ -61,6 +87,11 @@ class Gradients(Mapping):
     reading or writing it does not change presence. Mark which gradients exist with
     :meth:`mark_present` / :meth:`mark_missing`; ``opt.grads[path] = value`` copies and marks
     present in one go. ``opt.step()`` steps exactly the parameters marked present.
+
+    The view of a *missing* gradient is zeroed when it is taken (that parameter's slice only),
+    so ``opt.zero_grad(); opt.grads[k] += g`` accumulates onto zeros, as torch's ``.grad``
+    starts from nothing after ``zero_grad()``, never onto the previous step's gradient. A view
+    taken before ``zero_grad()`` keeps what it holds: take views after it.
     """
 
     def __init__(self, optimizer: "Optimizer", views: dict[str, np.ndarray]):
@@ -76,7 +107,16 @@ class Gradients(Mapping):
         return info
 
     def __getitem__(self, path: str) -> np.ndarray:
-        return self._views[self._locate(path).path]
+        info = self._locate(path)
+        buf = self._opt.buffers[info.buffer]
+        if buf.stale[info.slot] and not buf.present[info.slot]:
+            with self._opt.lock:
+                if self._opt._device is not None:
+                    self._opt._device.zero_gradient(self._opt, info)
+                else:
+                    self._views[info.path].fill(0)
+                buf.stale[info.slot] = 0
+        return self._views[info.path]
 
     def __setitem__(self, path: str, value: np.ndarray) -> None:
         info = self._locate(path)
@@ -85,13 +125,13 @@ class Gradients(Mapping):
             with self._opt.lock:
                 [(_, source)] = device.sources(self._opt, [(info, value)])
                 device.write_gradient(self._opt, info, source)
-                self._opt.buffers[info.buffer].present[info.slot] = 1
+                self._opt.buffers[info.buffer].mark_present(info.slot)
             return
         problem = gradient_problem(info, value)
         if problem:
             raise GradientError(problem)
         self._views[path][...] = value
-        self._opt.buffers[info.buffer].present[info.slot] = 1
+        self._opt.buffers[info.buffer].mark_present(info.slot)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._opt.index.paths)
@@ -125,7 +165,7 @@ class Gradients(Mapping):
                         device.add_gradient(self._opt, info, source)
                     else:
                         device.write_gradient(self._opt, info, source)
-                        buf.present[info.slot] = 1
+                        self._opt.buffers[info.buffer].mark_present(info.slot)
             return
         with self._opt.lock:
             # values that are views of the gradient buffer are read before anything is added
@@ -139,20 +179,22 @@ class Gradients(Mapping):
                     view += value
                 else:
                     view[...] = value
-                    buf.present[info.slot] = 1
+                    self._opt.buffers[info.buffer].mark_present(info.slot)
 
     def mark_present(self, paths: Iterable[str] | None = None) -> None:
-        """Mark gradients as present (all of them when ``paths`` is None)."""
+        """Mark gradients as present (all of them when ``paths`` is None): their buffers hold
+        the gradients the next step uses."""
         self._mark(paths, 1)
 
     def mark_missing(self, paths: Iterable[str] | None = None) -> None:
-        """Mark gradients as missing: those parameters are skipped entirely by step()."""
+        """Mark gradients as missing: those parameters are skipped entirely by step(), and
+        their views are zeroed when next taken."""
         self._mark(paths, 0)
 
     def _mark(self, paths, value: int) -> None:
         if paths is None:
             for buf in self._opt.buffers:
-                buf.present[:] = value
+                buf.mark_missing() if value == 0 else buf.mark_present()
             return
         if isinstance(paths, str):
             paths = [paths]
@@ -161,7 +203,8 @@ class Gradients(Mapping):
                                        f"{type(paths).__name__} {paths!r}")
         located = [self._locate(path) for path in paths]  # all checked before any flag changes
         for info in located:
-            self._opt.buffers[info.buffer].present[info.slot] = value
+            buf = self._opt.buffers[info.buffer]
+            buf.mark_missing(info.slot) if value == 0 else buf.mark_present(info.slot)
 
     def is_present(self, path: str) -> bool:
         info = self._locate(path)

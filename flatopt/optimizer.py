@@ -179,7 +179,7 @@ class Optimizer:
         self._kernels = self._backend.compile(self.schema.rule)
         self._device, self._device_note = _device.resolve(device, stream, bit_exact,
                                                           self.schema.rule, name)
-        self.params = ParamViews(self._param_views)
+        self.params = ParamViews(self, self._param_views)
         self.grads = Gradients(self, self._grad_views)
         structure: list[str] = []
         groups = _params.split_groups(params, structure)
@@ -544,10 +544,10 @@ class Optimizer:
         if self._device is not None:
             staged = self._device.sources(self, staged)
             for buf in self.buffers:
-                buf.present[:] = 0
+                buf.mark_missing()
             for info, value in staged:
                 self._device.write_gradient(self, info, value)
-                self.buffers[info.buffer].present[info.slot] = 1
+                self.buffers[info.buffer].mark_present(info.slot)
             return
         # A value that is a view of the gradient buffer (opt.grads[other]) is read before
         # any gradient is written, so copying one gradient cannot change another.
@@ -555,10 +555,10 @@ class Optimizer:
                                              for buf in self.buffers) else value)
                   for info, value in staged]
         for buf in self.buffers:
-            buf.present[:] = 0
+            buf.mark_missing()
         for info, value in staged:
             self._grad_views[info.path][...] = value
-            self.buffers[info.buffer].present[info.slot] = 1
+            self.buffers[info.buffer].mark_present(info.slot)
 
     @_locked
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -566,14 +566,17 @@ class Optimizer:
         they are and ignored until marked present again); ``False`` zeroes the gradient buffer
         and leaves presence as it is, like torch, which zeroes existing gradients and leaves a
         missing (None) one missing: a present gradient then makes a real step with zeros."""
-        if self._device is not None and not set_to_none:
-            self._device.zero_grads(self)
+        if set_to_none:
+            for buf in self.buffers:
+                buf.mark_missing()
             return
-        for buf in self.buffers:
-            if set_to_none:
-                buf.present[:] = 0
-            else:
+        if self._device is not None:
+            self._device.zero_grads(self)
+        else:
+            for buf in self.buffers:
                 buf.grads.fill(0)
+        for buf in self.buffers:
+            buf.stale[:] = 0
 
     # ----------------------------------------------------------------- state
     def _param_state(self, buf: FlatBuffer, slot: int, copy: bool) -> dict | None:

@@ -332,6 +332,59 @@ def test_zero_copy_gradients_with_explicit_presence():
     assert g.is_present("a")
 
 
+def test_accumulating_after_zero_grad_starts_from_zeros_not_the_old_gradient():
+    """The stale-gradient trap: after zero_grad(), opt.grads[k] += v steps on v (torch's
+    .grad starts from nothing), not on the previous step's gradient plus v."""
+    opt = flatopt.SGD({"a": np.zeros(3), "b": np.zeros(2)}, lr=1.0)
+    opt.step({"a": np.full(3, 5.0), "b": np.full(2, 5.0)})
+    opt.zero_grad()
+    opt.grads["a"] += np.ones(3)  # getitem, in-place add, setitem (marks present)
+    g = opt.grads["b"]
+    g += 2.0
+    opt.grads.mark_present(["b"])
+    opt.step()
+    np.testing.assert_array_equal(opt.params["a"], -6.0)  # -5 - 1
+    np.testing.assert_array_equal(opt.params["b"], -7.0)  # -5 - 2
+
+
+def test_a_missing_gradient_is_zeroed_once_so_writes_through_views_survive():
+    opt = flatopt.SGD({"w": np.zeros((2, 2)), "b": np.zeros(2)}, lr=1.0)
+    opt.step({"w": np.ones((2, 2)), "b": np.ones(2)})
+    opt.zero_grad()
+    np.matmul(np.eye(2), np.full((2, 2), 3.0), out=opt.grads["w"])  # zero-copy backprop
+    opt.grads["w"] *= 0.5  # the view taken again: what was written stays
+    stale = opt.grads["b"]  # taken and zeroed, then marked missing again below
+    opt.grads.mark_present()
+    np.testing.assert_array_equal(opt.grads["w"], 1.5)
+    opt.step()
+    np.testing.assert_array_equal(opt.params["w"], -2.5)
+    stale[...] = 9.0
+    opt.grads.mark_missing(["b"])
+    np.testing.assert_array_equal(opt.grads["b"], 0.0)  # missing: its view reads zeros
+    np.testing.assert_array_equal(stale, 0.0)  # (the same memory)
+    early = opt.grads["w"]  # taken while present: zero_grad() does not touch the buffer
+    opt.zero_grad()
+    np.testing.assert_array_equal(early, 1.5)
+    opt.zero_grad(set_to_none=False)  # torch: existing gradients zeroed
+    np.testing.assert_array_equal(early, 0.0)
+
+
+def test_assigning_a_parameter_copies_it_in_after_the_same_checks_as_gradients():
+    opt = flatopt.Adam({"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)})
+    view = opt.params["w"]
+    opt.params["w"] = np.full((2, 3), 2.0, np.float32)
+    assert view is opt.params["w"] and np.shares_memory(view, opt.buffers[0].params)
+    np.testing.assert_array_equal(view, 2.0)
+    for bad, match in ((np.zeros((3, 2), np.float32), r"value for 'w' has shape \(3, 2\)"),
+                       (np.zeros((2, 3)), "value for 'w' has dtype float64"),
+                       ([[0.0] * 3] * 2, "value for 'w' is a list")):
+        with pytest.raises(ParamError, match=match):
+            opt.params["w"] = bad
+    with pytest.raises(flatopt.UnknownPathError, match="no parameter 'v'"):
+        opt.params["v"] = np.zeros(3, np.float32)
+    np.testing.assert_array_equal(view, 2.0)
+
+
 def test_zero_grad_set_to_none_marks_missing_and_false_zeroes_existing_gradients():
     opt = flatopt.SGD({"a": np.ones(3), "b": np.ones(2)}, lr=0.5, weight_decay=1.0)
     opt.grads["a"] = np.ones(3)

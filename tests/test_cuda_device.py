@@ -370,3 +370,22 @@ def test_bit_exact_kernels_compile_without_contraction():
     cpu_opt.step(grads)
     cuda_opt.step(grads)
     assert_same(cuda_opt, cpu_opt, exact=EXACT_WHEN_BIT_EXACT)
+
+
+def test_device_views_zero_a_missing_gradient_once_and_take_assigned_parameters():
+    """The stale-gradient rule and opt.params[path] = value on device buffers, as on the CPU."""
+    opt = flatopt.SGD({"a": np.zeros(5, np.float32), "b": np.zeros(3, np.float32)}, lr=1.0,
+                      device="cuda")
+    opt.step({"a": np.full(5, 4.0, np.float32), "b": np.full(3, 4.0, np.float32)})
+    opt.zero_grad()
+    assert (host(opt.grads["a"]) == 0).all()  # missing: zeroed when taken
+    opt.grads.add({"a": np.ones(5, np.float32)})
+    opt.step()
+    np.testing.assert_array_equal(host(opt.params["a"]), -5.0)
+    np.testing.assert_array_equal(host(opt.params["b"]), -4.0)
+    opt.params["b"] = np.full(3, 7.0, np.float32)
+    np.testing.assert_array_equal(host(opt.params["b"]), 7.0)
+    with pytest.raises(flatopt.ParamError, match="value for 'b' has shape"):
+        opt.params["b"] = np.zeros(4, np.float32)
+    with pytest.raises(flatopt.ParamError, match="takes a NumPy array"):
+        opt.params["b"] = opt.params["a"]
