@@ -23,13 +23,16 @@ def _rebuild(function: Callable, namespace: dict, qualname: str) -> Callable:
     return clone
 
 
-def bind(rule: Rule, decorate: Callable[[Callable], Callable]) -> dict[str, Callable]:
-    """The rule's functions compiled with ``decorate``, by name, calling each other compiled."""
+def bind(rule: Rule, decorate: Callable[[Callable], Callable],
+         primitives: dict[str, Callable] | None = None) -> dict[str, Callable]:
+    """The rule's functions compiled with ``decorate``, by name, calling each other compiled;
+    ``primitives`` replace names the rule imports (``fma``, see ``kernels/arithmetic.py``)
+    with the backend's own."""
     modules = {function.__module__ for function in rule.functions}
     if len(modules) != 1:
         raise TypeError(f"rule {rule.name!r}: span, prepare and helpers must live in one module, "
                         f"found {sorted(modules)}")
-    namespace = dict(rule.span.__globals__)
+    namespace = {**rule.span.__globals__, **(primitives or {})}
     for function in rule.functions:
         namespace[function.__name__] = decorate(_rebuild(function, namespace,
                                                          function.__qualname__))

@@ -28,6 +28,7 @@ import numpy as np
 
 from ._bind import bind, instantiate
 from ._cuda_import import numba_cuda, simulated
+from .arithmetic import simulated_fma
 from .cpu import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
 from .rule import Rule
 
@@ -178,7 +179,8 @@ def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
         key = f"{key}_{NO_FMA_MARKER}"
     compiled = _compiled.get(key)
     if compiled is None:
-        functions = bind(rule, cuda.jit(device=True))
+        functions = bind(rule, cuda.jit(device=True),
+                         {"fma": simulated_fma if simulated() else cuda.fma})
         prepare = cuda.jit(instantiate(_prepare_walk, f"prepare_{key}",
                                        prepare=functions[rule.prepare.__name__]))
         step = cuda.jit(instantiate(_step_walk, f"step_{key}",

@@ -207,3 +207,64 @@ def test_first_moment_follows_torchs_lerp_for_small_beta1(kind, beta1):
         np.testing.assert_allclose(opt.params["w"], t.detach().numpy(), rtol=1e-6)
     if beta1 == 0.0:
         np.testing.assert_array_equal(opt.state_of("w").exp_avg, 3.0)
+
+
+# ---------------------------------------------------------------------------- bits
+# Rules whose steps equal torch's bit for bit (float32 and float64, no teacher forcing), with
+# the torch implementation that is the oracle and the shapes it holds for. SGD: torch's
+# single-tensor path, every shape. Adam/AdamW: torch's single-tensor path takes a float32 sqrt
+# that is not correctly rounded (1 ULP on ~16% of elements, see the README), so the oracle is
+# its fused CPU kernel, which uses a correctly rounded one; that kernel computes the last
+# (size mod vector width) elements of each chunk without fused multiply-adds, so sizes here
+# are multiples of 16 and torch runs on one thread (one chunk).
+BIT_EXACT = {
+    "SGD": ({"foreach": False}, SHAPES),
+    "Adam": ({"fused": True}, [(16,), (4, 32), (64, 64), (3, 16, 16)]),
+    "AdamW": ({"fused": True}, [(16,), (4, 32), (64, 64), (3, 16, 16)]),
+}
+
+
+def _bits(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array).tobytes()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("kind", BIT_EXACT)
+def test_steps_equal_torchs_bit_for_bit(kind, dtype, seed, torch_default_dtype):
+    torch = _torch()
+    torch_options, shapes = BIT_EXACT[kind]
+    rng = np.random.default_rng([seed, zlib.crc32(kind.encode()), int(dtype == np.float64)])
+    groups = []
+    for number in range(2):
+        params = {f"g{number}.p{i}": rng.standard_normal(shape).astype(dtype)
+                  for i, shape in enumerate(shapes)}
+        groups.append((params, random_settings(kind, rng)))
+    opt = make_flatopt(kind, groups)
+    tensors = {path: torch.tensor(arr.copy(), requires_grad=True)
+               for params, _ in groups for path, arr in params.items()}
+    torch_opt = getattr(torch.optim, kind)(
+        [{"params": [tensors[p] for p in params], **hp} for params, hp in groups],
+        **torch_options)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in range(STEPS):
+            change_lr(opt.param_groups, step)
+            change_lr(torch_opt.param_groups, step)
+            grads = {path: rng.standard_normal(t.shape).astype(dtype)
+                     for path, t in tensors.items() if rng.random() < 0.8}
+            for path, t in tensors.items():
+                t.grad = torch.from_numpy(grads[path].copy()) if path in grads else None
+            torch_opt.step()
+            opt.step(grads)
+            for path, t in tensors.items():
+                where = f"{kind} {path} step {step}"
+                assert _bits(opt.params[path]) == _bits(t.detach().numpy()), where
+                ours = opt.state_of(path)
+                for name, value in ({} if ours is None else ours._asdict()).items():
+                    if name != "step" and value is not None:
+                        assert _bits(value) == _bits(torch_opt.state[t][name].numpy()), \
+                            f"{where} {name}"
+    finally:
+        torch.set_num_threads(threads)

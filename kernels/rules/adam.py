@@ -3,6 +3,7 @@
 import math
 from typing import NamedTuple
 
+from ..arithmetic import fma
 from ..rule import Rule, positions
 
 
@@ -59,6 +60,10 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coef
     ``m + w * (g - m)`` when ``w < 0.5``, else ``g + (w - 1) * (g - m)`` (``lerp_from_end``);
     ``lerp_coefficient`` is ``w`` or ``w - 1`` accordingly. (With beta1 = 0 the moment is
     then exactly the gradient, as in torch.)
+
+    Rounded as torch's CPU kernels: the L2 decay (``add`` with alpha), the lerp and the last
+    step of ``v``'s ``addcmul`` are fused multiply-adds; the update is ``addcdiv``
+    (``(neg_step_size * m) / denom``, then added).
     """
     if maximize:
         g = -g
@@ -66,12 +71,12 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coef
         if decoupled:
             p = p * decoupled_decay_factor
         else:
-            g = g + weight_decay * p
+            g = fma(p, weight_decay, g)
     if lerp_from_end:
-        m = g + lerp_coefficient * (g - m)
+        m = fma(lerp_coefficient, g - m, g)
     else:
-        m = m + lerp_coefficient * (g - m)
-    v = v * beta2 + (one_minus_beta2 * g) * g
+        m = fma(lerp_coefficient, g - m, m)
+    v = fma(one_minus_beta2 * g, g, v * beta2)
     if amsgrad:
         # torch.maximum propagates NaN; "not (v_max >= v)" keeps that.
         if not (v_max >= v):

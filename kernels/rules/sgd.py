@@ -2,6 +2,7 @@
 
 from typing import NamedTuple
 
+from ..arithmetic import fma
 from ..rule import Rule, positions
 
 
@@ -39,21 +40,24 @@ def sgd_rule(p, g, buf, first, neg_lr, weight_decay, momentum, one_minus_dampeni
         buf = momentum * buf + (1 - dampening) * g          otherwise (momentum != 0)
         g = g + momentum * buf  if nesterov else buf        (momentum != 0)
         p = p - lr * g
+
+    Rounded as torch's single-tensor SGD on the CPU: each ``x + a * y`` is its
+    ``add(x, y, alpha=a)``, one fused multiply-add; ``momentum * buf`` is rounded first.
     """
     if maximize:
         g = -g
     if has_weight_decay:
-        g = g + weight_decay * p
+        g = fma(p, weight_decay, g)
     if has_momentum:
         if first:
             buf = g
         else:
-            buf = buf * momentum + one_minus_dampening * g
+            buf = fma(g, one_minus_dampening, buf * momentum)
         if nesterov:
-            g = g + momentum * buf
+            g = fma(buf, momentum, g)
         else:
             g = buf
-    p = p + neg_lr * g
+    p = fma(g, neg_lr, p)
     return p, buf
 
 
