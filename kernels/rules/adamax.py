@@ -2,6 +2,7 @@
 
 from typing import NamedTuple
 
+from ..arithmetic import fma
 from ..rule import Rule, positions
 
 
@@ -43,15 +44,18 @@ def adamax_rule(p, g, m, u, neg_step_size, lerp_coefficient, beta2, eps, weight_
         m = lerp(m, g, 1 - beta1)              (torch's lerp, from the nearer end, as Adam)
         u = max(beta2 * u, |g| + eps)          (NaN in either propagates, as torch.maximum)
         p = p - (lr / (1 - beta1**t)) * m / u
+
+    Rounded as torch's single-tensor Adamax: the L2 decay and the lerp are fused
+    multiply-adds (ATen's ``add`` with alpha and ``lerp``).
     """
     if maximize:
         g = -g
     if has_weight_decay:
-        g = g + weight_decay * p
+        g = fma(p, weight_decay, g)
     if lerp_from_end:
-        m = g + lerp_coefficient * (g - m)
+        m = fma(lerp_coefficient, g - m, g)
     else:
-        m = m + lerp_coefficient * (g - m)
+        m = fma(lerp_coefficient, g - m, m)
     u = u * beta2
     bound = abs(g) + eps
     if bound > u or bound != bound:  # torch.maximum: a NaN on either side wins

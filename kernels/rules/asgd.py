@@ -2,6 +2,7 @@
 
 from typing import NamedTuple
 
+from ..arithmetic import fma
 from ..rule import Rule, positions
 
 
@@ -48,13 +49,16 @@ def asgd_rule(p, g, ax, decay_factor, neg_eta, ax_weight, weight_decay, has_weig
         p = p - eta * g
         ax = ax + (p - ax) * mu                        if mu != 1 (averaging)
         ax = p                                         otherwise
+
+    Rounded as torch's single-tensor ASGD: ``add`` with alpha (the L2 decay, the step) is a
+    fused multiply-add; ``(p - ax) * mu`` is rounded before it is added.
     """
     if maximize:
         g = -g
     if has_weight_decay:
-        g = g + weight_decay * p
+        g = fma(p, weight_decay, g)
     p = p * decay_factor
-    p = p + neg_eta * g
+    p = fma(g, neg_eta, p)
     if averaging:
         ax = ax + (p - ax) * ax_weight
     else:
