@@ -8,6 +8,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from . import _restore
 from .errors import StateDictError, raise_problems
 from .schema import describe_group
@@ -93,3 +95,78 @@ def _saved_settings(opt, saved_groups: Any, problems: list[str]) -> list[dict | 
         settings.append(values)
     return settings
 
+
+
+# torch's implementation switches in its param_groups: chosen per run, not state
+TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused")
+TORCH_REFUSED_KEYS = ("capturable", "differentiable")
+
+
+def from_torch(opt, torch_state_dict: Any, names: Any) -> dict[str, Any]:
+    """A flatopt state dict (see :func:`build`) from a ``torch.optim`` optimizer's
+    ``state_dict()``: torch's parameter indices become ``names[index]``, its 0-d tensors the
+    schema's columns (``step`` an int), its tensors NumPy arrays. Raises StateDictError naming
+    every problem; nothing is checked against ``opt`` here but the names (``parse`` does)."""
+    problems: list[str] = []
+    if not isinstance(torch_state_dict, Mapping) or not {"state", "param_groups"} <= set(
+            torch_state_dict):
+        raise StateDictError("a torch optimizer's state_dict() is a dict with 'state' and "
+                             f"'param_groups', got {_describe(torch_state_dict)}")
+    if isinstance(names, Mapping):
+        path_of = dict(names)
+    elif isinstance(names, (list, tuple)):
+        path_of = dict(enumerate(names))
+    else:
+        raise StateDictError("names must be a list of paths (torch's parameter i is "
+                             f"names[i]) or a dict {{index: path}}, got {_describe(names)}")
+    for index, path in path_of.items():
+        if path not in opt.index:
+            problems.append(f"names[{index}] = {path!r} is not a parameter of this optimizer")
+    groups = []
+    for number, group in enumerate(torch_state_dict["param_groups"]):
+        converted = {}
+        for key, value in group.items():
+            if key == "params":
+                missing = [i for i in value if i not in path_of]
+                if missing:
+                    problems.append(f"torch param group {number}: parameter indices {missing} "
+                                    "have no name in names")
+                converted["params"] = [path_of.get(i) for i in value]
+            elif key in TORCH_IMPLEMENTATION_KEYS:
+                continue
+            elif key not in opt.schema.hyperparameters and getattr(opt, key, None) == value:
+                continue  # fixed by the class (torch's AdamW: decoupled_weight_decay=True)
+            elif key in TORCH_REFUSED_KEYS and value:
+                problems.append(f"torch param group {number}: {key}=True has no meaning in "
+                                "flatopt")
+            elif key in opt.schema.hyperparameters or key in ("initial_lr", "label") \
+                    or value:
+                converted[key] = value  # an unknown key set to a value is refused by parse
+        groups.append(converted)
+    state = {}
+    for index, entry in torch_state_dict["state"].items():
+        path = path_of.get(index)
+        if path is None:
+            problems.append(f"torch state of parameter {index} has no name in names")
+            continue
+        state[path] = {name: _from_tensor(opt.schema, name, value)
+                       for name, value in entry.items()}
+    raise_problems(problems, StateDictError)
+    return {"format": STATE_DICT_FORMAT, "version": STATE_DICT_VERSION,
+            "optimizer": opt.schema.name, "param_groups": groups, "state": state}
+
+
+def _from_tensor(schema, name: str, value: Any) -> Any:
+    """A torch state value as flatopt keeps it: a column's 0-d tensor as a Python number
+    (``step``, a float tensor in torch, as an int), anything else as a NumPy array."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    if name in schema.columns and np.ndim(value) == 0:
+        number = np.asarray(value).item()
+        is_int = np.dtype(schema.columns[name].dtype).kind in "iu"
+        return int(number) if is_int and float(number).is_integer() else number
+    return np.array(value)
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"[:200]

@@ -641,6 +641,20 @@ class Optimizer:
         with self._host_side():
             _restore.apply(self, state, settings, None, None)
 
+    @_locked
+    def load_torch_state_dict(self, state_dict: Mapping[str, Any], names: Any, *,
+                              hyperparameters: str = "saved") -> None:
+        """Continue a run made with ``torch.optim``: load its ``state_dict()`` into this
+        optimizer (built with the same parameters, their current values, and groups).
+        ``names`` gives the path of each of torch's parameter indices: a list (torch numbers
+        parameters group by group, in order: ``names[i]`` is parameter ``i``) or a dict
+        ``{index: path}``. torch's ``foreach``/``fused`` are dropped; its tensors become
+        arrays, its step counts ints. Then exactly :meth:`load_state_dict`'s checks and
+        ``hyperparameters`` option; on any problem a :class:`StateDictError` and nothing
+        changes."""
+        self.load_state_dict(_state_dict.from_torch(self, state_dict, names),
+                             hyperparameters=hyperparameters)
+
     # ----------------------------------------------------------------- restore (load contract)
     @_locked
     def prepare_restore(self, state: Mapping[str, Any] | None = None, *,
