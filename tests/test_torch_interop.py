@@ -100,3 +100,40 @@ def test_names_and_torch_only_settings_are_checked_before_anything_changes():
     saved["param_groups"][0]["decoupled_weight_decay"] = False
     opt.load_torch_state_dict(saved, {0: "a", 1: "b"})
     assert opt.state_of("b").step == 1 and opt.param_groups[0]["lr"] == 0.1
+
+
+def test_the_readme_recipe_steps_a_torch_model_through_flat_buffers():
+    """A torch CPU model whose parameters and .grad are views of flatopt's buffers: backward
+    accumulates straight into the gradient buffer, step() updates what the model computes
+    with, and each step equals torch's fused AdamW's on the same gradients bit for bit (the
+    reference takes the model's gradients: torch's own backward may round differently for
+    differently placed memory)."""
+    torch.manual_seed(0)
+
+    def make():
+        # sizes that are multiples of 16: torch's fused kernel rounds the rest of a vector
+        # width without fused multiply-adds (test_conformance.BIT_EXACT)
+        return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 16))
+
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    opt = flatopt.AdamW({n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+                        lr=1e-2)
+    for name, p in model.named_parameters():
+        p.data = torch.from_numpy(opt.params[name])
+        p.grad = torch.from_numpy(opt.grads[name])
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    x, y = torch.randn(32, 4), torch.randn(32, 16)
+    for _ in range(6):
+        opt.zero_grad(set_to_none=False)  # zero in place: the .grad views stay
+        ((model(x) - y) ** 2).mean().backward()
+        opt.grads.mark_present()
+        opt.step()
+        for theirs, ours in zip(reference.parameters(), model.parameters()):
+            theirs.grad = ours.grad.clone()
+        torch_opt.step()
+    for name, p in model.named_parameters():
+        assert np.shares_memory(p.grad.numpy(), opt.buffers[0].grads) or any(
+            np.shares_memory(p.grad.numpy(), buf.grads) for buf in opt.buffers)
+        assert torch.equal(p.detach(), dict(reference.named_parameters())[name].detach())
