@@ -249,11 +249,19 @@ def test_version_1_fixture_files_still_load(kind, name, hyper, tmp_path):
     path = DATA / name
     other = make_opt(kind, seed=99, steps=0, **hyper)
     result = flatopt.load(path, other)
-    assert state_equal(make_opt(kind, **hyper), other)
+    # the run that wrote the file, recomputed: the same values (not bits: the rule bodies
+    # have rounded as torch's kernels since, with fused multiply-adds)
+    again = make_opt(kind, **hyper)
+    for p in other.params:
+        np.testing.assert_allclose(other.params[p], again.params[p], rtol=1e-6, atol=1e-7)
+        assert getattr(other.state_of(p), "step", 0) == getattr(again.state_of(p), "step", 0)
     assert result.info["format_version"] == 1 and result.arrays == {}
     assert result.metadata == {"epoch": 3, "note": "written by flatopt 0.1.0, format version 1"}
     data = flatopt.read(path, state=True)
     assert all(data.params[p].tobytes() == other.params[p].tobytes() for p in other.params)
+    assert all(data.state[p][name].tobytes() == value.tobytes()
+               for p in other.params for name, value in other.state_of(p)._asdict().items()
+               if isinstance(value, np.ndarray))
     assert flatopt.checkpoint.verify_checkpoint(path)["ok"]
     # a flipped byte in a version-1 buffer is still caught (fletcher32 / CRC-32)
     raw = path.read_bytes()
