@@ -20,6 +20,7 @@ import pytest
 
 import flatopt
 from flatopt import cli
+from flatopt.checkpoint import manifest
 from flatopt.checkpoint import writer as writer_mod
 from flatopt.checkpoint.writer import _set_text, _Snapshot
 from checkpoint_helpers import (add_buffer, check_round_trip, data_extent, edit, grouped,
@@ -589,7 +590,7 @@ def test_stale_temporary_files_are_cleaned_and_ignored(tmp_path):
     opt = make_opt("Adam")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    stale = tmp_path / f".ck.h5.{dead}.abc123.tmp"
+    stale = tmp_path / f".ck.h5.{dead}.abc123de.tmp"
     stale.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
     unrelated = tmp_path / ".other.h5.1.x.tmp"
     unrelated.write_bytes(b"")
@@ -599,6 +600,36 @@ def test_stale_temporary_files_are_cleaned_and_ignored(tmp_path):
     os.chmod(tmp_path / "ck.h5", 0o640)
     flatopt.save(tmp_path / "ck.h5", opt)
     assert (os.stat(tmp_path / "ck.h5").st_mode & 0o777) == 0o640  # mode kept on replace
+
+
+def test_clean_up_removes_only_names_flatopt_generated(tmp_path):
+    """Issue 23 #2, #3: the clean-up of a plain and of a sharded save matches ASCII names in
+    full (no trailing newline, no Unicode digits, no newline inside) and removes no symlink."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    user_files = [f".ck.h5.{dead}.abcdefgh.tmp\n", f".ck.h5.{dead}.abc.tmp",
+                  ".ck.h5.\u0661\u0662\u0663.abcdefgh.tmp", f".ck.h5.{dead}.abc\nefgh.tmp",
+                  f".ck.h5.0{dead}.abcdefgh.tmp", "0123456789abcdef.rank0-of-2.h5\n",
+                  "0123456789abcdef.rank\u0660-of-\u0662.h5", "0123456789abcdef.rank2-of-2.h5",
+                  "0123456789abcdef.rank01-of-2.h5",
+                  ".0123456789abcdef.rank0-of-2.h5.\u0661\u0662.abcdefgh.tmp"]
+    for name in user_files:
+        (tmp_path / name).write_bytes(b"user data")
+    link = tmp_path / f".ck.h5.{dead}.abcdefgh.tmp"
+    link.symlink_to(outside)
+    part_link = tmp_path / "0123456789abcdef.rank1-of-2.h5"
+    part_link.symlink_to(outside)
+    stale_part = tmp_path / "0123456789abcdef.rank0-of-2.h5"
+    stale_part.write_bytes(b"an old save's part")
+    stale_part_temp = tmp_path / f".{stale_part.name}.{dead}.abcdefgh.tmp"
+    stale_part_temp.write_bytes(b"a killed save's part")
+    flatopt.save(tmp_path / "ck.h5", make_opt("Adam"))
+    manifest.remove_other_saves(str(tmp_path), "fedcba9876543210")
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["ck.h5", "outside", link.name, part_link.name, *user_files])
+    assert outside.read_bytes() == b"keep"
 
 
 def test_save_errors(tmp_path):

@@ -10,6 +10,7 @@ import errno
 import io
 import os
 import re
+import stat
 import tempfile
 import threading
 from typing import Callable
@@ -20,7 +21,13 @@ import numpy as np
 from ..errors import CheckpointCorrupt, CheckpointError
 from .format import BLOCK_BYTES, hash_block, n_blocks
 
-TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
+# The name of a save's temporary file: "." + the target's name + "." + the saver's pid + "." +
+# mkstemp's 8 random characters + ".tmp". Matched in full (``$`` would also match before a
+# trailing newline) with ASCII classes (``\d`` takes any Unicode digit): a name that only
+# resembles one is a user's file and stays. (Were mkstemp's random part to change, stale
+# temporary files would stay too: the safe side.)
+TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>[1-9][0-9]{0,9})\.[a-z0-9_]{8}\.tmp",
+                       re.ASCII | re.DOTALL)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _FULL_TEXT = ("No space left", "Disk quota", "File too large")
 
@@ -81,7 +88,7 @@ def clean_stale_temps(directory: str, name: str) -> None:
     except OSError:
         return
     for entry in entries:
-        match = TEMPORARY.match(entry)
+        match = TEMPORARY.fullmatch(entry)
         if not match or match["name"] != name:
             continue
         pid = int(match["pid"])
@@ -94,10 +101,17 @@ def clean_stale_temps(directory: str, name: str) -> None:
             pass
         except (PermissionError, OverflowError, OSError):
             continue
-        try:
-            os.unlink(os.path.join(directory, entry))
-        except OSError:
-            pass
+        remove_plain_file(os.path.join(directory, entry))
+
+
+def remove_plain_file(path: str) -> None:
+    """Remove ``path`` if it is a regular file, ignoring failures. Never a symlink: flatopt
+    makes none, so one bearing a name flatopt uses was put there by someone else."""
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def file_name(path, what: str = "a checkpoint path must be a str or os.PathLike") -> str:

@@ -50,7 +50,9 @@ MANIFEST = "manifest.h5"
 MANIFEST_ATTRS = {"world_size": int, "save_id": str}
 MAX_WORLD = 1 << 20
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")
-_PART = re.compile(r"^(?P<save_id>[0-9a-f]{16})\.rank\d+-of-\d+\.h5$")
+# part_name's output, matched in full with ASCII digits (see files.TEMPORARY)
+_PART = re.compile(r"(?P<save_id>[0-9a-f]{16})\.rank(?P<rank>0|[1-9][0-9]*)"
+                   r"-of-(?P<size>[1-9][0-9]*)\.h5", re.ASCII)
 _DIGEST = re.compile(r"xxh3:[0-9a-f]{16}")
 
 
@@ -60,6 +62,12 @@ def new_save_id() -> str:
 
 def part_name(save_id: str, rank: int, world_size: int) -> str:
     return f"{save_id}.rank{rank}-of-{world_size}.h5"
+
+
+def part_match(entry: str):
+    """The match of ``entry`` when it is a name part_name gives, else None."""
+    match = _PART.fullmatch(entry)
+    return match if match and int(match["rank"]) < int(match["size"]) else None
 
 
 def is_sharded(source) -> bool:
@@ -193,14 +201,11 @@ def remove_other_saves(directory: str, save_id: str) -> None:
     """Part files of every other save (older, or never committed), once ``save_id`` is
     committed, and the temporary part files of savers that were killed."""
     for entry in os.listdir(directory):
-        match = _PART.match(entry)
+        match = part_match(entry)
         if match and match["save_id"] != save_id:
-            try:
-                os.unlink(os.path.join(directory, entry))
-            except OSError:
-                pass
-        temporary = files.TEMPORARY.match(entry)
-        if temporary and _PART.match(temporary["name"]):
+            files.remove_plain_file(os.path.join(directory, entry))
+        temporary = files.TEMPORARY.fullmatch(entry)
+        if temporary and part_match(temporary["name"]):
             files.clean_stale_temps(directory, temporary["name"])
 
 
