@@ -21,6 +21,12 @@ from .kernels.tools import SCALE_GRADIENTS, lerp_into
 from .optimizer import Optimizer
 
 
+def _is_flag(value: Any) -> bool:
+    """Whether ``value`` is True or False (a NumPy bool too), not merely truthy: ``bool()``
+    would turn the string "false" into True."""
+    return isinstance(value, (bool, np.bool_))
+
+
 def _optimizer(opt: Any, who: str) -> Optimizer:
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{who} takes a flatopt optimizer, got {type(opt).__name__}")
@@ -182,6 +188,8 @@ class EMA:
         if isinstance(decay, bool) or not isinstance(decay, numbers.Real) \
                 or not 0.0 <= float(decay) < 1.0:
             raise HyperparameterError(f"EMA decay must be in [0, 1), got {decay!r}")
+        if not _is_flag(warmup):
+            raise HyperparameterError(f"EMA warmup must be True or False, got {warmup!r}")
         self.decay = float(decay)
         self.warmup = bool(warmup)
         self.num_updates = 0
@@ -271,6 +279,9 @@ class EMA:
         if isinstance(decay, bool) or not isinstance(decay, numbers.Real) \
                 or not 0.0 <= decay < 1.0:
             problems.append(f"EMA decay must be in [0, 1), got {decay!r}")
+        warmup = state.get("warmup", False)
+        if not _is_flag(warmup):
+            problems.append(f"EMA warmup must be True or False, got {warmup!r}")
         if problems:
             raise StateDictError("\n".join(problems))
         for path, view in self.params.items():
@@ -278,5 +289,4 @@ class EMA:
                 view[...] = averages[path]
             elif view.size:
                 view.copy_to_device(np.ascontiguousarray(averages[path]))
-        self.decay, self.num_updates = float(decay), count
-        self.warmup = bool(state.get("warmup", False))
+        self.decay, self.num_updates, self.warmup = float(decay), count, bool(warmup)

@@ -203,6 +203,21 @@ def test_ema_swaps_in_for_evaluation_and_round_trips():
         other.load_state_dict({**ema.state_dict(), "averages": {"a": np.zeros(2)}})
 
 
+def test_ema_warmup_is_a_real_bool_in_the_constructor_and_the_state_dict():
+    """Issue 23 #8: "false" would turn warm-up on; None, "x" and {} are no settings."""
+    opt = make(flatopt.Adam)
+    for bad in ("false", "x", None, {}, 1, 0.0):
+        with pytest.raises(flatopt.HyperparameterError, match="warmup"):
+            flatopt.EMA(opt, warmup=bad)
+    assert flatopt.EMA(opt, warmup=np.bool_(True)).warmup is True
+    ema = flatopt.EMA(opt, warmup=True)
+    before = ema.state_dict()
+    for bad in (None, "x", {}, "false", 1):
+        with pytest.raises(flatopt.StateDictError, match="warmup"):
+            ema.load_state_dict({**before, "warmup": bad, "num_updates": 5})
+        assert ema.warmup is True and ema.num_updates == 0  # nothing changed
+
+
 # ----------------------------------------------------------------------------- accumulation
 def test_accumulated_micro_batches_step_on_their_mean():
     accumulated, direct = make(flatopt.Adam), make(flatopt.Adam)
