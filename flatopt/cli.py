@@ -40,6 +40,17 @@ def _say(text: str = "", file=None) -> None:
     print(_escaped(str(text)), file=file or sys.stdout)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its error messages escaped: they quote the command line, whose
+    file names may carry terminal escape sequences. (Subcommand parsers are of this class
+    too: argparse makes them of their parent's.)"""
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message is not None:
+            message = "\n".join(_escaped(line) for line in message.split("\n"))
+        super().exit(status, message)
+
+
 def _human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -173,8 +184,8 @@ def _run(args: argparse.Namespace, emit) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flatopt", description="Inspect, compare and verify "
-                                     "flatopt HDF5 checkpoints.")
+    parser = _Parser(prog="flatopt", description="Inspect, compare and verify flatopt HDF5 "
+                     "checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("inspect", "summarise a checkpoint"),
                             ("verify", "check structure and every checksum (exit 0 if sound)")):

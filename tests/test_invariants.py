@@ -400,6 +400,20 @@ def test_diff_and_inspect_print_paths_and_labels_escaped(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["only_in_a"] == [hostile]  # --json unchanged
 
 
+def test_argparse_errors_print_hostile_arguments_escaped(capsys):
+    """Issue 23 #12: argparse's error quotes the command line; a file name's escape sequences
+    must not reach the terminal raw."""
+    hostile = "evil\x1b]0;PWNED\x07\x1b[2J.h5"
+    for argv in (["verify", "good.h5", hostile], ["inspect", "--tensors", "x", hostile],
+                 [hostile], ["diff", "a.h5", "b.h5", "--" + hostile]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "\x1b" not in err and "\x07" not in err, argv
+        assert "evil\\x1b]0;PWNED\\x07\\x1b[2J.h5" in err, err
+
+
 # ----------------------------------------------------------------------------- typed errors
 def test_untyped_errors_of_issue_8_are_typed_now(tmp_path):
     with pytest.raises(flatopt.HyperparameterError, match="too large"):
