@@ -158,7 +158,14 @@ def test_staging_must_be_a_number_of_bytes(tmp_path):
     flatopt.save(tmp_path / "ck.h5", opt)
     target = make_opt("Adam", seed=7, steps=2)
     before = snapshot(target)
-    for bad in (-1, "1GB"):
-        with pytest.raises(ValueError, match="staging"):
+    for bad in (-1, "1GB", float("nan"), np.float32("nan"), True, np.bool_(False), 1j):
+        with pytest.raises(flatopt.CheckpointOptionError, match="staging") as info:
             flatopt.load(tmp_path / "ck.h5", target, staging=bad)
+        assert isinstance(info.value, ValueError)
+        # checked up front: before the file is even looked for
+        with pytest.raises(flatopt.CheckpointOptionError, match="staging"):
+            flatopt.load(tmp_path / "absent.h5", target, staging=bad)
     assert same_snapshot(before, snapshot(target))
+    for good in (np.int64(1000), np.uint8(0), 2.5e9, float("inf")):  # Issue 23 #17
+        flatopt.load(tmp_path / "ck.h5", target, staging=good)
+        assert state_equal(opt, target)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -11,7 +12,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .._restore import Fill
-from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, StateDictError
+from ..errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+                      CheckpointOptionError, StateDictError)
 from ..optimizer import BufferState, Optimizer
 from . import files, manifest, validate
 from .compare import Comparison, Difference, compare, is_relaxed, mismatch_message
@@ -302,14 +304,21 @@ def load(source, opt: Optimizer, *, strict: bool = True,
 
 def _check_options(opt, rename, hyperparameters, staging) -> None:
     if hyperparameters not in (None, "saved", "live"):
-        raise ValueError(f"hyperparameters must be None, 'saved' or 'live', got "
-                         f"{hyperparameters!r}")
+        raise CheckpointOptionError(f"hyperparameters must be None, 'saved' or 'live', got "
+                                    f"{hyperparameters!r}")
     if rename is not None and not callable(rename) and not isinstance(rename, Mapping):
-        raise TypeError(f"rename must be a dict or a function, got {type(rename).__name__}")
-    if staging is not None and (not isinstance(staging, (int, float)) or staging < 0):
-        raise ValueError(f"staging must be a number of bytes >= 0, got {staging!r}")
+        raise CheckpointOptionError(f"rename must be a dict or a function, got "
+                                    f"{type(rename).__name__}")
+    if staging is not None and not _is_byte_count(staging):
+        raise CheckpointOptionError(f"staging must be a number of bytes >= 0, got {staging!r}")
     if not isinstance(opt, Optimizer):
         raise CheckpointError(f"load() takes a flatopt optimizer, got {type(opt).__name__}")
+
+
+def _is_byte_count(value: Any) -> bool:
+    """A real number >= 0 (a NumPy integer too; infinity: no limit), not a bool or NaN."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+            and value >= 0)
 
 
 def load_scheduler(ck: Contents, scheduler) -> None:
