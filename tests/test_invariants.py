@@ -420,8 +420,7 @@ def test_untyped_errors_of_issue_8_are_typed_now(tmp_path):
         flatopt.SGD({"w": np.zeros(1)}, lr=2 ** 2000)
     opt = make_opt("SGD")
     os.chdir(tmp_path)
-    flatopt.save(b"c.h5", opt)  # a bytes path works (load takes bytes as the file's contents)
-    flatopt.load("c.h5", make_opt("SGD", seed=3, steps=0))
+    flatopt.save(Path("c.h5"), opt)
     for bad in (5, None, "bad\x00name.h5", "\ud800.h5"):
         with pytest.raises(flatopt.CheckpointError):
             flatopt.save(bad, opt)
@@ -436,6 +435,21 @@ def test_untyped_errors_of_issue_8_are_typed_now(tmp_path):
     assert opt.params.get(5) is None and 5 not in opt.grads  # they still behave as mappings
     with pytest.raises(flatopt.GradientError, match="list of paths"):
         opt.grads.mark_present(5)
+
+
+def test_a_bytes_path_is_refused_by_save_and_named_by_load(tmp_path):
+    """Issue 23 #20: load reads bytes as a checkpoint's contents, so save refuses a bytes path
+    (before touching anything, in the background too) and load says what bytes are."""
+    opt = make_opt("SGD")
+    target = os.fsencode(tmp_path / "ck.h5")
+    for path in (target, bytearray(target), memoryview(target)):
+        for background in (False, True):
+            with pytest.raises(flatopt.CheckpointError, match="bytes path .* str"):
+                flatopt.save(path, opt, background=background)
+    assert os.listdir(tmp_path) == []
+    flatopt.save(os.fsdecode(target), opt)
+    with pytest.raises(flatopt.CheckpointCorrupt, match="not an HDF5 file.*pass its path"):
+        flatopt.load(target, make_opt("SGD", seed=3, steps=0))
 
 
 def test_smaller_holes_of_issue_8(tmp_path):

@@ -28,6 +28,9 @@ from .format import BLOCK_BYTES, hash_block, n_blocks
 # temporary files would stay too: the safe side.)
 TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>[1-9][0-9]{0,9})\.[a-z0-9_]{8}\.tmp",
                        re.ASCII | re.DOTALL)
+SIGNATURE = b"\x89HDF\r\n\x1a\n"  # where a file flatopt wrote starts (no user block)
+BYTES_HINT = ("bytes are a checkpoint's contents, never its path: to load a file, pass its "
+              "path as a str or os.PathLike")
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _FULL_TEXT = ("No space left", "Disk quota", "File too large")
 
@@ -55,7 +58,7 @@ def trim(path: str) -> None:
     unused tail of the reservation."""
     with open(path, "r+b") as handle:
         head = handle.read(48)
-        if (len(head) < 48 or head[:8] != b"\x89HDF\r\n\x1a\n" or head[8] not in (2, 3)
+        if (len(head) < 48 or head[:8] != SIGNATURE or head[8] not in (2, 3)
                 or head[9] != 8):
             return
         end = int.from_bytes(head[28:36], "little")
@@ -127,6 +130,12 @@ def file_name(path, what: str = "a checkpoint path must be a str or os.PathLike"
 def target_path(path, directory_target: bool = False) -> str:
     """The absolute target of a save, checked: a str or PathLike to a file (or, with
     ``directory_target``, a sharded checkpoint's directory) in an existing directory."""
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        # load() reads bytes as a checkpoint's contents: a file saved under a bytes path
+        # could not be loaded by the same argument
+        raise CheckpointError(f"cannot save to the bytes path {bytes(path)[:200]!r}: "
+                              f"{BYTES_HINT}, so save takes a str or os.PathLike too "
+                              "(os.fsdecode(path))")
     final = file_name(path)
     try:
         os.fsencode(final)
@@ -369,7 +378,12 @@ def open_file(source) -> tuple[h5py.File, str, int, RawReader]:
     file, its name, its size and the reader of its raw bytes (the same file, whatever happens
     to the path meanwhile)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        source = io.BytesIO(bytes(source))
+        source = bytes(source)
+        if not source.startswith(SIGNATURE):  # a path given as bytes, most likely
+            raise CheckpointCorrupt(f"in-memory checkpoint {source[:80]!r} ({len(source)} "
+                                    f"bytes) is not a valid flatopt checkpoint: not an HDF5 "
+                                    f"file; {BYTES_HINT}")
+        source = io.BytesIO(source)
     if hasattr(source, "read") and hasattr(source, "seek"):
         file, name, size = _open_object(source)
         fd = None
