@@ -38,6 +38,7 @@ def extra_arrays() -> dict:
         "fortran": np.asfortranarray(rng.standard_normal((3, 4))),
         "ünïcødé 名前 ✓": np.arange(4, dtype=np.uint8),
         "running_mean\n\t": rng.standard_normal(2).astype(np.float32),
+        "32 dimensions": np.arange(2, dtype=np.int16).reshape((1,) * 31 + (2,)),  # HDF5's most
     }
 
 
@@ -93,6 +94,7 @@ REFUSED = [
     ({"x" * (70 << 10): np.zeros(2)}, "name of"),
     ({"dict": {"a": 1}}, "not a NumPy array"),
     ({f"a{k}": np.zeros(1) for k in range(4097)}, "at most 4096"),
+    ({"deep": np.zeros((1,) * 33)}, "'deep' has 33 dimensions"),  # Issue 23 #14: HDF5's limit
 ]
 
 

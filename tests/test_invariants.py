@@ -75,11 +75,13 @@ ARRAY_DTYPES = ["?", "i1", "u2", ">i4", "<u8", "f2", ">f4", "f8"]
 
 def random_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
     """0-3 extra arrays: any allowed dtype (either byte order), 0-d, empty, strided views,
-    up to 60,000 elements, names with any characters but NUL and '/'."""
+    up to 60,000 elements, up to HDF5's 32 dimensions, names with any characters but NUL and
+    '/'."""
     arrays = {}
     for number in range(int(rng.integers(0, 4))):
         shape = [(), (0,), (3, 0), (int(rng.integers(1, 60_000)),),
-                 tuple(int(d) for d in rng.integers(1, 9, size=3))][int(rng.integers(5))]
+                 tuple(int(d) for d in rng.integers(1, 9, size=3)),
+                 (1,) * int(rng.integers(4, 33))][int(rng.integers(6))]
         dtype = np.dtype(ARRAY_DTYPES[int(rng.integers(len(ARRAY_DTYPES)))])
         values = (rng.standard_normal(shape) * 100).astype(dtype)
         if values.ndim == 1 and values.size > 2:

@@ -62,6 +62,7 @@ DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
 MAX_ATTRS = 32
 MAX_MEMBERS = 4096        # members of one HDF5 group: /groups holds one per param group
 MAX_NDIM = 64             # columns of /index/shape: NumPy's own limit
+MAX_ARRAY_NDIM = 32       # an extra array is a dataset of its own shape: HDF5's H5S_MAX_RANK
 MAX_JSON = 16 << 20       # bytes of one JSON text (metadata, scheduler state, hyperparameters)
 MAX_NAME = 64 << 10       # bytes of an extra array's name (UTF-8)
 
@@ -207,7 +208,7 @@ def array_name_problem(name: Any) -> str | None:
 
 def checked_arrays(arrays: Any) -> dict[str, np.ndarray]:
     """``save(arrays=...)`` checked: name -> contiguous array of an allowed dtype, at most
-    ``MAX_MEMBERS`` of them, each of at most ``MAX_NDIM`` dimensions. Raises CheckpointError
+    ``MAX_MEMBERS`` of them, each of at most ``MAX_ARRAY_NDIM`` dimensions. Raises CheckpointError
     naming every problem (nothing is written)."""
     if arrays is None:
         return {}
@@ -237,9 +238,9 @@ def checked_arrays(arrays: Any) -> dict[str, np.ndarray]:
         if problem:
             problems.append(f"extra array {name!r} {problem}")
             continue
-        if value.ndim > MAX_NDIM:
-            problems.append(f"extra array {name!r} has {value.ndim} dimensions (at most "
-                            f"{MAX_NDIM})")
+        if value.ndim > MAX_ARRAY_NDIM:
+            problems.append(f"extra array {name!r} has {value.ndim} dimensions (HDF5 stores "
+                            f"at most {MAX_ARRAY_NDIM})")
             continue
         out[name] = value
     if problems:

@@ -23,7 +23,8 @@ from ..errors import CheckpointCorrupt, CheckpointMismatch
 from ..schema import Schema
 from . import files
 from .format import (BASE_COLUMNS, BLOCK_BYTES, DTYPES, FLETCHER32, FORMAT, FORMAT_VERSION,
-                     MAX_ATTRS, MAX_JSON, MAX_MEMBERS, MAX_NAME, MAX_NDIM, ROOT_ATTRS,
+                     MAX_ARRAY_NDIM, MAX_ATTRS, MAX_JSON, MAX_MEMBERS, MAX_NAME, MAX_NDIM,
+                     ROOT_ATTRS,
                      array_dtype_problem, array_name_problem, crc, hashes_digest,
                      manifest_digest, n_blocks, stored_dtype)
 
@@ -599,9 +600,9 @@ def read_arrays(ck: Contents) -> dict[str, list]:
             raise ck.corrupt(f"extra array {name!r} is stored as {ds.dtype}, not "
                              f"{stored_dtype(dtype)}", buffer=where)
         shape = tuple(int(d) for d in ds.shape) if ds.shape is not None else None
-        if shape is None or len(shape) > MAX_NDIM:
-            raise ck.corrupt(f"extra array {name!r} has no shape or more than {MAX_NDIM} "
-                             "dimensions", buffer=where)
+        if shape is None or len(shape) > MAX_ARRAY_NDIM:
+            raise ck.corrupt(f"extra array {name!r} has no shape or more than "
+                             f"{MAX_ARRAY_NDIM} dimensions", buffer=where)
         nbytes = math.prod(shape) * dtype.itemsize
         ck.declared += nbytes
         if ck.declared > ck.size:
