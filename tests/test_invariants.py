@@ -19,6 +19,8 @@ import pytest
 import flatopt
 from checkpoint_helpers import edit, make_opt, model_params, grouped, rehash, state_equal
 from flatopt import cli
+from flatopt.checkpoint import writer as writer_mod
+from flatopt.checkpoint.format import MAX_JSON_DEPTH
 from flatopt.checkpoint.writer import _Snapshot
 from optimizers import NAMES, fit_shape, random_settings
 
@@ -129,6 +131,46 @@ def test_save_refuses_what_load_would_refuse_before_touching_the_target(make, ma
         flatopt.save(target, make(), metadata=metadata)
     assert target.read_bytes() == b"previous checkpoint"
     assert os.listdir(tmp_path) == ["ck.h5"]
+
+
+def nested(depth: int):
+    value = 1
+    for _ in range(depth):
+        value = [value] if depth % 2 else {"k": value}
+    return value
+
+
+def on_a_deep_stack(function, frames: int):
+    """``function()`` called ``frames`` Python frames deeper than here."""
+    return function() if frames <= 0 else on_a_deep_stack(function, frames - 1)
+
+
+@pytest.mark.parametrize("depth", [101, 991])
+def test_metadata_nested_deeper_than_load_reads_is_refused_by_save(depth, tmp_path,
+                                                                     monkeypatch):
+    """Issue 23 #4: the depth limit is one for save and load (json.loads recurses, so without
+    a limit a deep text loads or not depending on the caller's stack)."""
+    assert MAX_JSON_DEPTH == 100
+    opt = make_opt("Adam")
+    target = tmp_path / "ck.h5"
+    flatopt.save(target, opt, metadata="previous")
+    before = target.read_bytes()
+    for background in (False, True):
+        with pytest.raises(flatopt.CheckpointError, match="nested .*deep.*at most 100 levels"):
+            flatopt.save(target, opt, metadata=nested(depth), background=background)
+        assert target.read_bytes() == before and os.listdir(tmp_path) == ["ck.h5"]
+    deepest = {"note": "a [string] { \\\" [", "deep": nested(MAX_JSON_DEPTH - 1)}
+    flatopt.save(target, opt, metadata=deepest)
+    limit = sys.getrecursionlimit()
+    result = on_a_deep_stack(lambda: flatopt.load(target, make_opt("Adam", seed=2, steps=0)),
+                             limit - 300)
+    assert result.metadata == deepest
+    # a file holding deeper metadata (written around save's check) is refused by load
+    monkeypatch.setattr(writer_mod, "limits_problems", lambda *args: [])
+    flatopt.save(target, opt, metadata=nested(MAX_JSON_DEPTH + 1))
+    with pytest.raises(flatopt.CheckpointCorrupt, match="metadata is nested 101 deep"):
+        on_a_deep_stack(lambda: flatopt.load(target, make_opt("Adam", seed=2, steps=0)),
+                        limit - 300)
 
 
 def test_save_refuses_state_that_load_would_call_a_lie(tmp_path):

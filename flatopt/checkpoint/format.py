@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import zlib
 from typing import Any, Mapping
 
@@ -64,6 +65,8 @@ MAX_MEMBERS = 4096        # members of one HDF5 group: /groups holds one per par
 MAX_NDIM = 64             # columns of /index/shape: NumPy's own limit
 MAX_ARRAY_NDIM = 32       # an extra array is a dataset of its own shape: HDF5's H5S_MAX_RANK
 MAX_JSON = 16 << 20       # bytes of one JSON text (metadata, scheduler state, hyperparameters)
+MAX_JSON_DEPTH = 100      # nesting of one JSON text: json.loads recurses once per level, so a
+                          # deeper text would load or not depending on the caller's stack
 MAX_NAME = 64 << 10       # bytes of an extra array's name (UTF-8)
 
 BASE_COLUMNS = {"id": np.dtype("<i8"), "path": "str", "ndim": np.dtype("<i8"),
@@ -102,6 +105,9 @@ def limits_problems(schema: Schema, n_groups: int, shapes, texts: Mapping[str, s
             problems.append(f"{what} is {len(value.encode('utf-8')):,} bytes of JSON: a "
                             f"checkpoint holds at most {MAX_JSON:,}; store large data in a "
                             "separate file")
+        problem = json_depth_problem(value)
+        if problem:
+            problems.append(f"{what} {problem}")
     return problems
 
 
@@ -119,11 +125,36 @@ def json_default(value: Any) -> Any:
 def to_json(value: Any, what: str) -> str:
     try:
         return json.dumps(value, default=json_default, sort_keys=True, allow_nan=True)
-    except (TypeError, ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise CheckpointError(f"{what} is nested too deep to write as JSON: a checkpoint holds "
+                              f"at most {MAX_JSON_DEPTH} levels") from None
+    except (TypeError, ValueError) as exc:
         raise CheckpointError(
             f"{what} must be JSON-serializable (dicts with string keys, lists, strings, numbers, "
             f"booleans, None; numpy scalars are converted): {exc}. flatopt checkpoints never "
             "pickle; store arrays as lists or in a separate file") from None
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET_STEPS = np.zeros(256, np.int8)
+_BRACKET_STEPS[list(b"[{")] = 1
+_BRACKET_STEPS[list(b"]}")] = -1
+
+
+def json_depth(text: str) -> int:
+    """How deeply the arrays and objects of the JSON ``text`` nest, counted without
+    recursion: the brackets outside strings, in C and NumPy loops."""
+    outside = _JSON_STRING.sub("", text).encode("utf-8", "surrogatepass")
+    steps = _BRACKET_STEPS[np.frombuffer(outside, np.uint8)]
+    return int(np.cumsum(steps[steps != 0], dtype=np.int32).max(initial=0))
+
+
+def json_depth_problem(text: str) -> str | None:
+    """Why a JSON text is too deep for a checkpoint (save and load apply the one limit)."""
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        return f"is nested {depth} deep: a checkpoint holds at most {MAX_JSON_DEPTH} levels"
+    return None
 
 
 def jsonable(value: Any) -> Any:
