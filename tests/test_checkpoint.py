@@ -109,6 +109,25 @@ def test_non_json_metadata_is_refused_before_writing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("metadata", [{1: "a"}, {"a": [{2.5: 1}]}, [{None: 1}], {True: 0},
+                                      ({"epoch": 3}, {-1: 1})])
+def test_metadata_with_keys_json_would_change_is_refused(metadata, tmp_path):
+    """Issue 23 (minor): JSON turns the key 1 into "1", so the metadata would not come back as
+    saved: save refuses non-string keys, naming one, before touching anything."""
+    opt = make_opt("Adam")
+    with pytest.raises(flatopt.CheckpointError, match="not strings"):
+        flatopt.save(tmp_path / "ck.h5", opt, metadata=metadata)
+    assert os.listdir(tmp_path) == []
+
+    class Scheduler:
+        def state_dict(self):
+            return {"milestones": {5: 1}}
+
+    with pytest.raises(flatopt.CheckpointError, match="scheduler.*not strings"):
+        flatopt.save(tmp_path / "ck.h5", opt, scheduler=Scheduler())
+    assert os.listdir(tmp_path) == []
+
+
 def test_load_from_bytes_and_file_objects(tmp_path):
     opt = make_opt("Adam")
     flatopt.save(tmp_path / "ck.h5", opt)

@@ -124,7 +124,7 @@ def json_default(value: Any) -> Any:
 
 def to_json(value: Any, what: str) -> str:
     try:
-        return json.dumps(value, default=json_default, sort_keys=True, allow_nan=True)
+        text = json.dumps(value, default=json_default, sort_keys=True, allow_nan=True)
     except RecursionError:
         raise CheckpointError(f"{what} is nested too deep to write as JSON: a checkpoint holds "
                               f"at most {MAX_JSON_DEPTH} levels") from None
@@ -133,6 +133,27 @@ def to_json(value: Any, what: str) -> str:
             f"{what} must be JSON-serializable (dicts with string keys, lists, strings, numbers, "
             f"booleans, None; numpy scalars are converted): {exc}. flatopt checkpoints never "
             "pickle; store arrays as lists or in a separate file") from None
+    keys = _keys_not_strings(value)
+    if keys:
+        more = " and more" if len(keys) > 1 else ""
+        raise CheckpointError(f"{what} has dict keys that are not strings ({keys[0]!r}{more}): "
+                              "JSON would turn them into strings, so it would not load back as "
+                              "saved; use string keys")
+    return text
+
+
+def _keys_not_strings(value: Any) -> list:
+    """The dict keys in ``value`` that are not str, walked without recursion (``value`` is
+    known to be JSON-serializable, so it has no cycles)."""
+    found, pending = [], [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            found += [key for key in item if not isinstance(key, str)]
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return found
 
 
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
