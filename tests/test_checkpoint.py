@@ -128,6 +128,29 @@ def test_metadata_with_keys_json_would_change_is_refused(metadata, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_boolean_options_must_be_booleans(tmp_path):
+    """Issue 23 (minor): strict="yes" or regroup=1 would be taken as True (a partial load
+    nobody asked for); every boolean option of save, load, read and inspect is True or False,
+    checked before any file is touched."""
+    opt = make_opt("Adam")
+    flatopt.save(tmp_path / "ck.h5", opt)
+    target = stepped_other()
+    before = snapshot(target)
+    for bad in ("yes", "false", 1, 0, None, np.float64(1.0)):
+        for call in (lambda: flatopt.load(tmp_path / "ck.h5", target, strict=bad),
+                     lambda: flatopt.load(tmp_path / "ck.h5", target, regroup=bad),
+                     lambda: flatopt.save(tmp_path / "new.h5", opt, background=bad),
+                     lambda: flatopt.read(tmp_path / "ck.h5", state=bad),
+                     lambda: flatopt.read(tmp_path / "ck.h5", arrays=bad),
+                     lambda: flatopt.checkpoint.inspect_checkpoint(tmp_path / "ck.h5",
+                                                                   tensors=bad)):
+            with pytest.raises(flatopt.CheckpointOptionError, match="must be True or False"):
+                call()
+    assert same_snapshot(before, snapshot(target)) and os.listdir(tmp_path) == ["ck.h5"]
+    flatopt.load(tmp_path / "ck.h5", target, strict=np.bool_(False), regroup=False)
+    assert state_equal(opt, target)
+
+
 def test_load_from_bytes_and_file_objects(tmp_path):
     opt = make_opt("Adam")
     flatopt.save(tmp_path / "ck.h5", opt)

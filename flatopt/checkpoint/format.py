@@ -45,7 +45,7 @@ import numpy as np
 import xxhash
 
 from .. import registry
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointOptionError
 from ..schema import Schema
 
 FORMAT = "flatopt.checkpoint"
@@ -109,6 +109,14 @@ def limits_problems(schema: Schema, n_groups: int, shapes, texts: Mapping[str, s
         if problem:
             problems.append(f"{what} {problem}")
     return problems
+
+
+def check_flags(**flags: Any) -> None:
+    """Each option is True or False (a NumPy bool too), or CheckpointOptionError: "no" and 1
+    are truthy, and ``strict="no"`` taken as true would be a strict load nobody asked for."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise CheckpointOptionError(f"{name} must be True or False, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- JSON

@@ -17,7 +17,7 @@ from ..errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
 from ..optimizer import BufferState, Optimizer
 from . import files, manifest, validate
 from .compare import Comparison, Difference, compare, is_relaxed, mismatch_message
-from .format import DTYPES
+from .format import DTYPES, check_flags
 from .files import open_file
 from .reader import Contents, read_structure
 
@@ -269,6 +269,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     ``staging`` (plus the buffers a partial, renamed or regrouped load takes per path).
     """
     _check_options(opt, rename, hyperparameters, staging)
+    check_flags(strict=strict, regroup=regroup)
     if opt._sharding is not None:  # comm= over several ranks: collective
         from . import sharded
         return sharded.load(source, opt, strict=strict, rename=rename,

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from . import files
+from .format import check_flags
 from .loader import Scratch, guarded, open_checkpoint, verify_one
 
 
@@ -33,6 +34,7 @@ def inspect_checkpoint(source, *, tensors: bool = False) -> dict:
     its extra arrays (name, shape, dtype, bytes). With ``tensors``, one row per parameter in
     id order: id, path, shape, dtype, group, its label and the schema's persisted columns
     (named in ``columns``: Adam's step, SGD's momentum_initialized)."""
+    check_flags(tensors=tensors)
     with open_checkpoint(source) as ck:
         schema = ck.schema
         groups = []

@@ -35,8 +35,9 @@ from ..optimizer import Optimizer
 from ..schema import column_problems, slot_value_problems
 from . import files
 from .format import (BLOCK_BYTES, FORMAT, FORMAT_VERSION, LIBVER, PLAIN_FORMAT_VERSION,
-                     checked_arrays, hashes_digest, jsonable, limits_problems, manifest_digest, n_blocks,
-                     schema_columns, stored_dtype, text_dtype, to_json)
+                     check_flags, checked_arrays, hashes_digest, jsonable, limits_problems,
+                     manifest_digest, n_blocks, schema_columns, stored_dtype, text_dtype,
+                     to_json)
 
 ALIGN_THRESHOLD = 1 << 20   # datasets this large start on a page boundary in the file
 ALIGN_INTERVAL = 4096
@@ -417,6 +418,7 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     ``manifest.h5`` that commits them (see ``flatopt.checkpoint.sharded``); it returns the
     directory's absolute path.
     """
+    check_flags(background=background)
     if getattr(opt, "_sharding", None) is not None:  # comm= over several ranks: collective
         from . import sharded
         return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
