@@ -89,8 +89,10 @@ class GradScaler:
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool = True):
-        if not (isinstance(growth_factor, numbers.Real) and growth_factor > 1.0):
-            raise HyperparameterError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if not (isinstance(growth_factor, numbers.Real) and 1.0 < growth_factor < math.inf):
+            # an infinite factor would grow the scale to inf and skip every step after
+            raise HyperparameterError(f"growth_factor must be finite and > 1, got "
+                                      f"{growth_factor!r}")
         if not (isinstance(backoff_factor, numbers.Real) and 0.0 < backoff_factor < 1.0):
             raise HyperparameterError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \

@@ -155,6 +155,18 @@ def test_grad_scaler_follows_torchs_scaler():
         restored.load_state_dict({"scale": 1.0})
 
 
+def test_grad_scaler_factors_must_be_finite():
+    """Issue 23 (minor): growth_factor=inf would make the scale inf after growth_interval
+    clean steps (and every step after it skipped); refused, in load_state_dict too."""
+    for bad in (float("inf"), np.float64("inf"), float("nan")):
+        with pytest.raises(flatopt.HyperparameterError, match="growth_factor"):
+            flatopt.GradScaler(growth_factor=bad)
+    scaler = flatopt.GradScaler()
+    with pytest.raises(flatopt.HyperparameterError, match="growth_factor"):
+        scaler.load_state_dict({**scaler.state_dict(), "growth_factor": float("inf")})
+    assert scaler.state_dict()["growth_factor"] == 2.0
+
+
 # ----------------------------------------------------------------------------- EMA
 @pytest.mark.parametrize("decay", [0.9, 0.3])
 def test_ema_matches_torchs_averaged_model(decay):
