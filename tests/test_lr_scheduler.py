@@ -843,6 +843,15 @@ def test_load_state_dict_errors_change_nothing():
     with pytest.raises(StateDictError, match=r"max_momentum=1.0 would be written into betas"):
         adam_cycle.load_state_dict({**before, "max_momentums": [1.0]})
     assert adam_cycle.state_dict() == before
+    # Issue 23 (minor): a position past the schedule's end is no state a run reaches (its
+    # next step would fail); total_steps itself is the last one
+    for last_epoch in (10 ** 30, 21):
+        with pytest.raises(StateDictError, match=f"last_epoch {last_epoch} is past"):
+            adam_cycle.load_state_dict({**before, "last_epoch": last_epoch})
+        assert adam_cycle.state_dict() == before
+    adam_cycle.load_state_dict({**before, "last_epoch": 20})
+    with pytest.raises(ValueError, match="Tried to step 21 times"):
+        adam_cycle.step()
 
 
 # ----------------------------------------------------------------------------- flatopt specifics

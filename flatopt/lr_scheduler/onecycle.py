@@ -164,6 +164,14 @@ class OneCycleLR(LRScheduler):
             self._check_momentum_values(self.optimizer, checked)
         return checked
 
+    def _checked_values(self, state):
+        values = super()._checked_values(state)
+        if values["last_epoch"] > values["total_steps"]:
+            # the step to it would have failed ("Tried to step ..."): no run reaches it
+            raise ValueError(f"last_epoch {values['last_epoch']} is past the schedule's end "
+                             f"(total_steps {values['total_steps']})")
+        return values
+
     @staticmethod
     def _check_phase_lengths(phases: list[tuple], total_steps: int, pct_start: float) -> None:
         """Refuse a zero-length phase that some step 0..total_steps falls in (torch divides
