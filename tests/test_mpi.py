@@ -317,6 +317,16 @@ def test_range_reads_read_and_check_only_the_blocks_they_need(saved_at_3, tmp_pa
             ck.read_range(key, "exp_avg", 3, end_of_1 + 1)
 
 
+def test_ranks_given_different_paths_or_checkpoints_are_refused_on_every_rank(tmp_path):
+    ok = checks_by_rank(run_job(3, "disagree", "--dir", str(tmp_path)), 3)
+    for check in ("ranks given different paths to save: CheckpointError",
+                  "the split save wrote nothing",
+                  "ranks given different checkpoints to load: CheckpointError",
+                  "the error names each rank's", "the split load changed nothing",
+                  "the same checkpoint loads"):
+        assert ok.get(check) == {0, 1, 2}, check
+
+
 @pytest.mark.parametrize("killed", [0, 2])
 def test_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path, killed):
     import flatopt

@@ -342,7 +342,7 @@ def read_structure(ck: ShardedContents) -> None:
     if manifest_digest(ck.header, ck.raw_groups, columns, table, arrays) != digest:
         raise ck.corrupt("its metadata digest does not match (attributes, index or fragment "
                          "tables were modified or damaged)")
-    ck.raw_columns = columns
+    ck.raw_columns, ck.digest = columns, digest
 
 
 def _check_part_sizes(ck: ShardedContents) -> None:

@@ -102,6 +102,7 @@ class Contents:
         self.raw_columns: dict[str, list] = {}
         self.raw_groups: list[dict] = []
         self.declared = 0   # bytes of buffers and arrays the structure declares
+        self.digest: str | None = None  # the commit digest, once verified
 
     def corrupt(self, message: str, buffer: str | None = None) -> CheckpointCorrupt:
         where = f" (buffer {buffer})" if buffer else ""
@@ -635,4 +636,4 @@ def read_structure(ck: Contents) -> None:
     if manifest_digest(ck.header, ck.raw_groups, columns, table, arrays) != digest:
         raise ck.corrupt("its metadata digest does not match (attributes or index were modified "
                          "or damaged)")
-    ck.raw_columns = columns
+    ck.raw_columns, ck.digest = columns, digest
