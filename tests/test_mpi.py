@@ -283,6 +283,37 @@ def test_a_damaged_missing_or_foreign_part_file_is_refused_by_name(saved_at_3, t
     refused(newer, flatopt.CheckpointMismatch, "format version 2", "upgrade flatopt")
 
 
+def test_a_part_file_that_is_a_symlink_is_refused_without_reading_it(saved_at_3, tmp_path):
+    """Issue 23 #13: flatopt writes part files as regular files in the directory; a symlink
+    (to the real part moved outside, or to an unrelated file) is refused by name, and the
+    error discloses nothing about the file it points at."""
+    import flatopt
+    import mpi_worker
+    from flatopt import checkpoint
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    moved = _damaged_copy(saved_at_3, tmp_path / "moved")
+    part = _part(moved, 1)
+    part.rename(outside / part.name)
+    part.symlink_to(outside / part.name)
+    unrelated = _damaged_copy(saved_at_3, tmp_path / "unrelated")
+    secret = outside / "secret"
+    secret.write_bytes(b"s" * 1_234_567)
+    replaced = _part(unrelated, 1)
+    replaced.unlink()
+    replaced.symlink_to(secret)
+    for directory in (moved, unrelated):
+        opt = _reference("Adam", 1)
+        before = opt.state_dict()
+        with pytest.raises(flatopt.CheckpointCorrupt, match="rank 1's file .* is a symlink") \
+                as caught:
+            flatopt.load(directory, opt)
+        assert "1,234,567" not in str(caught.value) and "1234567" not in str(caught.value)
+        assert not mpi_worker.state_differences(opt.state_dict(), before)
+        report = checkpoint.verify_checkpoint(directory)
+        assert not report["ok"] and "symlink" in " ".join(report["problems"])
+
+
 def test_range_reads_read_and_check_only_the_blocks_they_need(saved_at_3, tmp_path):
     import flatopt
     import numpy as np

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 
 import h5py
 import numpy as np
@@ -237,18 +238,38 @@ class ShardedContents(Contents):
         return self.corrupt(f"rank {rank}'s file {name} is missing; the checkpoint cannot be "
                             "read without it: restore the file or use an earlier checkpoint")
 
+    def part_path(self, rank: int) -> str:
+        return os.path.join(self.name, part_name(self.header["save_id"], rank,
+                                                 self.header["world_size"]))
+
+    def part_stat(self, rank: int) -> os.stat_result:
+        """Rank ``rank``'s part file, checked to be a regular file of the directory itself:
+        flatopt writes no symlink, and one could point at any file, whose contents (or size)
+        an error must not show."""
+        try:
+            found = os.lstat(self.part_path(rank))
+        except OSError:
+            raise self.missing(rank) from None
+        if not stat.S_ISREG(found.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(found.st_mode) else "not a regular file"
+            raise self.corrupt(f"rank {rank}'s file {os.path.basename(self.part_path(rank))} "
+                               f"is {kind}; flatopt writes part files as regular files in the "
+                               "checkpoint's directory and reads no other")
+        return found
+
     def part(self, rank: int) -> Contents:
         part = self.parts.get(rank)
         if part is not None:
             return part
         save_id, size = self.header["save_id"], self.header["world_size"]
-        path = os.path.join(self.name, part_name(save_id, rank, size))
-        if not os.path.isfile(path):
-            raise self.missing(rank)
-        file, name, nbytes, raw = open_file(path)
+        found = self.part_stat(rank)
+        file, name, nbytes, raw = open_file(self.part_path(rank))
         part = Contents(name, file, nbytes, raw)
         part.version = FORMAT_VERSION
         try:
+            opened = os.fstat(file.id.get_vfd_handle())
+            if (opened.st_dev, opened.st_ino) != (found.st_dev, found.st_ino):
+                raise part.corrupt("it was replaced while it was being opened")
             for key, want in (("format", PART_FORMAT), ("save_id", save_id)):
                 got = attr(part, file, key, str, required=False)
                 if got != want:
@@ -304,15 +325,10 @@ class ShardedContents(Contents):
         return raw_offset(part, ds, nbytes), block_hashes(part, ds, nbytes, digest)
 
     def part_bytes(self) -> int:
-        """Bytes of the manifest and every part file it names."""
-        total = self.size
-        for rank in range(self.header["world_size"]):
-            try:
-                total += os.stat(os.path.join(self.name, part_name(
-                    self.header["save_id"], rank, self.header["world_size"]))).st_size
-            except OSError:
-                pass
-        return total
+        """Bytes of the manifest and every part file it names (checked by
+        ``_check_part_sizes``)."""
+        return self.size + sum(self.part_stat(rank).st_size
+                               for rank in range(self.header["world_size"]))
 
 
 def open_sharded(source) -> ShardedContents:
@@ -356,10 +372,7 @@ def _check_part_sizes(ck: ShardedContents) -> None:
                 declared[rank] += (stop - start) * DTYPES[key[1]].itemsize
     for rank, nbytes in enumerate(declared):
         name = part_name(ck.header["save_id"], rank, ck.header["world_size"])
-        try:
-            size = os.stat(os.path.join(ck.name, name)).st_size
-        except OSError:
-            raise ck.missing(rank) from None
+        size = ck.part_stat(rank).st_size
         if nbytes > size:
             raise ck.corrupt(f"the manifest gives rank {rank}'s file {name} {nbytes:,} bytes "
                              f"of fragments, more than its {size:,} bytes")
