@@ -217,19 +217,27 @@ def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, workers):
     return state, params, buffers
 
 
+def saved_values(ck: Contents, entry, staged: dict, slot: str) -> np.ndarray | None:
+    """A saved parameter's flat values in ``slot`` from the verified buffers in ``staged``,
+    placed by the slot's own layout (a shaped slot such as Adafactor's row_var packs other
+    entries than the parameters), or None where it has no entry."""
+    key = (entry.group, entry.dtype)
+    saved = ck.buffers[key]
+    layout, position = saved.layouts[slot], saved.positions[entry.row]
+    if layout.shapes[position] is None:
+        return None
+    start = int(layout.offsets[position])
+    return staged[key, slot][start:start + int(layout.sizes[position])]
+
+
 def saved_state_entry(ck: Contents, entry, staged: dict, shape) -> dict:
     """A saved parameter's state as ``state_dict()`` holds it (its state-dict columns and
     each saved slot, shaped), from the verified buffers in ``staged``."""
-    key = (entry.group, entry.dtype)
-    saved = ck.buffers[key]
-    position = saved.positions[entry.row]
     state = {name: entry.columns[name] for name in ck.schema.state_dict_columns}
-    for slot in saved.datasets:
-        layout = saved.layouts[slot]
-        if slot != "params" and layout.shapes[position] is not None:
-            start = int(layout.offsets[position])
-            state[slot] = staged[key, slot][start:start + int(layout.sizes[position])].reshape(
-                ck.schema.slots[slot].entry_shape(shape))
+    for slot in ck.buffers[entry.group, entry.dtype].datasets:
+        values = None if slot == "params" else saved_values(ck, entry, staged, slot)
+        if values is not None:
+            state[slot] = values.reshape(ck.schema.slots[slot].entry_shape(shape))
     return state
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import CheckpointError
 from . import files
 from .format import check_flags
-from .loader import Scratch, guarded, open_checkpoint, verify_one
+from .loader import Scratch, guarded, open_checkpoint, saved_values, verify_one
 
 
 def _state_summary(schema, members) -> dict:
@@ -139,11 +139,11 @@ def _group_differences(ca, cb) -> list[dict]:
     return out
 
 
-def _values(staged, entry, slot):
-    key = (entry.group, entry.dtype)
-    if (key, slot) not in staged:
+def _values(ck, staged, entry, slot):
+    """A parameter's values in ``slot`` (None where the file has no such slot or entry)."""
+    if ((entry.group, entry.dtype), slot) not in staged:
         return None
-    return staged[key, slot][entry.offset:entry.offset + entry.size]
+    return saved_values(ck, entry, staged, slot)
 
 
 def _slot_difference(path: str, slot: str, va, vb) -> dict | None:
@@ -187,8 +187,8 @@ def diff_checkpoints(a, b) -> dict:
             if ea.shape != eb.shape:
                 continue
             for slot in slots:
-                found = _slot_difference(ea.path, slot, _values(staged_a, ea, slot),
-                                         _values(staged_b, eb, slot))
+                found = _slot_difference(ea.path, slot, _values(ca, staged_a, ea, slot),
+                                         _values(cb, staged_b, eb, slot))
                 if found:
                     params.append(found)
         header, groups = _header_differences(ca, cb), _group_differences(ca, cb)
