@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._layout import aligned_zeros
 from .._restore import Fill
 from ..errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                       CheckpointOptionError, StateDictError)
@@ -91,11 +92,16 @@ class open_checkpoint:
 
 def guarded(ck: Contents, read: Callable):
     """Run ``read()``; anything but a CheckpointError (h5py, numpy, the OS on a damaged or
-    vanishing file) becomes CheckpointCorrupt."""
+    vanishing file) becomes CheckpointCorrupt, but too little memory for what a sound file
+    holds, which is a CheckpointError."""
     try:
         return read()
     except CheckpointError:
         raise
+    except MemoryError as exc:
+        raise CheckpointError(f"checkpoint {ck.name}: not enough memory to read it "
+                              f"({type(exc).__name__}: {exc}); nothing was changed; read it "
+                              "where more memory is available", path=ck.name) from exc
     except Exception as exc:
         raise ck.corrupt(f"{type(exc).__name__}: {exc}") from exc
 
@@ -118,17 +124,18 @@ class Scratch:
         held = self.arrays.get(dtype)
         if held is None or held.size < length:
             self.arrays[dtype] = None  # drop the smaller one first
-            held = self.arrays[dtype] = np.empty(max(length, 1), dtype)
+            held = self.arrays[dtype] = aligned_zeros(max(length, 1), dtype)
         return held[:length]
 
 
-def verify_one(ck: Contents, key, slot: str, workers, out: np.ndarray | None = None):
-    """One slot of one buffer read (into ``out``, or a fresh array) and verified as ``load``
-    and ``flatopt verify`` verify it: its checksums, then its state values."""
-    if out is None:
+def verify_one(ck: Contents, key, slot: str, workers, scratch: Scratch | None = None):
+    """One slot of one buffer read (into ``scratch``, or a fresh array) and verified as
+    ``load`` and ``flatopt verify`` verify it: its checksums, then its state values."""
+    if scratch is None:
         flat = guarded(ck, lambda: ck.read(key, slot, workers))
     else:
-        flat = guarded(ck, lambda: ck.read_into(key, slot, out, workers))
+        flat = guarded(ck, lambda: ck.read_into(key, slot, scratch.get(ck.buffers[key], slot),
+                                                workers))
     validate.check_data(ck, {(key, slot): flat})
     return flat
 
@@ -144,7 +151,7 @@ def verify_buffers(ck: Contents, keys, workers, keep: set = frozenset()) -> dict
             if (key, slot) in keep:
                 staged[key, slot] = verify_one(ck, key, slot, workers)
             else:
-                verify_one(ck, key, slot, workers, scratch.get(saved, slot))
+                verify_one(ck, key, slot, workers, scratch)
     return staged
 
 
@@ -302,12 +309,14 @@ def load(source, opt: Optimizer, *, strict: bool = True,
                               before_commit=lambda: load_scheduler(ck, scheduler))
             except StateDictError as exc:  # a value check of data read into place
                 raise ck.corrupt(str(exc)) from exc
-            except OSError as exc:  # keeping the undo copy failed (a full disk)
+            except (OSError, MemoryError) as exc:  # the undo copy: a full disk, or memory
+                larger = "smaller" if isinstance(exc, MemoryError) else "larger"
                 raise CheckpointError(f"could not load checkpoint {ck.name}: keeping a copy "
                                       f"of the state to undo a failed load failed "
-                                      f"({exc}); the optimizer is unchanged; pass a larger "
-                                      "staging= to keep the copy in memory",
-                                      path=ck.name) from exc
+                                      f"({type(exc).__name__}: {exc}); the optimizer is "
+                                      f"unchanged; pass a {larger} staging= to keep "
+                                      f"{'less' if larger == 'smaller' else 'more'} of the "
+                                      "copy in memory", path=ck.name) from exc
         return LoadResult.of(ck, opt, plan, relaxed, arrays)
 
 

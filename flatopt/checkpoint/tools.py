@@ -92,8 +92,7 @@ def verify_checkpoint(source) -> dict:
             scratch = Scratch()
             checks = [({"buffer": saved.datasets[slot].name, "elements": saved.lengths[slot],
                         "digest": saved.digests[slot]},
-                       lambda key=key, slot=slot, saved=saved: verify_one(
-                           ck, key, slot, workers, scratch.get(saved, slot)))
+                       lambda key=key, slot=slot: verify_one(ck, key, slot, workers, scratch))
                       for key, saved in sorted(ck.buffers.items()) for slot in saved.datasets]
             checks += [({"buffer": saved.dataset.name, "array": name,
                          "elements": math.prod(saved.shape), "digest": saved.digest},
@@ -167,7 +166,7 @@ def diff_checkpoints(a, b) -> dict:
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         only_a = [e.path for e in ca.params if e.path not in cb.by_path]
         only_b = [e.path for e in cb.params if e.path not in ca.by_path]
-        staged_a, staged_b = ca.read_all(), cb.read_all()
+        staged_a, staged_b = guarded(ca, ca.read_all), guarded(cb, cb.read_all)
         slots = sorted({s for buf in (*ca.buffers.values(), *cb.buffers.values())
                         for s in buf.datasets})
         params = []
