@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 import tracemalloc
 
 import numpy as np
 import pytest
 
 import flatopt
+from flatopt import _restore as restore_mod
 from flatopt import cli
 from flatopt.checkpoint import loader as loader_mod
 from flatopt.checkpoint import reader
@@ -202,3 +204,28 @@ def test_too_little_memory_to_read_a_buffer_is_a_typed_error(tmp_path, monkeypat
                      hyperparameters="live")
     assert not isinstance(info.value, flatopt.CheckpointCorrupt)
     assert same_snapshot(before, snapshot(target))
+
+
+def test_the_undo_copy_spills_to_the_temporary_directory_not_beside_the_checkpoint(
+        tmp_path, monkeypatch):
+    """Issue 23 #18: a sound checkpoint in a read-only directory (or on a full disk) loads
+    into an optimizer with state: the undo copy beyond staging= goes to tempfile's directory
+    ($TMPDIR), never beside the checkpoint."""
+    opt = make_opt("Adam")
+    (tmp_path / "checkpoints").mkdir()
+    path = flatopt.save(tmp_path / "checkpoints" / "ck.h5", opt)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spill))
+    directories = []
+    real = tempfile.TemporaryFile
+
+    def recorded(*args, **kwargs):
+        directories.append(kwargs.get("dir"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(restore_mod.tempfile, "TemporaryFile", recorded)
+    target = make_opt("Adam", seed=7, steps=2)  # has state: the undo copy spills (staging=0)
+    flatopt.load(path, target, staging=0)
+    assert state_equal(opt, target)
+    assert directories and all(d in (None, str(spill)) for d in directories), directories

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import numbers
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -279,9 +278,10 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     Memory: a buffer whose saved layout is the live one is read straight into the optimizer's
     array (or into the state slot the load allocates), checked as it lands; to put the
     optimizer back if anything fails, the load keeps a copy of each array it overwrites, in
-    memory up to ``staging`` bytes (default: the size of the file's largest buffer) and in a
-    temporary file beside the checkpoint beyond that. Peak memory is the live state plus
-    ``staging`` (plus the buffers a partial, renamed or regrouped load takes per path).
+    memory up to ``staging`` bytes (default: the size of the file's largest buffer) and in an
+    unnamed temporary file in the temporary directory (tempfile's: ``$TMPDIR``) beyond that.
+    Peak memory is the live state plus ``staging`` (plus the buffers a partial, renamed or
+    regrouped load takes per path).
     """
     _check_options(opt, rename, hyperparameters, staging)
     check_flags(strict=strict, regroup=regroup)
@@ -303,9 +303,10 @@ def load(source, opt: Optimizer, *, strict: bool = True,
             except StateDictError as exc:
                 raise ck.corrupt(str(exc)) from exc
             budget = largest_buffer(ck) if staging is None else int(min(staging, 1 << 62))
-            directory = os.path.dirname(ck.name) if os.path.isfile(ck.name) else None
             try:
-                pending.apply(staging=budget, spill_dir=directory or None,
+                # the spill goes to tempfile's directory ($TMPDIR): the checkpoint's own may be
+                # read-only or full, and a load must not write beside what it reads
+                pending.apply(staging=budget, spill_dir=None,
                               before_commit=lambda: load_scheduler(ck, scheduler))
             except StateDictError as exc:  # a value check of data read into place
                 raise ck.corrupt(str(exc)) from exc
