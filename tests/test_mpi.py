@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from optimizers import NAMES
@@ -312,6 +313,47 @@ def test_a_part_file_that_is_a_symlink_is_refused_without_reading_it(saved_at_3,
         assert not mpi_worker.state_differences(opt.state_dict(), before)
         report = checkpoint.verify_checkpoint(directory)
         assert not report["ok"] and "symlink" in " ".join(report["problems"])
+
+
+def _commit_other_save(directory: Path, other: Path) -> None:
+    """What a save committing in ``directory`` does: its part files, the manifest renamed into
+    place, then the part files of the save it replaces removed."""
+    old = [entry for entry in directory.iterdir() if entry.name != "manifest.h5"]
+    for entry in other.iterdir():
+        if entry.name != "manifest.h5":
+            shutil.copyfile(entry, directory / entry.name)
+    shutil.copyfile(other / "manifest.h5", directory / ".manifest.h5.tmp")
+    os.replace(directory / ".manifest.h5.tmp", directory / "manifest.h5")
+    for entry in old:
+        entry.unlink()
+
+
+def test_a_reader_keeps_the_save_it_parsed_while_another_commits(saved_at_3, tmp_path,
+                                                                 monkeypatch):
+    """Issue 23 #19: a reader holds the part files of the save it parsed, so a commit in the
+    same directory cannot pull them away; one that lands while the reader opens them makes
+    it read the newer save instead."""
+    from flatopt import checkpoint
+    from flatopt.checkpoint import manifest
+    with checkpoint.open_checkpoint(saved_at_3 / "Adam.h5") as ck:
+        expected = ck.read_all()
+    directory = _damaged_copy(saved_at_3, tmp_path / "during")
+    with checkpoint.open_checkpoint(directory) as ck:
+        _commit_other_save(directory, saved_at_3 / "LAMB.h5")
+        got = ck.read_all()
+    assert sorted(got) == sorted(expected)
+    assert all(np.array_equal(got[key], expected[key]) for key in expected)
+    directory = _damaged_copy(saved_at_3, tmp_path / "opening")
+    real = manifest._check_part_sizes
+
+    def commit_first(ck):  # the commit lands between the manifest's and the parts' opening
+        monkeypatch.setattr(manifest, "_check_part_sizes", real)
+        _commit_other_save(directory, saved_at_3 / "LAMB.h5")
+        real(ck)
+
+    monkeypatch.setattr(manifest, "_check_part_sizes", commit_first)
+    with checkpoint.open_checkpoint(directory) as ck:
+        assert ck.schema.name == "LAMB" and ck.read_all()
 
 
 def test_range_reads_read_and_check_only_the_blocks_they_need(saved_at_3, tmp_path):

@@ -53,9 +53,22 @@ class LoadResult:
                    scheduler_state=ck.scheduler_state, info=dict(ck.header), arrays=arrays)
 
 
+SUPERSEDED_RETRIES = 3
+
+
 def parse(source) -> Contents:
     """Open and check a checkpoint (a file, or a sharded checkpoint's directory): structure,
-    digest, meaning (no buffer data read)."""
+    digest, meaning (no buffer data read). A sharded checkpoint whose save was superseded
+    while it was being opened is opened again: the newer save is read."""
+    for attempt in range(SUPERSEDED_RETRIES):
+        try:
+            return _parse_once(source)
+        except manifest.Superseded:
+            if attempt == SUPERSEDED_RETRIES - 1:
+                raise
+
+
+def _parse_once(source) -> Contents:
     if manifest.is_sharded(source):
         ck = manifest.open_sharded(source)
         read = manifest.read_structure

@@ -22,7 +22,9 @@ save, a damaged one or a missing one is refused by name.
 
 Renaming ``manifest.h5`` into place commits the save (as torch.distributed.checkpoint's
 ``.metadata``): part files of a save whose manifest never landed are ignored, and removed by
-the next save that commits. A load reads only the fragments, and within them the blocks, that
+the next save that commits. A reader opens every part file the manifest names when it parses
+it and holds them, so a save committing meanwhile cannot pull them away (one committing while
+the reader opens them makes it read the newer save). A load reads only the fragments, and within them the blocks, that
 cover the ranges it needs (``Contents.read_range``).
 """
 
@@ -211,6 +213,11 @@ def remove_other_saves(directory: str, save_id: str) -> None:
 
 
 # ------------------------------------------------------------------------ reading
+class Superseded(CheckpointError):
+    """A save committed in the directory while it was being opened: the manifest read names
+    part files that commit removed. Reading again reads the newer save."""
+
+
 class _Fragments:
     """A slot of a sharded checkpoint, where a file has a dataset: its name and fragments."""
 
@@ -227,6 +234,8 @@ class ShardedContents(Contents):
         super().__init__(name, file, size, raw)
         self.parts: dict[int, Contents] = {}
         self.located: dict[tuple, tuple[int, np.ndarray]] = {}
+        opened = os.fstat(file.id.get_vfd_handle())
+        self.manifest_id = (opened.st_dev, opened.st_ino)
 
     def close(self) -> None:
         for part in self.parts.values():
@@ -235,6 +244,15 @@ class ShardedContents(Contents):
 
     def missing(self, rank: int):
         name = part_name(self.header["save_id"], rank, self.header["world_size"])
+        try:
+            now = os.stat(os.path.join(self.name, MANIFEST))
+            replaced = (now.st_dev, now.st_ino) != self.manifest_id
+        except OSError:
+            replaced = True
+        if replaced:  # a commit renamed another manifest into place, then removed our parts
+            return Superseded(f"checkpoint {self.name}: a newer save was committed while it "
+                              f"was being opened (rank {rank}'s file {name} is gone)",
+                              path=self.name)
         return self.corrupt(f"rank {rank}'s file {name} is missing; the checkpoint cannot be "
                             "read without it: restore the file or use an earlier checkpoint")
 
@@ -359,6 +377,10 @@ def read_structure(ck: ShardedContents) -> None:
         raise ck.corrupt("its metadata digest does not match (attributes, index or fragment "
                          "tables were modified or damaged)")
     ck.raw_columns, ck.digest = columns, digest
+    # every part file held open from now on: a later commit in the directory removes them,
+    # but the save parsed here stays readable (its data lives while a handle does)
+    for rank in range(ck.header["world_size"]):
+        ck.part(rank)
 
 
 def _check_part_sizes(ck: ShardedContents) -> None:
