@@ -394,9 +394,12 @@ def test_truncated_files_are_refused(saved, fraction):
 def test_not_a_checkpoint(tmp_path):
     expect_corrupt(b"")
     expect_corrupt(np.random.default_rng(0).bytes(4096), match="not an HDF5 file")
-    with h5py.File(tmp_path / "other.h5", "w") as f:
+    with h5py.File(tmp_path / "other.h5", "w", libver="latest") as f:
         f["x"] = np.arange(3.0)
     expect_corrupt((tmp_path / "other.h5").read_bytes(), match="not a flatopt checkpoint")
+    with h5py.File(tmp_path / "other.h5", "w") as f:  # HDF5's default: superblock version 0
+        f["x"] = np.arange(3.0)
+    expect_corrupt((tmp_path / "other.h5").read_bytes(), match="superblock version 0")
     with pytest.raises(flatopt.CheckpointError, match="does not exist"):
         flatopt.load(tmp_path / "missing.h5", fresh_like())
     # a directory is read as a sharded checkpoint: this one has no manifest
@@ -582,6 +585,37 @@ def test_hostile_files_are_refused(saved, tmp_path):
     for label, (fn, match) in hostile_cases(data, tmp_path).items():
         exc = expect_corrupt(edit(data, fn), match=match)
         assert "ck" in str(exc) or "in-memory" in str(exc), label
+
+
+def earliest_copy(data: bytes) -> bytes:
+    """The same objects and attributes in a container of superblock version 0 (HDF5's
+    default libver: metadata without checksums, B-tree nodes a damaged file can loop)."""
+    out = io.BytesIO()
+    with h5py.File(io.BytesIO(data), "r") as src, h5py.File(out, "w", libver="earliest") as dst:
+        for key in src.attrs:
+            dst.attrs.create(key, data=src.attrs[key], dtype=src.attrs.get_id(key).dtype)
+        for name in src:
+            src.copy(src[name], dst, name)
+    return out.getvalue()
+
+
+def test_containers_without_metadata_checksums_are_refused_before_hdf5_reads_them(saved,
+                                                                                   tmp_path):
+    """Issue 23 #9: a superblock v0 file with a self-referencing B-tree node crashed HDF5;
+    flatopt writes superblock v3 (checksummed metadata) and reads no other version."""
+    _, data = saved
+    assert data[8] == 3
+    old = earliest_copy(data)
+    assert old[8] == 0
+    mutated = {version: data[:8] + bytes([version]) + data[9:] for version in (0, 1, 4)}
+    (tmp_path / "v0.h5").write_bytes(old)
+    for source, version in ((old, 0), (io.BytesIO(old), 0), (tmp_path / "v0.h5", 0),
+                            *((value, version) for version, value in mutated.items())):
+        expect_corrupt(source, match=f"superblock version {version}.*no checksums|"
+                                     f"superblock version {version}.*reads versions 2 and 3")
+    assert not cli.verify_checkpoint(tmp_path / "v0.h5")["ok"]
+    with pytest.raises(flatopt.CheckpointCorrupt, match="superblock version 0"):
+        cli.inspect_checkpoint(tmp_path / "v0.h5")
 
 
 # --------------------------------------------------------------------------- saving safely

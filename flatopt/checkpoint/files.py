@@ -29,6 +29,7 @@ from .format import BLOCK_BYTES, hash_block, n_blocks
 TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>[1-9][0-9]{0,9})\.[a-z0-9_]{8}\.tmp",
                        re.ASCII | re.DOTALL)
 SIGNATURE = b"\x89HDF\r\n\x1a\n"  # where a file flatopt wrote starts (no user block)
+SUPERBLOCKS = (2, 3)  # superblock versions whose metadata HDF5 checksums (flatopt writes 3)
 BYTES_HINT = ("bytes are a checkpoint's contents, never its path: to load a file, pass its "
               "path as a str or os.PathLike")
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -407,10 +408,17 @@ def open_file(source) -> tuple[h5py.File, str, int, RawReader]:
     try:
         fd = file.id.get_vfd_handle()
         size = os.fstat(fd).st_size  # the file HDF5 opened, not whatever the path is now
+        raw = raw_reader(None, fd)
+        head = bytearray(min(size, len(SIGNATURE) + 1))
+        raw.readinto(memoryview(head), 0)
+        _check_container(bytes(head), name)  # that file's, before HDF5 walks its metadata
+    except CheckpointError:
+        file.close()
+        raise
     except Exception as exc:
         file.close()
         raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
-    return file, name, size, raw_reader(None, fd)
+    return file, name, size, raw
 
 
 def _open_object(source) -> tuple[h5py.File, str, int]:
@@ -427,10 +435,42 @@ def _open_object(source) -> tuple[h5py.File, str, int]:
     return _h5_open(source, name, size)
 
 
+def _head(target, nbytes: int) -> bytes:
+    """The first bytes of a path or a binary file object (left at its start)."""
+    if isinstance(target, str):
+        with open(target, "rb") as handle:
+            return handle.read(nbytes)
+    target.seek(0)
+    head = target.read(nbytes)
+    target.seek(0)
+    return head
+
+
+def _check_container(head: bytes, name: str) -> None:
+    """CheckpointCorrupt unless the HDF5 container starting with ``head`` is one flatopt
+    reads. HDF5 checksums the metadata of superblock versions 2 and 3 only: in a version 0 or
+    1 file a damaged B-tree node (one naming itself as its child) reaches the library
+    unchecked and can crash or hang it, so such a file is refused before HDF5 walks it."""
+    if not head.startswith(SIGNATURE) or len(head) <= len(SIGNATURE):
+        return  # HDF5's own message says what it is not
+    version = head[len(SIGNATURE)]
+    if version not in SUPERBLOCKS:
+        checksums = "has no checksums" if version in (0, 1) else "is unknown"
+        raise CheckpointCorrupt(f"checkpoint {name} is damaged or not a valid flatopt "
+                                f"checkpoint: its HDF5 superblock version {version} {checksums}:"
+                                " flatopt writes superblock version 3 (checksummed metadata) "
+                                "and reads versions 2 and 3 only", path=name)
+
+
 def _h5_open(target, name: str, size: int) -> tuple[h5py.File, str, int]:
     if size < 8:
         raise CheckpointCorrupt(f"checkpoint {name} is damaged or not a valid flatopt checkpoint:"
                                 f" it is {size} bytes long, not an HDF5 file", path=name)
+    try:
+        head = _head(target, len(SIGNATURE) + 1)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
+    _check_container(head, name)
     try:
         return h5py.File(target, "r"), name, size
     except BlockingIOError as exc:
