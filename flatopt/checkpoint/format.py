@@ -268,8 +268,8 @@ def array_name_problem(name: Any) -> str | None:
 
 def checked_arrays(arrays: Any) -> dict[str, np.ndarray]:
     """``save(arrays=...)`` checked: name -> contiguous array of an allowed dtype, at most
-    ``MAX_MEMBERS`` of them, each of at most ``MAX_ARRAY_NDIM`` dimensions. Raises CheckpointError
-    naming every problem (nothing is written)."""
+    ``MAX_MEMBERS`` of them, each of at most ``MAX_ARRAY_NDIM`` dimensions. Raises
+    CheckpointError naming every problem (nothing is written)."""
     if arrays is None:
         return {}
     if not isinstance(arrays, Mapping):

@@ -324,13 +324,13 @@ def load(source, opt: Optimizer, *, strict: bool = True,
             except StateDictError as exc:  # a value check of data read into place
                 raise ck.corrupt(str(exc)) from exc
             except (OSError, MemoryError) as exc:  # the undo copy: a full disk, or memory
-                larger = "smaller" if isinstance(exc, MemoryError) else "larger"
+                hint = ("a smaller staging= to keep less of the copy in memory"
+                        if isinstance(exc, MemoryError) else
+                        "a larger staging= to keep the copy in memory")
                 raise CheckpointError(f"could not load checkpoint {ck.name}: keeping a copy "
                                       f"of the state to undo a failed load failed "
                                       f"({type(exc).__name__}: {exc}); the optimizer is "
-                                      f"unchanged; pass a {larger} staging= to keep "
-                                      f"{'less' if larger == 'smaller' else 'more'} of the "
-                                      "copy in memory", path=ck.name) from exc
+                                      f"unchanged; pass {hint}", path=ck.name) from exc
         return LoadResult.of(ck, opt, plan, relaxed, arrays)
 
 

@@ -24,8 +24,8 @@ Renaming ``manifest.h5`` into place commits the save (as torch.distributed.check
 ``.metadata``): part files of a save whose manifest never landed are ignored, and removed by
 the next save that commits. A reader opens every part file the manifest names when it parses
 it and holds them, so a save committing meanwhile cannot pull them away (one committing while
-the reader opens them makes it read the newer save). A load reads only the fragments, and within them the blocks, that
-cover the ranges it needs (``Contents.read_range``).
+the reader opens them makes it read the newer save). A load reads only the fragments, and
+within them the blocks, that cover the ranges it needs (``Contents.read_range``).
 """
 
 from __future__ import annotations
@@ -281,7 +281,12 @@ class ShardedContents(Contents):
             return part
         save_id, size = self.header["save_id"], self.header["world_size"]
         found = self.part_stat(rank)
-        file, name, nbytes, raw = open_file(self.part_path(rank))
+        try:
+            file, name, nbytes, raw = open_file(self.part_path(rank))
+        except CheckpointError:
+            if not os.path.lexists(self.part_path(rank)):  # removed since: by a commit?
+                raise self.missing(rank) from None
+            raise
         part = Contents(name, file, nbytes, raw)
         part.version = FORMAT_VERSION
         try:

@@ -20,7 +20,7 @@ formulas lose and far below any lr a schedule means."""
 def _clamped(lr: Any, base: Any) -> Any:
     """``lr``, or 0.0 where it is below zero only by rounding: the optimizer refuses a
     negative lr, and a schedule that ends at 0 must not stop training. A negative lr beyond
-    rounding (a LambdaLR's negative factor) is left for the optimizer to refuse."""
+    rounding (a subclass's get_lr gone wrong) is left for the optimizer to refuse."""
     if _is_real(lr) and _is_real(base) and lr < 0 and -lr <= ROUNDING * abs(base):
         return 0.0
     return lr
