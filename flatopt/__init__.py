@@ -9,8 +9,8 @@ from . import registry
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._views import Gradients, ParamViews
 from .checkpoint import CheckpointData, Difference, LoadResult, load, read, save
-from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, DeviceError,
-                     FlatoptError,
+from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+                     CheckpointOptionError, DeviceError, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ParamError,
                      StateDictError, UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
@@ -47,6 +47,6 @@ __all__ = [
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",
     "save", "load", "read", "LoadResult", "CheckpointData", "Difference",
-    "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt",
+    "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt", "CheckpointOptionError",
     "__version__",
 ]

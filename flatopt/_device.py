@@ -52,6 +52,11 @@ def cuda_problem() -> str | None:
         cuda = numba_cuda()
     except ImportError as exc:
         return f"numba-cuda is not installed ({exc}); {INSTALL_HINT}"
+    if getattr(cuda, "implementation", None) != "NVIDIA":
+        # Numba's own, deprecated CUDA target (numba-cuda replaces it when installed): its
+        # simulator lacks what flatopt uses, such as default_stream
+        return ("numba-cuda is not installed (numba.cuda is Numba's own built-in CUDA "
+                f"target); {INSTALL_HINT}")
     if simulated():
         return None
     try:

@@ -10,7 +10,8 @@
                                     (exit 0 only when the file is sound)
 
 Exit status 2 means the command could not read a file (``inspect``, ``diff``) or was used
-wrongly. ``verify`` exits 1 for any unsound file, whatever the reason.
+wrongly. ``verify`` exits 1 for any unsound file, whatever the reason. Every command exits 1
+when its output pipe closes before it has written everything (``| head -1``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ def _say(text: str = "", file=None) -> None:
     """Print one line of human-readable output, escaped (``--json`` output is JSON, which
     escapes control characters itself)."""
     print(_escaped(str(text)), file=file or sys.stdout)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its error messages escaped: they quote the command line, whose
+    file names may carry terminal escape sequences. (Subcommand parsers are of this class
+    too: argparse makes them of their parent's.)"""
+
+    def exit(self, status: int = 0, message: str | None = None):
+        if message is not None:
+            message = "\n".join(_escaped(line) for line in message.split("\n"))
+        super().exit(status, message)
 
 
 def _human_bytes(n: int) -> str:
@@ -156,9 +168,24 @@ def _strict_json(value):
     return value
 
 
+def _run(args: argparse.Namespace, emit) -> int:
+    """The command's output and exit status."""
+    if args.command == "verify":
+        result = verify_checkpoint(args.path)
+        emit(result) if args.json else _print_verify(result)
+        return 0 if result["ok"] else 1
+    if args.command == "inspect":
+        info = inspect_checkpoint(args.path, tensors=args.tensors)
+        emit(info) if args.json else _print_inspect(info)
+        return 0
+    result = diff_checkpoints(args.a, args.b)
+    emit(result) if args.json else _print_diff(result)
+    return 0 if result["identical"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flatopt", description="Inspect, compare and verify "
-                                     "flatopt HDF5 checkpoints.")
+    parser = _Parser(prog="flatopt", description="Inspect, compare and verify flatopt HDF5 "
+                     "checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("inspect", "summarise a checkpoint"),
                             ("verify", "check structure and every checksum (exit 0 if sound)")):
@@ -179,21 +206,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_strict_json(obj), indent=2, default=str, allow_nan=False))
 
     try:
-        if args.command == "verify":
-            result = verify_checkpoint(args.path)
-            emit(result) if args.json else _print_verify(result)
-            return 0 if result["ok"] else 1
-        if args.command == "inspect":
-            info = inspect_checkpoint(args.path, tensors=args.tensors)
-            emit(info) if args.json else _print_inspect(info)
-            return 0
-        result = diff_checkpoints(args.a, args.b)
-        emit(result) if args.json else _print_diff(result)
-        return 0 if result["identical"] else 1
+        status = _run(args, emit)
+        sys.stdout.flush()  # a closed pipe fails here, inside the try, not at exit
+        return status
     except BrokenPipeError:
-        # the reader (e.g. `| head`) went away: not an error of ours; silence the final flush
+        # the reader (e.g. `| head -1`) went away before reading everything: the result was
+        # not delivered, so exit 1 as Python's documentation recommends (a verify that says
+        # "OK" only to a closed pipe is no success); the final flush goes to /dev/null
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return 1
     except CheckpointError as exc:
         if args.json:
             emit({"error": type(exc).__name__, "message": str(exc)})

@@ -50,6 +50,11 @@ class CheckpointError(FlatoptError):
         self.path = path
 
 
+class CheckpointOptionError(CheckpointError, ValueError, TypeError):
+    """An option of ``save`` or ``load`` (``staging=``, ``strict=``, ``rename=`` ...) has a
+    wrong type or value; it is checked before any file is touched."""
+
+
 class CheckpointMismatch(CheckpointError, ValueError):
     """The checkpoint is sound but does not fit the optimizer it is loaded into.
 

@@ -21,6 +21,12 @@ from .kernels.tools import SCALE_GRADIENTS, lerp_into
 from .optimizer import Optimizer
 
 
+def _is_flag(value: Any) -> bool:
+    """Whether ``value`` is True or False (a NumPy bool too), not merely truthy: ``bool()``
+    would turn the string "false" into True."""
+    return isinstance(value, (bool, np.bool_))
+
+
 def _optimizer(opt: Any, who: str) -> Optimizer:
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{who} takes a flatopt optimizer, got {type(opt).__name__}")
@@ -83,8 +89,10 @@ class GradScaler:
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool = True):
-        if not (isinstance(growth_factor, numbers.Real) and growth_factor > 1.0):
-            raise HyperparameterError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if not (isinstance(growth_factor, numbers.Real) and 1.0 < growth_factor < math.inf):
+            # an infinite factor would grow the scale to inf and skip every step after
+            raise HyperparameterError(f"growth_factor must be finite and > 1, got "
+                                      f"{growth_factor!r}")
         if not (isinstance(backoff_factor, numbers.Real) and 0.0 < backoff_factor < 1.0):
             raise HyperparameterError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
@@ -182,6 +190,8 @@ class EMA:
         if isinstance(decay, bool) or not isinstance(decay, numbers.Real) \
                 or not 0.0 <= float(decay) < 1.0:
             raise HyperparameterError(f"EMA decay must be in [0, 1), got {decay!r}")
+        if not _is_flag(warmup):
+            raise HyperparameterError(f"EMA warmup must be True or False, got {warmup!r}")
         self.decay = float(decay)
         self.warmup = bool(warmup)
         self.num_updates = 0
@@ -271,6 +281,9 @@ class EMA:
         if isinstance(decay, bool) or not isinstance(decay, numbers.Real) \
                 or not 0.0 <= decay < 1.0:
             problems.append(f"EMA decay must be in [0, 1), got {decay!r}")
+        warmup = state.get("warmup", False)
+        if not _is_flag(warmup):
+            problems.append(f"EMA warmup must be True or False, got {warmup!r}")
         if problems:
             raise StateDictError("\n".join(problems))
         for path, view in self.params.items():
@@ -278,5 +291,4 @@ class EMA:
                 view[...] = averages[path]
             elif view.size:
                 view.copy_to_device(np.ascontiguousarray(averages[path]))
-        self.decay, self.num_updates = float(decay), count
-        self.warmup = bool(state.get("warmup", False))
+        self.decay, self.num_updates, self.warmup = float(decay), count, bool(warmup)

@@ -460,6 +460,39 @@ def check_unused(directory: str) -> None:
     report(result.unused == ["x"], "the sound file loads")
 
 
+def check_disagreements(directory: str) -> None:
+    """Issue 23 #1, #5: ranks given different paths for one save, or different checkpoints
+    for one load, are refused on every rank before anything is written or loaded."""
+    def frozen(opt) -> tuple:
+        whole = distributed.consolidated(opt)
+        return {path: view.copy() for path, view in whole.params.items()}, whole.state_dict()
+
+    opt = checkpointed("Adam", COMM)
+    opt.step(exact_gradients(opt, 0))
+    a, b = os.path.join(directory, "a.h5"), os.path.join(directory, "b.h5")
+    flatopt.save(a, opt, metadata={"save": "a"})
+    opt.step(exact_gradients(opt, 1))
+    flatopt.save(b, opt, metadata={"save": "b"})
+    COMM.Barrier()
+    before = sorted(os.listdir(a)), sorted(os.listdir(b))
+    COMM.Barrier()
+    expect_everywhere(flatopt.CheckpointError, "ranks given different paths to save",
+                      lambda: flatopt.save(b if RANK == 1 else a, opt))
+    COMM.Barrier()
+    report((sorted(os.listdir(a)), sorted(os.listdir(b))) == before,
+           "the split save wrote nothing")
+    fresh = checkpointed("Adam", COMM)
+    unchanged = frozen(fresh)
+    error = expect_everywhere(flatopt.CheckpointError, "ranks given different checkpoints to load",
+                              lambda: flatopt.load(b if RANK == 1 else a, fresh))
+    report(error is not None and "rank 1: " + b in str(error), "the error names each rank's")
+    after = frozen(fresh)
+    report(state_differences(after[1], unchanged[1]) == [] and
+           all(same_bits(after[0][p], unchanged[0][p]) for p in unchanged[0]),
+           "the split load changed nothing")
+    report(flatopt.load(a, fresh).metadata == {"save": "a"}, "the same checkpoint loads")
+
+
 def check_resave(directory: str) -> None:
     """Save again where a save was killed (its leftovers are removed once this one commits)."""
     opt = checkpointed("Adam", COMM)
@@ -484,6 +517,7 @@ if __name__ == "__main__":
          "single": check_world_size_one, "groups": check_added_group,
          "save": lambda: check_save(directory),
          "resave": lambda: check_resave(directory),
+         "disagree": lambda: check_disagreements(directory),
          "unused": lambda: check_unused(directory),
          "scheduler": lambda: check_scheduler_undo(directory),
          "resume": lambda: check_resume(directory),

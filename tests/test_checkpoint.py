@@ -20,6 +20,7 @@ import pytest
 
 import flatopt
 from flatopt import cli
+from flatopt.checkpoint import manifest
 from flatopt.checkpoint import writer as writer_mod
 from flatopt.checkpoint.writer import _set_text, _Snapshot
 from checkpoint_helpers import (add_buffer, check_round_trip, data_extent, edit, grouped,
@@ -106,6 +107,48 @@ def test_non_json_metadata_is_refused_before_writing(tmp_path):
     with pytest.raises(flatopt.CheckpointError, match="JSON"):
         flatopt.save(tmp_path / "ck.h5", opt, metadata={"array": np.zeros(3)})
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("metadata", [{1: "a"}, {"a": [{2.5: 1}]}, [{None: 1}], {True: 0},
+                                      ({"epoch": 3}, {-1: 1})])
+def test_metadata_with_keys_json_would_change_is_refused(metadata, tmp_path):
+    """Issue 23 (minor): JSON turns the key 1 into "1", so the metadata would not come back as
+    saved: save refuses non-string keys, naming one, before touching anything."""
+    opt = make_opt("Adam")
+    with pytest.raises(flatopt.CheckpointError, match="not strings"):
+        flatopt.save(tmp_path / "ck.h5", opt, metadata=metadata)
+    assert os.listdir(tmp_path) == []
+
+    class Scheduler:
+        def state_dict(self):
+            return {"milestones": {5: 1}}
+
+    with pytest.raises(flatopt.CheckpointError, match="scheduler.*not strings"):
+        flatopt.save(tmp_path / "ck.h5", opt, scheduler=Scheduler())
+    assert os.listdir(tmp_path) == []
+
+
+def test_boolean_options_must_be_booleans(tmp_path):
+    """Issue 23 (minor): strict="yes" or regroup=1 would be taken as True (a partial load
+    nobody asked for); every boolean option of save, load, read and inspect is True or False,
+    checked before any file is touched."""
+    opt = make_opt("Adam")
+    flatopt.save(tmp_path / "ck.h5", opt)
+    target = stepped_other()
+    before = snapshot(target)
+    for bad in ("yes", "false", 1, 0, None, np.float64(1.0)):
+        for call in (lambda: flatopt.load(tmp_path / "ck.h5", target, strict=bad),
+                     lambda: flatopt.load(tmp_path / "ck.h5", target, regroup=bad),
+                     lambda: flatopt.save(tmp_path / "new.h5", opt, background=bad),
+                     lambda: flatopt.read(tmp_path / "ck.h5", state=bad),
+                     lambda: flatopt.read(tmp_path / "ck.h5", arrays=bad),
+                     lambda: flatopt.checkpoint.inspect_checkpoint(tmp_path / "ck.h5",
+                                                                   tensors=bad)):
+            with pytest.raises(flatopt.CheckpointOptionError, match="must be True or False"):
+                call()
+    assert same_snapshot(before, snapshot(target)) and os.listdir(tmp_path) == ["ck.h5"]
+    flatopt.load(tmp_path / "ck.h5", target, strict=np.bool_(False), regroup=False)
+    assert state_equal(opt, target)
 
 
 def test_load_from_bytes_and_file_objects(tmp_path):
@@ -351,9 +394,12 @@ def test_truncated_files_are_refused(saved, fraction):
 def test_not_a_checkpoint(tmp_path):
     expect_corrupt(b"")
     expect_corrupt(np.random.default_rng(0).bytes(4096), match="not an HDF5 file")
-    with h5py.File(tmp_path / "other.h5", "w") as f:
+    with h5py.File(tmp_path / "other.h5", "w", libver="latest") as f:
         f["x"] = np.arange(3.0)
     expect_corrupt((tmp_path / "other.h5").read_bytes(), match="not a flatopt checkpoint")
+    with h5py.File(tmp_path / "other.h5", "w") as f:  # HDF5's default: superblock version 0
+        f["x"] = np.arange(3.0)
+    expect_corrupt((tmp_path / "other.h5").read_bytes(), match="superblock version 0")
     with pytest.raises(flatopt.CheckpointError, match="does not exist"):
         flatopt.load(tmp_path / "missing.h5", fresh_like())
     # a directory is read as a sharded checkpoint: this one has no manifest
@@ -541,6 +587,37 @@ def test_hostile_files_are_refused(saved, tmp_path):
         assert "ck" in str(exc) or "in-memory" in str(exc), label
 
 
+def earliest_copy(data: bytes) -> bytes:
+    """The same objects and attributes in a container of superblock version 0 (HDF5's
+    default libver: metadata without checksums, B-tree nodes a damaged file can loop)."""
+    out = io.BytesIO()
+    with h5py.File(io.BytesIO(data), "r") as src, h5py.File(out, "w", libver="earliest") as dst:
+        for key in src.attrs:
+            dst.attrs.create(key, data=src.attrs[key], dtype=src.attrs.get_id(key).dtype)
+        for name in src:
+            src.copy(src[name], dst, name)
+    return out.getvalue()
+
+
+def test_containers_without_metadata_checksums_are_refused_before_hdf5_reads_them(saved,
+                                                                                   tmp_path):
+    """Issue 23 #9: a superblock v0 file with a self-referencing B-tree node crashed HDF5;
+    flatopt writes superblock v3 (checksummed metadata) and reads no other version."""
+    _, data = saved
+    assert data[8] == 3
+    old = earliest_copy(data)
+    assert old[8] == 0
+    mutated = {version: data[:8] + bytes([version]) + data[9:] for version in (0, 1, 4)}
+    (tmp_path / "v0.h5").write_bytes(old)
+    for source, version in ((old, 0), (io.BytesIO(old), 0), (tmp_path / "v0.h5", 0),
+                            *((value, version) for version, value in mutated.items())):
+        expect_corrupt(source, match=f"superblock version {version}.*no checksums|"
+                                     f"superblock version {version}.*reads versions 2 and 3")
+    assert not cli.verify_checkpoint(tmp_path / "v0.h5")["ok"]
+    with pytest.raises(flatopt.CheckpointCorrupt, match="superblock version 0"):
+        cli.inspect_checkpoint(tmp_path / "v0.h5")
+
+
 # --------------------------------------------------------------------------- saving safely
 def test_disk_full_keeps_the_previous_checkpoint(tmp_path):
     small = make_opt("Adam", steps=1)
@@ -589,7 +666,7 @@ def test_stale_temporary_files_are_cleaned_and_ignored(tmp_path):
     opt = make_opt("Adam")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    stale = tmp_path / f".ck.h5.{dead}.abc123.tmp"
+    stale = tmp_path / f".ck.h5.{dead}.abc123de.tmp"
     stale.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
     unrelated = tmp_path / ".other.h5.1.x.tmp"
     unrelated.write_bytes(b"")
@@ -599,6 +676,36 @@ def test_stale_temporary_files_are_cleaned_and_ignored(tmp_path):
     os.chmod(tmp_path / "ck.h5", 0o640)
     flatopt.save(tmp_path / "ck.h5", opt)
     assert (os.stat(tmp_path / "ck.h5").st_mode & 0o777) == 0o640  # mode kept on replace
+
+
+def test_clean_up_removes_only_names_flatopt_generated(tmp_path):
+    """Issue 23 #2, #3: the clean-up of a plain and of a sharded save matches ASCII names in
+    full (no trailing newline, no Unicode digits, no newline inside) and removes no symlink."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    user_files = [f".ck.h5.{dead}.abcdefgh.tmp\n", f".ck.h5.{dead}.abc.tmp",
+                  ".ck.h5.\u0661\u0662\u0663.abcdefgh.tmp", f".ck.h5.{dead}.abc\nefgh.tmp",
+                  f".ck.h5.0{dead}.abcdefgh.tmp", "0123456789abcdef.rank0-of-2.h5\n",
+                  "0123456789abcdef.rank\u0660-of-\u0662.h5", "0123456789abcdef.rank2-of-2.h5",
+                  "0123456789abcdef.rank01-of-2.h5",
+                  ".0123456789abcdef.rank0-of-2.h5.\u0661\u0662.abcdefgh.tmp"]
+    for name in user_files:
+        (tmp_path / name).write_bytes(b"user data")
+    link = tmp_path / f".ck.h5.{dead}.abcdefgh.tmp"
+    link.symlink_to(outside)
+    part_link = tmp_path / "0123456789abcdef.rank1-of-2.h5"
+    part_link.symlink_to(outside)
+    stale_part = tmp_path / "0123456789abcdef.rank0-of-2.h5"
+    stale_part.write_bytes(b"an old save's part")
+    stale_part_temp = tmp_path / f".{stale_part.name}.{dead}.abcdefgh.tmp"
+    stale_part_temp.write_bytes(b"a killed save's part")
+    flatopt.save(tmp_path / "ck.h5", make_opt("Adam"))
+    manifest.remove_other_saves(str(tmp_path), "fedcba9876543210")
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["ck.h5", "outside", link.name, part_link.name, *user_files])
+    assert outside.read_bytes() == b"keep"
 
 
 def test_save_errors(tmp_path):

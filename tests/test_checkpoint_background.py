@@ -213,6 +213,56 @@ def test_at_exit_a_failed_background_save_is_reported(tmp_path):
     assert not (tmp_path / "ck.h5").exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_during_a_background_save_never_waits_for_it(tmp_path):
+    """Issue 23 #10: the save's thread stays in the parent (which commits it); the child's
+    handle says so instead of waiting forever, and neither its next save nor its exit waits."""
+    a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
+    code = f"""
+        import os, signal, sys, threading
+        import flatopt
+        from flatopt.checkpoint import writer
+        from test_checkpoint_background import big_adam
+        entered, release = threading.Event(), threading.Event()
+        real = writer.files.replace_atomically
+
+        def held(final, write):  # the parent's save is running until released
+            if final == {a!r}:
+                entered.set()
+                release.wait()
+            real(final, write)
+
+        writer.files.replace_atomically = held
+        opt = big_adam(1 << 16)
+        flatopt.save({b!r}, opt)  # Numba compiles the value checks now: a fork while the
+        # save's thread compiles would leave Numba's compiler lock held in the child
+        handle = flatopt.save({a!r}, opt, background=True)
+        entered.wait()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # a hang ends the child with SIGALRM
+            try:
+                handle.wait(timeout=10)
+                print("CHILD wait returned", flush=True)
+            except flatopt.CheckpointError as exc:
+                print("CHILD told", "parent" in str(exc), flush=True)
+            except TimeoutError:
+                print("CHILD wait timed out", flush=True)
+            flatopt.save({b!r}, opt)
+            print("CHILD saved", flush=True)
+            sys.exit(0)
+        release.set()
+        print("PARENT committed", handle.wait() == {a!r}, flush=True)
+        print("CHILD exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+    """
+    proc = run_python(code)
+    assert sorted(proc.stdout.split()) == sorted(
+        "CHILD told True CHILD saved PARENT committed True CHILD exit 0".split()), \
+        (proc.stdout, proc.stderr[-3000:])
+    for path in (a, b):
+        assert state_equal(loaded(path, big_adam(1 << 16, seed=9)), big_adam(1 << 16))
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL")
 def test_sigkill_during_background_saves_never_loses_the_previous_checkpoint(tmp_path):
     path = tmp_path / "ck.h5"

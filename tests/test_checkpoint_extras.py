@@ -38,6 +38,7 @@ def extra_arrays() -> dict:
         "fortran": np.asfortranarray(rng.standard_normal((3, 4))),
         "ünïcødé 名前 ✓": np.arange(4, dtype=np.uint8),
         "running_mean\n\t": rng.standard_normal(2).astype(np.float32),
+        "32 dimensions": np.arange(2, dtype=np.int16).reshape((1,) * 31 + (2,)),  # HDF5's most
     }
 
 
@@ -93,6 +94,7 @@ REFUSED = [
     ({"x" * (70 << 10): np.zeros(2)}, "name of"),
     ({"dict": {"a": 1}}, "not a NumPy array"),
     ({f"a{k}": np.zeros(1) for k in range(4097)}, "at most 4096"),
+    ({"deep": np.zeros((1,) * 33)}, "'deep' has 33 dimensions"),  # Issue 23 #14: HDF5's limit
 ]
 
 
@@ -348,6 +350,26 @@ def test_cli_diff_reports_extra_arrays(tmp_path, capsys):
     flatopt.save(tmp_path / "c.h5", opt, arrays={"ema": np.zeros(4), "gone": np.ones(2),
                                                  "kind": np.zeros(2, np.int32)})
     assert cli.main(["diff", str(tmp_path / "a.h5"), str(tmp_path / "c.h5")]) == 0
+
+
+def test_cli_diff_reads_shaped_slots_by_their_own_layout(tmp_path):
+    """Issue 23 #6: Adafactor's row_var is packed by its own layout (one entry per matrix
+    row), not at the parameters' offsets: diff finds a change there and names its owner."""
+    rng = np.random.default_rng(0)
+    params = {"a": rng.standard_normal((6, 5)).astype(np.float32),
+              "b": rng.standard_normal((4, 3)).astype(np.float32),
+              "c": rng.standard_normal(7).astype(np.float32)}
+    opt = flatopt.Adafactor(params, lr=0.01)
+    opt.step({path: rng.standard_normal(v.shape).astype(np.float32) for path, v in params.items()})
+    flatopt.save(tmp_path / "a.h5", opt)
+    buf = opt.buffers[0]
+    number = buf.paths.index("b")
+    buf.state_view("row_var", number)[-1] *= 2  # b's last row, past a's offsets in params
+    flatopt.save(tmp_path / "b.h5", opt)
+    found = flatopt.checkpoint.diff_checkpoints(tmp_path / "a.h5", tmp_path / "b.h5")
+    assert not found["identical"]
+    assert [(d["path"], d["field"], d["elements_differing"]) for d in found["params"]] == \
+        [("b", "row_var", 1)]
 
 
 def test_read_range_equals_the_whole_read_around_block_edges(tmp_path):

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 import tracemalloc
 
 import numpy as np
 import pytest
 
 import flatopt
+from flatopt import _restore as restore_mod
+from flatopt import cli
+from flatopt.checkpoint import loader as loader_mod
+from flatopt.checkpoint import reader
 from flatopt.checkpoint import writer as writer_mod
 from checkpoint_helpers import data_extent, make_opt, same_snapshot, snapshot, state_equal
 
@@ -158,7 +163,69 @@ def test_staging_must_be_a_number_of_bytes(tmp_path):
     flatopt.save(tmp_path / "ck.h5", opt)
     target = make_opt("Adam", seed=7, steps=2)
     before = snapshot(target)
-    for bad in (-1, "1GB"):
-        with pytest.raises(ValueError, match="staging"):
+    for bad in (-1, "1GB", float("nan"), np.float32("nan"), True, np.bool_(False), 1j):
+        with pytest.raises(flatopt.CheckpointOptionError, match="staging") as info:
             flatopt.load(tmp_path / "ck.h5", target, staging=bad)
+        assert isinstance(info.value, ValueError)
+        # checked up front: before the file is even looked for
+        with pytest.raises(flatopt.CheckpointOptionError, match="staging"):
+            flatopt.load(tmp_path / "absent.h5", target, staging=bad)
     assert same_snapshot(before, snapshot(target))
+    for good in (np.int64(1000), np.uint8(0), 2.5e9, float("inf")):  # Issue 23 #17
+        flatopt.load(tmp_path / "ck.h5", target, staging=good)
+        assert state_equal(opt, target)
+
+
+def test_too_little_memory_to_read_a_buffer_is_a_typed_error(tmp_path, monkeypatch):
+    """Issue 23 #15: a sound checkpoint whose buffers do not fit in memory (160 GB sparse
+    under an address-space limit): verify reports it, diff and load raise CheckpointError (not
+    "damaged"), and the optimizer is unchanged."""
+    opt = make_opt("Adam")
+    flatopt.save(tmp_path / "ck.h5", opt)
+
+    def no_memory(n_elements, dtype):
+        raise MemoryError(f"Unable to allocate {n_elements * 4 / 2 ** 30:.0f} GiB")
+
+    monkeypatch.setattr(reader, "aligned_zeros", no_memory)
+    monkeypatch.setattr(loader_mod, "aligned_zeros", no_memory)
+    report = flatopt.checkpoint.verify_checkpoint(tmp_path / "ck.h5")
+    assert not report["ok"] and "not enough memory" in report["problems"][0]
+    assert cli.main(["verify", str(tmp_path / "ck.h5")]) == 1
+    for call in (lambda: flatopt.checkpoint.diff_checkpoints(tmp_path / "ck.h5",
+                                                             tmp_path / "ck.h5"),
+                 lambda: flatopt.read(tmp_path / "ck.h5")):
+        with pytest.raises(flatopt.CheckpointError, match="not enough memory") as info:
+            call()
+        assert not isinstance(info.value, flatopt.CheckpointCorrupt)
+    target = make_opt("Adam", seed=7, steps=2, rules=[])  # other groups: read per path
+    before = snapshot(target)
+    with pytest.raises(flatopt.CheckpointError, match="not enough memory") as info:
+        flatopt.load(tmp_path / "ck.h5", target, strict=False, regroup=True,
+                     hyperparameters="live")
+    assert not isinstance(info.value, flatopt.CheckpointCorrupt)
+    assert same_snapshot(before, snapshot(target))
+
+
+def test_the_undo_copy_spills_to_the_temporary_directory_not_beside_the_checkpoint(
+        tmp_path, monkeypatch):
+    """Issue 23 #18: a sound checkpoint in a read-only directory (or on a full disk) loads
+    into an optimizer with state: the undo copy beyond staging= goes to tempfile's directory
+    ($TMPDIR), never beside the checkpoint."""
+    opt = make_opt("Adam")
+    (tmp_path / "checkpoints").mkdir()
+    path = flatopt.save(tmp_path / "checkpoints" / "ck.h5", opt)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spill))
+    directories = []
+    real = tempfile.TemporaryFile
+
+    def recorded(*args, **kwargs):
+        directories.append(kwargs.get("dir"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(restore_mod.tempfile, "TemporaryFile", recorded)
+    target = make_opt("Adam", seed=7, steps=2)  # has state: the undo copy spills (staging=0)
+    flatopt.load(path, target, staging=0)
+    assert state_equal(opt, target)
+    assert directories and all(d in (None, str(spill)) for d in directories), directories

@@ -345,6 +345,21 @@ def test_cuda_problem_names_what_is_missing(monkeypatch):
     assert "cu13" in problem
 
 
+def test_numbas_own_cuda_target_is_not_numba_cuda(monkeypatch):
+    """Issue 23 #16: without numba-cuda, ``numba.cuda`` is Numba's own (deprecated) target,
+    whose simulator lacks what flatopt uses (``default_stream``): a DeviceError naming it, not
+    an AttributeError; "auto" falls back to the CPU."""
+    import flatopt.kernels._cuda_import as importer
+    builtin = types.SimpleNamespace(implementation="Built-in")
+    monkeypatch.setattr(importer, "numba_cuda", lambda: builtin)
+    monkeypatch.setattr(importer, "simulated", lambda: True)
+    params = {"w": np.ones(4, np.float32)}
+    with pytest.raises(flatopt.DeviceError, match="numba-cuda is not installed.*Numba's own"):
+        flatopt.SGD(params, lr=0.1, device="cuda")
+    opt = flatopt.SGD(params, lr=0.1, device="auto")
+    assert opt.device == "cpu" and "numba-cuda is not installed" in repr(opt)
+
+
 def test_numpy_row_stack_shim(monkeypatch):
     """numba-cuda 0.30 needs np.row_stack, which NumPy 2.5 removed: put back when missing."""
     monkeypatch.delattr(np, "row_stack", raising=False)

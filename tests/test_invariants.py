@@ -19,6 +19,8 @@ import pytest
 import flatopt
 from checkpoint_helpers import edit, make_opt, model_params, grouped, rehash, state_equal
 from flatopt import cli
+from flatopt.checkpoint import writer as writer_mod
+from flatopt.checkpoint.format import MAX_JSON_DEPTH
 from flatopt.checkpoint.writer import _Snapshot
 from optimizers import NAMES, fit_shape, random_settings
 
@@ -75,11 +77,13 @@ ARRAY_DTYPES = ["?", "i1", "u2", ">i4", "<u8", "f2", ">f4", "f8"]
 
 def random_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
     """0-3 extra arrays: any allowed dtype (either byte order), 0-d, empty, strided views,
-    up to 60,000 elements, names with any characters but NUL and '/'."""
+    up to 60,000 elements, up to HDF5's 32 dimensions, names with any characters but NUL and
+    '/'."""
     arrays = {}
     for number in range(int(rng.integers(0, 4))):
         shape = [(), (0,), (3, 0), (int(rng.integers(1, 60_000)),),
-                 tuple(int(d) for d in rng.integers(1, 9, size=3))][int(rng.integers(5))]
+                 tuple(int(d) for d in rng.integers(1, 9, size=3)),
+                 (1,) * int(rng.integers(4, 33))][int(rng.integers(6))]
         dtype = np.dtype(ARRAY_DTYPES[int(rng.integers(len(ARRAY_DTYPES)))])
         values = (rng.standard_normal(shape) * 100).astype(dtype)
         if values.ndim == 1 and values.size > 2:
@@ -127,6 +131,46 @@ def test_save_refuses_what_load_would_refuse_before_touching_the_target(make, ma
         flatopt.save(target, make(), metadata=metadata)
     assert target.read_bytes() == b"previous checkpoint"
     assert os.listdir(tmp_path) == ["ck.h5"]
+
+
+def nested(depth: int):
+    value = 1
+    for _ in range(depth):
+        value = [value] if depth % 2 else {"k": value}
+    return value
+
+
+def on_a_deep_stack(function, frames: int):
+    """``function()`` called ``frames`` Python frames deeper than here."""
+    return function() if frames <= 0 else on_a_deep_stack(function, frames - 1)
+
+
+@pytest.mark.parametrize("depth", [101, 991])
+def test_metadata_nested_deeper_than_load_reads_is_refused_by_save(depth, tmp_path,
+                                                                     monkeypatch):
+    """Issue 23 #4: the depth limit is one for save and load (json.loads recurses, so without
+    a limit a deep text loads or not depending on the caller's stack)."""
+    assert MAX_JSON_DEPTH == 100
+    opt = make_opt("Adam")
+    target = tmp_path / "ck.h5"
+    flatopt.save(target, opt, metadata="previous")
+    before = target.read_bytes()
+    for background in (False, True):
+        with pytest.raises(flatopt.CheckpointError, match="nested .*deep.*at most 100 levels"):
+            flatopt.save(target, opt, metadata=nested(depth), background=background)
+        assert target.read_bytes() == before and os.listdir(tmp_path) == ["ck.h5"]
+    deepest = {"note": "a [string] { \\\" [", "deep": nested(MAX_JSON_DEPTH - 1)}
+    flatopt.save(target, opt, metadata=deepest)
+    limit = sys.getrecursionlimit()
+    result = on_a_deep_stack(lambda: flatopt.load(target, make_opt("Adam", seed=2, steps=0)),
+                             limit - 300)
+    assert result.metadata == deepest
+    # a file holding deeper metadata (written around save's check) is refused by load
+    monkeypatch.setattr(writer_mod, "limits_problems", lambda *args: [])
+    flatopt.save(target, opt, metadata=nested(MAX_JSON_DEPTH + 1))
+    with pytest.raises(flatopt.CheckpointCorrupt, match="metadata is nested 101 deep"):
+        on_a_deep_stack(lambda: flatopt.load(target, make_opt("Adam", seed=2, steps=0)),
+                        limit - 300)
 
 
 def test_save_refuses_state_that_load_would_call_a_lie(tmp_path):
@@ -400,14 +444,27 @@ def test_diff_and_inspect_print_paths_and_labels_escaped(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["only_in_a"] == [hostile]  # --json unchanged
 
 
+def test_argparse_errors_print_hostile_arguments_escaped(capsys):
+    """Issue 23 #12: argparse's error quotes the command line; a file name's escape sequences
+    must not reach the terminal raw."""
+    hostile = "evil\x1b]0;PWNED\x07\x1b[2J.h5"
+    for argv in (["verify", "good.h5", hostile], ["inspect", "--tensors", "x", hostile],
+                 [hostile], ["diff", "a.h5", "b.h5", "--" + hostile]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "\x1b" not in err and "\x07" not in err, argv
+        assert "evil\\x1b]0;PWNED\\x07\\x1b[2J.h5" in err, err
+
+
 # ----------------------------------------------------------------------------- typed errors
 def test_untyped_errors_of_issue_8_are_typed_now(tmp_path):
     with pytest.raises(flatopt.HyperparameterError, match="too large"):
         flatopt.SGD({"w": np.zeros(1)}, lr=2 ** 2000)
     opt = make_opt("SGD")
     os.chdir(tmp_path)
-    flatopt.save(b"c.h5", opt)  # a bytes path works (load takes bytes as the file's contents)
-    flatopt.load("c.h5", make_opt("SGD", seed=3, steps=0))
+    flatopt.save(Path("c.h5"), opt)
     for bad in (5, None, "bad\x00name.h5", "\ud800.h5"):
         with pytest.raises(flatopt.CheckpointError):
             flatopt.save(bad, opt)
@@ -422,6 +479,21 @@ def test_untyped_errors_of_issue_8_are_typed_now(tmp_path):
     assert opt.params.get(5) is None and 5 not in opt.grads  # they still behave as mappings
     with pytest.raises(flatopt.GradientError, match="list of paths"):
         opt.grads.mark_present(5)
+
+
+def test_a_bytes_path_is_refused_by_save_and_named_by_load(tmp_path):
+    """Issue 23 #20: load reads bytes as a checkpoint's contents, so save refuses a bytes path
+    (before touching anything, in the background too) and load says what bytes are."""
+    opt = make_opt("SGD")
+    target = os.fsencode(tmp_path / "ck.h5")
+    for path in (target, bytearray(target), memoryview(target)):
+        for background in (False, True):
+            with pytest.raises(flatopt.CheckpointError, match="bytes path .* str"):
+                flatopt.save(path, opt, background=background)
+    assert os.listdir(tmp_path) == []
+    flatopt.save(os.fsdecode(target), opt)
+    with pytest.raises(flatopt.CheckpointCorrupt, match="not an HDF5 file.*pass its path"):
+        flatopt.load(target, make_opt("SGD", seed=3, steps=0))
 
 
 def test_smaller_holes_of_issue_8(tmp_path):

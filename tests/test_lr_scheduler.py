@@ -749,6 +749,39 @@ def test_step_past_one_cycle_and_bad_epochs_change_nothing():
     assert plateau.best == 0.5
 
 
+def test_a_schedule_ending_at_zero_never_stops_training():
+    """Issue 23 #11: torch's chained LinearLR rounds its last lr to -1.48e-18; the group gets
+    0.0 there (the optimizer refuses a negative lr) and torch's numbers everywhere else. A
+    negative lr beyond rounding (a subclass's bug) still reaches the optimizer, which refuses
+    it."""
+    torch = pytest.importorskip("torch")
+    flat_opt, torch_opt = pair("sgd", [0.1, 7.0])
+    ours = L.LinearLR(flat_opt, start_factor=1 / 3, end_factor=0, total_iters=5)
+    theirs = torch.optim.lr_scheduler.LinearLR(torch_opt, start_factor=1 / 3, end_factor=0,
+                                               total_iters=5)
+    clamped = 0
+    for step in range(8):
+        flat_opt.step({"p0": np.ones(2, np.float32), "p1": np.ones(2, np.float32)})
+        torch_opt.step()
+        ours.step()
+        theirs.step()
+        expected = [0.0 if lr < 0 else lr for lr in theirs.get_last_lr()]
+        clamped += expected != theirs.get_last_lr()
+        assert ours.get_last_lr() == expected, step
+        assert [g["lr"] for g in flat_opt.param_groups] == expected, step
+    assert clamped  # torch did go below zero
+
+    class Negative(L.LRScheduler):
+        def get_lr(self):
+            return [-0.5 * self.last_epoch * base for base in self.base_lrs]
+
+    opt = flat_optimizer("sgd", [0.1])
+    Negative(opt).step()
+    assert opt.param_groups[0]["lr"] == -0.05
+    with pytest.raises(flatopt.HyperparameterError, match="lr"):
+        opt.step({"p0": np.ones(2, np.float32)})
+
+
 def test_added_param_group_is_refused_at_step():
     opt = flat_optimizer("sgd", [0.1])
     sched = L.CosineAnnealingLR(opt, T_max=10)
@@ -810,6 +843,15 @@ def test_load_state_dict_errors_change_nothing():
     with pytest.raises(StateDictError, match=r"max_momentum=1.0 would be written into betas"):
         adam_cycle.load_state_dict({**before, "max_momentums": [1.0]})
     assert adam_cycle.state_dict() == before
+    # Issue 23 (minor): a position past the schedule's end is no state a run reaches (its
+    # next step would fail); total_steps itself is the last one
+    for last_epoch in (10 ** 30, 21):
+        with pytest.raises(StateDictError, match=f"last_epoch {last_epoch} is past"):
+            adam_cycle.load_state_dict({**before, "last_epoch": last_epoch})
+        assert adam_cycle.state_dict() == before
+    adam_cycle.load_state_dict({**before, "last_epoch": 20})
+    with pytest.raises(ValueError, match="Tried to step 21 times"):
+        adam_cycle.step()
 
 
 # ----------------------------------------------------------------------------- flatopt specifics

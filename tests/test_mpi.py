@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from optimizers import NAMES
@@ -283,6 +284,78 @@ def test_a_damaged_missing_or_foreign_part_file_is_refused_by_name(saved_at_3, t
     refused(newer, flatopt.CheckpointMismatch, "format version 2", "upgrade flatopt")
 
 
+def test_a_part_file_that_is_a_symlink_is_refused_without_reading_it(saved_at_3, tmp_path):
+    """Issue 23 #13: flatopt writes part files as regular files in the directory; a symlink
+    (to the real part moved outside, or to an unrelated file) is refused by name, and the
+    error discloses nothing about the file it points at."""
+    import flatopt
+    import mpi_worker
+    from flatopt import checkpoint
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    moved = _damaged_copy(saved_at_3, tmp_path / "moved")
+    part = _part(moved, 1)
+    part.rename(outside / part.name)
+    part.symlink_to(outside / part.name)
+    unrelated = _damaged_copy(saved_at_3, tmp_path / "unrelated")
+    secret = outside / "secret"
+    secret.write_bytes(b"s" * 1_234_567)
+    replaced = _part(unrelated, 1)
+    replaced.unlink()
+    replaced.symlink_to(secret)
+    for directory in (moved, unrelated):
+        opt = _reference("Adam", 1)
+        before = opt.state_dict()
+        with pytest.raises(flatopt.CheckpointCorrupt, match="rank 1's file .* is a symlink") \
+                as caught:
+            flatopt.load(directory, opt)
+        assert "1,234,567" not in str(caught.value) and "1234567" not in str(caught.value)
+        assert not mpi_worker.state_differences(opt.state_dict(), before)
+        report = checkpoint.verify_checkpoint(directory)
+        assert not report["ok"] and "symlink" in " ".join(report["problems"])
+
+
+def _commit_other_save(directory: Path, other: Path) -> None:
+    """What a save committing in ``directory`` does: its part files, the manifest renamed into
+    place, then the part files of the save it replaces removed."""
+    old = [entry for entry in directory.iterdir() if entry.name != "manifest.h5"]
+    for entry in other.iterdir():
+        if entry.name != "manifest.h5":
+            shutil.copyfile(entry, directory / entry.name)
+    shutil.copyfile(other / "manifest.h5", directory / ".manifest.h5.tmp")
+    os.replace(directory / ".manifest.h5.tmp", directory / "manifest.h5")
+    for entry in old:
+        entry.unlink()
+
+
+def test_a_reader_keeps_the_save_it_parsed_while_another_commits(saved_at_3, tmp_path,
+                                                                 monkeypatch):
+    """Issue 23 #19: a reader holds the part files of the save it parsed, so a commit in the
+    same directory cannot pull them away; one that lands while the reader opens them makes
+    it read the newer save instead."""
+    from flatopt import checkpoint
+    from flatopt.checkpoint import manifest
+    with checkpoint.open_checkpoint(saved_at_3 / "Adam.h5") as ck:
+        expected = ck.read_all()
+    directory = _damaged_copy(saved_at_3, tmp_path / "during")
+    with checkpoint.open_checkpoint(directory) as ck:
+        _commit_other_save(directory, saved_at_3 / "LAMB.h5")
+        got = ck.read_all()
+    assert sorted(got) == sorted(expected)
+    assert all(np.array_equal(got[key], expected[key]) for key in expected)
+    directory = _damaged_copy(saved_at_3, tmp_path / "opening")
+    real = manifest._check_part_sizes
+
+    def commit_first(ck):  # the commit lands between the manifest's and the parts' opening
+        monkeypatch.setattr(manifest, "_check_part_sizes", real)
+        _commit_other_save(directory, saved_at_3 / "LAMB.h5")
+        real(ck)
+
+    monkeypatch.setattr(manifest, "_check_part_sizes", commit_first)
+    with checkpoint.open_checkpoint(directory) as ck:
+        assert ck.schema.name == "LAMB" and ck.read_all()
+
+
 def test_range_reads_read_and_check_only_the_blocks_they_need(saved_at_3, tmp_path):
     import flatopt
     import numpy as np
@@ -315,6 +388,16 @@ def test_range_reads_read_and_check_only_the_blocks_they_need(saved_at_3, tmp_pa
                               expected[3:end_of_1])
         with pytest.raises(flatopt.CheckpointCorrupt, match="rank2-of-3.*checksum mismatch"):
             ck.read_range(key, "exp_avg", 3, end_of_1 + 1)
+
+
+def test_ranks_given_different_paths_or_checkpoints_are_refused_on_every_rank(tmp_path):
+    ok = checks_by_rank(run_job(3, "disagree", "--dir", str(tmp_path)), 3)
+    for check in ("ranks given different paths to save: CheckpointError",
+                  "the split save wrote nothing",
+                  "ranks given different checkpoints to load: CheckpointError",
+                  "the error names each rank's", "the split load changed nothing",
+                  "the same checkpoint loads"):
+        assert ok.get(check) == {0, 1, 2}, check
 
 
 @pytest.mark.parametrize("killed", [0, 2])

@@ -155,6 +155,18 @@ def test_grad_scaler_follows_torchs_scaler():
         restored.load_state_dict({"scale": 1.0})
 
 
+def test_grad_scaler_factors_must_be_finite():
+    """Issue 23 (minor): growth_factor=inf would make the scale inf after growth_interval
+    clean steps (and every step after it skipped); refused, in load_state_dict too."""
+    for bad in (float("inf"), np.float64("inf"), float("nan")):
+        with pytest.raises(flatopt.HyperparameterError, match="growth_factor"):
+            flatopt.GradScaler(growth_factor=bad)
+    scaler = flatopt.GradScaler()
+    with pytest.raises(flatopt.HyperparameterError, match="growth_factor"):
+        scaler.load_state_dict({**scaler.state_dict(), "growth_factor": float("inf")})
+    assert scaler.state_dict()["growth_factor"] == 2.0
+
+
 # ----------------------------------------------------------------------------- EMA
 @pytest.mark.parametrize("decay", [0.9, 0.3])
 def test_ema_matches_torchs_averaged_model(decay):
@@ -201,6 +213,21 @@ def test_ema_swaps_in_for_evaluation_and_round_trips():
     assert ema.current_decay() == min(0.5, 4 / 13)
     with pytest.raises(flatopt.StateDictError, match="'a'"):
         other.load_state_dict({**ema.state_dict(), "averages": {"a": np.zeros(2)}})
+
+
+def test_ema_warmup_is_a_real_bool_in_the_constructor_and_the_state_dict():
+    """Issue 23 #8: "false" would turn warm-up on; None, "x" and {} are no settings."""
+    opt = make(flatopt.Adam)
+    for bad in ("false", "x", None, {}, 1, 0.0):
+        with pytest.raises(flatopt.HyperparameterError, match="warmup"):
+            flatopt.EMA(opt, warmup=bad)
+    assert flatopt.EMA(opt, warmup=np.bool_(True)).warmup is True
+    ema = flatopt.EMA(opt, warmup=True)
+    before = ema.state_dict()
+    for bad in (None, "x", {}, "false", 1):
+        with pytest.raises(flatopt.StateDictError, match="warmup"):
+            ema.load_state_dict({**before, "warmup": bad, "num_updates": 5})
+        assert ema.warmup is True and ema.num_updates == 0  # nothing changed
 
 
 # ----------------------------------------------------------------------------- accumulation

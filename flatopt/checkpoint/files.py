@@ -10,6 +10,7 @@ import errno
 import io
 import os
 import re
+import stat
 import tempfile
 import threading
 from typing import Callable
@@ -20,7 +21,17 @@ import numpy as np
 from ..errors import CheckpointCorrupt, CheckpointError
 from .format import BLOCK_BYTES, hash_block, n_blocks
 
-TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
+# The name of a save's temporary file: "." + the target's name + "." + the saver's pid + "." +
+# mkstemp's 8 random characters + ".tmp". Matched in full (``$`` would also match before a
+# trailing newline) with ASCII classes (``\d`` takes any Unicode digit): a name that only
+# resembles one is a user's file and stays. (Were mkstemp's random part to change, stale
+# temporary files would stay too: the safe side.)
+TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<pid>[1-9][0-9]{0,9})\.[a-z0-9_]{8}\.tmp",
+                       re.ASCII | re.DOTALL)
+SIGNATURE = b"\x89HDF\r\n\x1a\n"  # where a file flatopt wrote starts (no user block)
+SUPERBLOCKS = (2, 3)  # superblock versions whose metadata HDF5 checksums (flatopt writes 3)
+BYTES_HINT = ("bytes are a checkpoint's contents, never its path: to load a file, pass its "
+              "path as a str or os.PathLike")
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _FULL_TEXT = ("No space left", "Disk quota", "File too large")
 
@@ -48,7 +59,7 @@ def trim(path: str) -> None:
     unused tail of the reservation."""
     with open(path, "r+b") as handle:
         head = handle.read(48)
-        if (len(head) < 48 or head[:8] != b"\x89HDF\r\n\x1a\n" or head[8] not in (2, 3)
+        if (len(head) < 48 or head[:8] != SIGNATURE or head[8] not in (2, 3)
                 or head[9] != 8):
             return
         end = int.from_bytes(head[28:36], "little")
@@ -81,7 +92,7 @@ def clean_stale_temps(directory: str, name: str) -> None:
     except OSError:
         return
     for entry in entries:
-        match = TEMPORARY.match(entry)
+        match = TEMPORARY.fullmatch(entry)
         if not match or match["name"] != name:
             continue
         pid = int(match["pid"])
@@ -94,10 +105,17 @@ def clean_stale_temps(directory: str, name: str) -> None:
             pass
         except (PermissionError, OverflowError, OSError):
             continue
-        try:
-            os.unlink(os.path.join(directory, entry))
-        except OSError:
-            pass
+        remove_plain_file(os.path.join(directory, entry))
+
+
+def remove_plain_file(path: str) -> None:
+    """Remove ``path`` if it is a regular file, ignoring failures. Never a symlink: flatopt
+    makes none, so one bearing a name flatopt uses was put there by someone else."""
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def file_name(path, what: str = "a checkpoint path must be a str or os.PathLike") -> str:
@@ -113,6 +131,12 @@ def file_name(path, what: str = "a checkpoint path must be a str or os.PathLike"
 def target_path(path, directory_target: bool = False) -> str:
     """The absolute target of a save, checked: a str or PathLike to a file (or, with
     ``directory_target``, a sharded checkpoint's directory) in an existing directory."""
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        # load() reads bytes as a checkpoint's contents: a file saved under a bytes path
+        # could not be loaded by the same argument
+        raise CheckpointError(f"cannot save to the bytes path {bytes(path)[:200]!r}: "
+                              f"{BYTES_HINT}, so save takes a str or os.PathLike too "
+                              "(os.fsdecode(path))")
     final = file_name(path)
     try:
         os.fsencode(final)
@@ -355,7 +379,12 @@ def open_file(source) -> tuple[h5py.File, str, int, RawReader]:
     file, its name, its size and the reader of its raw bytes (the same file, whatever happens
     to the path meanwhile)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
-        source = io.BytesIO(bytes(source))
+        source = bytes(source)
+        if not source.startswith(SIGNATURE):  # a path given as bytes, most likely
+            raise CheckpointCorrupt(f"in-memory checkpoint {source[:80]!r} ({len(source)} "
+                                    f"bytes) is not a valid flatopt checkpoint: not an HDF5 "
+                                    f"file; {BYTES_HINT}")
+        source = io.BytesIO(source)
     if hasattr(source, "read") and hasattr(source, "seek"):
         file, name, size = _open_object(source)
         fd = None
@@ -379,10 +408,17 @@ def open_file(source) -> tuple[h5py.File, str, int, RawReader]:
     try:
         fd = file.id.get_vfd_handle()
         size = os.fstat(fd).st_size  # the file HDF5 opened, not whatever the path is now
+        raw = raw_reader(None, fd)
+        head = bytearray(min(size, len(SIGNATURE) + 1))
+        raw.readinto(memoryview(head), 0)
+        _check_container(bytes(head), name)  # that file's, before HDF5 walks its metadata
+    except CheckpointError:
+        file.close()
+        raise
     except Exception as exc:
         file.close()
         raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
-    return file, name, size, raw_reader(None, fd)
+    return file, name, size, raw
 
 
 def _open_object(source) -> tuple[h5py.File, str, int]:
@@ -399,10 +435,42 @@ def _open_object(source) -> tuple[h5py.File, str, int]:
     return _h5_open(source, name, size)
 
 
+def _head(target, nbytes: int) -> bytes:
+    """The first bytes of a path or a binary file object (left at its start)."""
+    if isinstance(target, str):
+        with open(target, "rb") as handle:
+            return handle.read(nbytes)
+    target.seek(0)
+    head = target.read(nbytes)
+    target.seek(0)
+    return head
+
+
+def _check_container(head: bytes, name: str) -> None:
+    """CheckpointCorrupt unless the HDF5 container starting with ``head`` is one flatopt
+    reads. HDF5 checksums the metadata of superblock versions 2 and 3 only: in a version 0 or
+    1 file a damaged B-tree node (one naming itself as its child) reaches the library
+    unchecked and can crash or hang it, so such a file is refused before HDF5 walks it."""
+    if not head.startswith(SIGNATURE) or len(head) <= len(SIGNATURE):
+        return  # HDF5's own message says what it is not
+    version = head[len(SIGNATURE)]
+    if version not in SUPERBLOCKS:
+        checksums = "has no checksums" if version in (0, 1) else "is unknown"
+        raise CheckpointCorrupt(f"checkpoint {name} is damaged or not a valid flatopt "
+                                f"checkpoint: its HDF5 superblock version {version} {checksums}:"
+                                " flatopt writes superblock version 3 (checksummed metadata) "
+                                "and reads versions 2 and 3 only", path=name)
+
+
 def _h5_open(target, name: str, size: int) -> tuple[h5py.File, str, int]:
     if size < 8:
         raise CheckpointCorrupt(f"checkpoint {name} is damaged or not a valid flatopt checkpoint:"
                                 f" it is {size} bytes long, not an HDF5 file", path=name)
+    try:
+        head = _head(target, len(SIGNATURE) + 1)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {name}: {exc}", path=name) from exc
+    _check_container(head, name)
     try:
         return h5py.File(target, "r"), name, size
     except BlockingIOError as exc:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import zlib
 from typing import Any, Mapping
 
@@ -44,7 +45,7 @@ import numpy as np
 import xxhash
 
 from .. import registry
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointOptionError
 from ..schema import Schema
 
 FORMAT = "flatopt.checkpoint"
@@ -62,7 +63,10 @@ DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
 MAX_ATTRS = 32
 MAX_MEMBERS = 4096        # members of one HDF5 group: /groups holds one per param group
 MAX_NDIM = 64             # columns of /index/shape: NumPy's own limit
+MAX_ARRAY_NDIM = 32       # an extra array is a dataset of its own shape: HDF5's H5S_MAX_RANK
 MAX_JSON = 16 << 20       # bytes of one JSON text (metadata, scheduler state, hyperparameters)
+MAX_JSON_DEPTH = 100      # nesting of one JSON text: json.loads recurses once per level, so a
+                          # deeper text would load or not depending on the caller's stack
 MAX_NAME = 64 << 10       # bytes of an extra array's name (UTF-8)
 
 BASE_COLUMNS = {"id": np.dtype("<i8"), "path": "str", "ndim": np.dtype("<i8"),
@@ -101,7 +105,18 @@ def limits_problems(schema: Schema, n_groups: int, shapes, texts: Mapping[str, s
             problems.append(f"{what} is {len(value.encode('utf-8')):,} bytes of JSON: a "
                             f"checkpoint holds at most {MAX_JSON:,}; store large data in a "
                             "separate file")
+        problem = json_depth_problem(value)
+        if problem:
+            problems.append(f"{what} {problem}")
     return problems
+
+
+def check_flags(**flags: Any) -> None:
+    """Each option is True or False (a NumPy bool too), or CheckpointOptionError: "no" and 1
+    are truthy, and ``strict="no"`` taken as true would be a strict load nobody asked for."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise CheckpointOptionError(f"{name} must be True or False, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- JSON
@@ -117,12 +132,58 @@ def json_default(value: Any) -> Any:
 
 def to_json(value: Any, what: str) -> str:
     try:
-        return json.dumps(value, default=json_default, sort_keys=True, allow_nan=True)
-    except (TypeError, ValueError, RecursionError) as exc:
+        text = json.dumps(value, default=json_default, sort_keys=True, allow_nan=True)
+    except RecursionError:
+        raise CheckpointError(f"{what} is nested too deep to write as JSON: a checkpoint holds "
+                              f"at most {MAX_JSON_DEPTH} levels") from None
+    except (TypeError, ValueError) as exc:
         raise CheckpointError(
             f"{what} must be JSON-serializable (dicts with string keys, lists, strings, numbers, "
             f"booleans, None; numpy scalars are converted): {exc}. flatopt checkpoints never "
             "pickle; store arrays as lists or in a separate file") from None
+    keys = _keys_not_strings(value)
+    if keys:
+        more = " and more" if len(keys) > 1 else ""
+        raise CheckpointError(f"{what} has dict keys that are not strings ({keys[0]!r}{more}): "
+                              "JSON would turn them into strings, so it would not load back as "
+                              "saved; use string keys")
+    return text
+
+
+def _keys_not_strings(value: Any) -> list:
+    """The dict keys in ``value`` that are not str, walked without recursion (``value`` is
+    known to be JSON-serializable, so it has no cycles)."""
+    found, pending = [], [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            found += [key for key in item if not isinstance(key, str)]
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return found
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET_STEPS = np.zeros(256, np.int8)
+_BRACKET_STEPS[list(b"[{")] = 1
+_BRACKET_STEPS[list(b"]}")] = -1
+
+
+def json_depth(text: str) -> int:
+    """How deeply the arrays and objects of the JSON ``text`` nest, counted without
+    recursion: the brackets outside strings, in C and NumPy loops."""
+    outside = _JSON_STRING.sub("", text).encode("utf-8", "surrogatepass")
+    steps = _BRACKET_STEPS[np.frombuffer(outside, np.uint8)]
+    return int(np.cumsum(steps[steps != 0], dtype=np.int32).max(initial=0))
+
+
+def json_depth_problem(text: str) -> str | None:
+    """Why a JSON text is too deep for a checkpoint (save and load apply the one limit)."""
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        return f"is nested {depth} deep: a checkpoint holds at most {MAX_JSON_DEPTH} levels"
+    return None
 
 
 def jsonable(value: Any) -> Any:
@@ -207,8 +268,8 @@ def array_name_problem(name: Any) -> str | None:
 
 def checked_arrays(arrays: Any) -> dict[str, np.ndarray]:
     """``save(arrays=...)`` checked: name -> contiguous array of an allowed dtype, at most
-    ``MAX_MEMBERS`` of them, each of at most ``MAX_NDIM`` dimensions. Raises CheckpointError
-    naming every problem (nothing is written)."""
+    ``MAX_MEMBERS`` of them, each of at most ``MAX_ARRAY_NDIM`` dimensions. Raises
+    CheckpointError naming every problem (nothing is written)."""
     if arrays is None:
         return {}
     if not isinstance(arrays, Mapping):
@@ -237,9 +298,9 @@ def checked_arrays(arrays: Any) -> dict[str, np.ndarray]:
         if problem:
             problems.append(f"extra array {name!r} {problem}")
             continue
-        if value.ndim > MAX_NDIM:
-            problems.append(f"extra array {name!r} has {value.ndim} dimensions (at most "
-                            f"{MAX_NDIM})")
+        if value.ndim > MAX_ARRAY_NDIM:
+            problems.append(f"extra array {name!r} has {value.ndim} dimensions (HDF5 stores "
+                            f"at most {MAX_ARRAY_NDIM})")
             continue
         out[name] = value
     if problems:

@@ -3,19 +3,21 @@
 
 from __future__ import annotations
 
-import os
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
+from .._layout import aligned_zeros
 from .._restore import Fill
-from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, StateDictError
+from ..errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+                      CheckpointOptionError, StateDictError)
 from ..optimizer import BufferState, Optimizer
 from . import files, manifest, validate
 from .compare import Comparison, Difference, compare, is_relaxed, mismatch_message
-from .format import DTYPES
+from .format import DTYPES, check_flags
 from .files import open_file
 from .reader import Contents, read_structure
 
@@ -51,9 +53,22 @@ class LoadResult:
                    scheduler_state=ck.scheduler_state, info=dict(ck.header), arrays=arrays)
 
 
+SUPERSEDED_RETRIES = 3
+
+
 def parse(source) -> Contents:
     """Open and check a checkpoint (a file, or a sharded checkpoint's directory): structure,
-    digest, meaning (no buffer data read)."""
+    digest, meaning (no buffer data read). A sharded checkpoint whose save was superseded
+    while it was being opened is opened again: the newer save is read."""
+    for attempt in range(SUPERSEDED_RETRIES):
+        try:
+            return _parse_once(source)
+        except manifest.Superseded:
+            if attempt == SUPERSEDED_RETRIES - 1:
+                raise
+
+
+def _parse_once(source) -> Contents:
     if manifest.is_sharded(source):
         ck = manifest.open_sharded(source)
         read = manifest.read_structure
@@ -89,11 +104,16 @@ class open_checkpoint:
 
 def guarded(ck: Contents, read: Callable):
     """Run ``read()``; anything but a CheckpointError (h5py, numpy, the OS on a damaged or
-    vanishing file) becomes CheckpointCorrupt."""
+    vanishing file) becomes CheckpointCorrupt, but too little memory for what a sound file
+    holds, which is a CheckpointError."""
     try:
         return read()
     except CheckpointError:
         raise
+    except MemoryError as exc:
+        raise CheckpointError(f"checkpoint {ck.name}: not enough memory to read it "
+                              f"({type(exc).__name__}: {exc}); nothing was changed; read it "
+                              "where more memory is available", path=ck.name) from exc
     except Exception as exc:
         raise ck.corrupt(f"{type(exc).__name__}: {exc}") from exc
 
@@ -116,17 +136,18 @@ class Scratch:
         held = self.arrays.get(dtype)
         if held is None or held.size < length:
             self.arrays[dtype] = None  # drop the smaller one first
-            held = self.arrays[dtype] = np.empty(max(length, 1), dtype)
+            held = self.arrays[dtype] = aligned_zeros(max(length, 1), dtype)
         return held[:length]
 
 
-def verify_one(ck: Contents, key, slot: str, workers, out: np.ndarray | None = None):
-    """One slot of one buffer read (into ``out``, or a fresh array) and verified as ``load``
-    and ``flatopt verify`` verify it: its checksums, then its state values."""
-    if out is None:
+def verify_one(ck: Contents, key, slot: str, workers, scratch: Scratch | None = None):
+    """One slot of one buffer read (into ``scratch``, or a fresh array) and verified as
+    ``load`` and ``flatopt verify`` verify it: its checksums, then its state values."""
+    if scratch is None:
         flat = guarded(ck, lambda: ck.read(key, slot, workers))
     else:
-        flat = guarded(ck, lambda: ck.read_into(key, slot, out, workers))
+        flat = guarded(ck, lambda: ck.read_into(key, slot, scratch.get(ck.buffers[key], slot),
+                                                workers))
     validate.check_data(ck, {(key, slot): flat})
     return flat
 
@@ -142,7 +163,7 @@ def verify_buffers(ck: Contents, keys, workers, keep: set = frozenset()) -> dict
             if (key, slot) in keep:
                 staged[key, slot] = verify_one(ck, key, slot, workers)
             else:
-                verify_one(ck, key, slot, workers, scratch.get(saved, slot))
+                verify_one(ck, key, slot, workers, scratch)
     return staged
 
 
@@ -215,19 +236,27 @@ def _restore_arguments(ck: Contents, opt: Optimizer, plan: Comparison, workers):
     return state, params, buffers
 
 
+def saved_values(ck: Contents, entry, staged: dict, slot: str) -> np.ndarray | None:
+    """A saved parameter's flat values in ``slot`` from the verified buffers in ``staged``,
+    placed by the slot's own layout (a shaped slot such as Adafactor's row_var packs other
+    entries than the parameters), or None where it has no entry."""
+    key = (entry.group, entry.dtype)
+    saved = ck.buffers[key]
+    layout, position = saved.layouts[slot], saved.positions[entry.row]
+    if layout.shapes[position] is None:
+        return None
+    start = int(layout.offsets[position])
+    return staged[key, slot][start:start + int(layout.sizes[position])]
+
+
 def saved_state_entry(ck: Contents, entry, staged: dict, shape) -> dict:
     """A saved parameter's state as ``state_dict()`` holds it (its state-dict columns and
     each saved slot, shaped), from the verified buffers in ``staged``."""
-    key = (entry.group, entry.dtype)
-    saved = ck.buffers[key]
-    position = saved.positions[entry.row]
     state = {name: entry.columns[name] for name in ck.schema.state_dict_columns}
-    for slot in saved.datasets:
-        layout = saved.layouts[slot]
-        if slot != "params" and layout.shapes[position] is not None:
-            start = int(layout.offsets[position])
-            state[slot] = staged[key, slot][start:start + int(layout.sizes[position])].reshape(
-                ck.schema.slots[slot].entry_shape(shape))
+    for slot in ck.buffers[entry.group, entry.dtype].datasets:
+        values = None if slot == "params" else saved_values(ck, entry, staged, slot)
+        if values is not None:
+            state[slot] = values.reshape(ck.schema.slots[slot].entry_shape(shape))
     return state
 
 
@@ -262,11 +291,13 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     Memory: a buffer whose saved layout is the live one is read straight into the optimizer's
     array (or into the state slot the load allocates), checked as it lands; to put the
     optimizer back if anything fails, the load keeps a copy of each array it overwrites, in
-    memory up to ``staging`` bytes (default: the size of the file's largest buffer) and in a
-    temporary file beside the checkpoint beyond that. Peak memory is the live state plus
-    ``staging`` (plus the buffers a partial, renamed or regrouped load takes per path).
+    memory up to ``staging`` bytes (default: the size of the file's largest buffer) and in an
+    unnamed temporary file in the temporary directory (tempfile's: ``$TMPDIR``) beyond that.
+    Peak memory is the live state plus ``staging`` (plus the buffers a partial, renamed or
+    regrouped load takes per path).
     """
     _check_options(opt, rename, hyperparameters, staging)
+    check_flags(strict=strict, regroup=regroup)
     if opt._sharding is not None:  # comm= over several ranks: collective
         from . import sharded
         return sharded.load(source, opt, strict=strict, rename=rename,
@@ -285,31 +316,41 @@ def load(source, opt: Optimizer, *, strict: bool = True,
             except StateDictError as exc:
                 raise ck.corrupt(str(exc)) from exc
             budget = largest_buffer(ck) if staging is None else int(min(staging, 1 << 62))
-            directory = os.path.dirname(ck.name) if os.path.isfile(ck.name) else None
             try:
-                pending.apply(staging=budget, spill_dir=directory or None,
+                # the spill goes to tempfile's directory ($TMPDIR): the checkpoint's own may be
+                # read-only or full, and a load must not write beside what it reads
+                pending.apply(staging=budget, spill_dir=None,
                               before_commit=lambda: load_scheduler(ck, scheduler))
             except StateDictError as exc:  # a value check of data read into place
                 raise ck.corrupt(str(exc)) from exc
-            except OSError as exc:  # keeping the undo copy failed (a full disk)
+            except (OSError, MemoryError) as exc:  # the undo copy: a full disk, or memory
+                hint = ("a smaller staging= to keep less of the copy in memory"
+                        if isinstance(exc, MemoryError) else
+                        "a larger staging= to keep the copy in memory")
                 raise CheckpointError(f"could not load checkpoint {ck.name}: keeping a copy "
                                       f"of the state to undo a failed load failed "
-                                      f"({exc}); the optimizer is unchanged; pass a larger "
-                                      "staging= to keep the copy in memory",
-                                      path=ck.name) from exc
+                                      f"({type(exc).__name__}: {exc}); the optimizer is "
+                                      f"unchanged; pass {hint}", path=ck.name) from exc
         return LoadResult.of(ck, opt, plan, relaxed, arrays)
 
 
 def _check_options(opt, rename, hyperparameters, staging) -> None:
     if hyperparameters not in (None, "saved", "live"):
-        raise ValueError(f"hyperparameters must be None, 'saved' or 'live', got "
-                         f"{hyperparameters!r}")
+        raise CheckpointOptionError(f"hyperparameters must be None, 'saved' or 'live', got "
+                                    f"{hyperparameters!r}")
     if rename is not None and not callable(rename) and not isinstance(rename, Mapping):
-        raise TypeError(f"rename must be a dict or a function, got {type(rename).__name__}")
-    if staging is not None and (not isinstance(staging, (int, float)) or staging < 0):
-        raise ValueError(f"staging must be a number of bytes >= 0, got {staging!r}")
+        raise CheckpointOptionError(f"rename must be a dict or a function, got "
+                                    f"{type(rename).__name__}")
+    if staging is not None and not _is_byte_count(staging):
+        raise CheckpointOptionError(f"staging must be a number of bytes >= 0, got {staging!r}")
     if not isinstance(opt, Optimizer):
         raise CheckpointError(f"load() takes a flatopt optimizer, got {type(opt).__name__}")
+
+
+def _is_byte_count(value: Any) -> bool:
+    """A real number >= 0 (a NumPy integer too; infinity: no limit), not a bool or NaN."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+            and value >= 0)
 
 
 def load_scheduler(ck: Contents, scheduler) -> None:

@@ -22,8 +22,10 @@ save, a damaged one or a missing one is refused by name.
 
 Renaming ``manifest.h5`` into place commits the save (as torch.distributed.checkpoint's
 ``.metadata``): part files of a save whose manifest never landed are ignored, and removed by
-the next save that commits. A load reads only the fragments, and within them the blocks, that
-cover the ranges it needs (``Contents.read_range``).
+the next save that commits. A reader opens every part file the manifest names when it parses
+it and holds them, so a save committing meanwhile cannot pull them away (one committing while
+the reader opens them makes it read the newer save). A load reads only the fragments, and
+within them the blocks, that cover the ranges it needs (``Contents.read_range``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 
 import h5py
 import numpy as np
@@ -50,7 +53,9 @@ MANIFEST = "manifest.h5"
 MANIFEST_ATTRS = {"world_size": int, "save_id": str}
 MAX_WORLD = 1 << 20
 _SAVE_ID = re.compile(r"[0-9a-f]{16}")
-_PART = re.compile(r"^(?P<save_id>[0-9a-f]{16})\.rank\d+-of-\d+\.h5$")
+# part_name's output, matched in full with ASCII digits (see files.TEMPORARY)
+_PART = re.compile(r"(?P<save_id>[0-9a-f]{16})\.rank(?P<rank>0|[1-9][0-9]*)"
+                   r"-of-(?P<size>[1-9][0-9]*)\.h5", re.ASCII)
 _DIGEST = re.compile(r"xxh3:[0-9a-f]{16}")
 
 
@@ -60,6 +65,12 @@ def new_save_id() -> str:
 
 def part_name(save_id: str, rank: int, world_size: int) -> str:
     return f"{save_id}.rank{rank}-of-{world_size}.h5"
+
+
+def part_match(entry: str):
+    """The match of ``entry`` when it is a name part_name gives, else None."""
+    match = _PART.fullmatch(entry)
+    return match if match and int(match["rank"]) < int(match["size"]) else None
 
 
 def is_sharded(source) -> bool:
@@ -193,18 +204,20 @@ def remove_other_saves(directory: str, save_id: str) -> None:
     """Part files of every other save (older, or never committed), once ``save_id`` is
     committed, and the temporary part files of savers that were killed."""
     for entry in os.listdir(directory):
-        match = _PART.match(entry)
+        match = part_match(entry)
         if match and match["save_id"] != save_id:
-            try:
-                os.unlink(os.path.join(directory, entry))
-            except OSError:
-                pass
-        temporary = files.TEMPORARY.match(entry)
-        if temporary and _PART.match(temporary["name"]):
+            files.remove_plain_file(os.path.join(directory, entry))
+        temporary = files.TEMPORARY.fullmatch(entry)
+        if temporary and part_match(temporary["name"]):
             files.clean_stale_temps(directory, temporary["name"])
 
 
 # ------------------------------------------------------------------------ reading
+class Superseded(CheckpointError):
+    """A save committed in the directory while it was being opened: the manifest read names
+    part files that commit removed. Reading again reads the newer save."""
+
+
 class _Fragments:
     """A slot of a sharded checkpoint, where a file has a dataset: its name and fragments."""
 
@@ -221,6 +234,8 @@ class ShardedContents(Contents):
         super().__init__(name, file, size, raw)
         self.parts: dict[int, Contents] = {}
         self.located: dict[tuple, tuple[int, np.ndarray]] = {}
+        opened = os.fstat(file.id.get_vfd_handle())
+        self.manifest_id = (opened.st_dev, opened.st_ino)
 
     def close(self) -> None:
         for part in self.parts.values():
@@ -229,21 +244,55 @@ class ShardedContents(Contents):
 
     def missing(self, rank: int):
         name = part_name(self.header["save_id"], rank, self.header["world_size"])
+        try:
+            now = os.stat(os.path.join(self.name, MANIFEST))
+            replaced = (now.st_dev, now.st_ino) != self.manifest_id
+        except OSError:
+            replaced = True
+        if replaced:  # a commit renamed another manifest into place, then removed our parts
+            return Superseded(f"checkpoint {self.name}: a newer save was committed while it "
+                              f"was being opened (rank {rank}'s file {name} is gone)",
+                              path=self.name)
         return self.corrupt(f"rank {rank}'s file {name} is missing; the checkpoint cannot be "
                             "read without it: restore the file or use an earlier checkpoint")
+
+    def part_path(self, rank: int) -> str:
+        return os.path.join(self.name, part_name(self.header["save_id"], rank,
+                                                 self.header["world_size"]))
+
+    def part_stat(self, rank: int) -> os.stat_result:
+        """Rank ``rank``'s part file, checked to be a regular file of the directory itself:
+        flatopt writes no symlink, and one could point at any file, whose contents (or size)
+        an error must not show."""
+        try:
+            found = os.lstat(self.part_path(rank))
+        except OSError:
+            raise self.missing(rank) from None
+        if not stat.S_ISREG(found.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(found.st_mode) else "not a regular file"
+            raise self.corrupt(f"rank {rank}'s file {os.path.basename(self.part_path(rank))} "
+                               f"is {kind}; flatopt writes part files as regular files in the "
+                               "checkpoint's directory and reads no other")
+        return found
 
     def part(self, rank: int) -> Contents:
         part = self.parts.get(rank)
         if part is not None:
             return part
         save_id, size = self.header["save_id"], self.header["world_size"]
-        path = os.path.join(self.name, part_name(save_id, rank, size))
-        if not os.path.isfile(path):
-            raise self.missing(rank)
-        file, name, nbytes, raw = open_file(path)
+        found = self.part_stat(rank)
+        try:
+            file, name, nbytes, raw = open_file(self.part_path(rank))
+        except CheckpointError:
+            if not os.path.lexists(self.part_path(rank)):  # removed since: by a commit?
+                raise self.missing(rank) from None
+            raise
         part = Contents(name, file, nbytes, raw)
         part.version = FORMAT_VERSION
         try:
+            opened = os.fstat(file.id.get_vfd_handle())
+            if (opened.st_dev, opened.st_ino) != (found.st_dev, found.st_ino):
+                raise part.corrupt("it was replaced while it was being opened")
             for key, want in (("format", PART_FORMAT), ("save_id", save_id)):
                 got = attr(part, file, key, str, required=False)
                 if got != want:
@@ -299,15 +348,10 @@ class ShardedContents(Contents):
         return raw_offset(part, ds, nbytes), block_hashes(part, ds, nbytes, digest)
 
     def part_bytes(self) -> int:
-        """Bytes of the manifest and every part file it names."""
-        total = self.size
-        for rank in range(self.header["world_size"]):
-            try:
-                total += os.stat(os.path.join(self.name, part_name(
-                    self.header["save_id"], rank, self.header["world_size"]))).st_size
-            except OSError:
-                pass
-        return total
+        """Bytes of the manifest and every part file it names (checked by
+        ``_check_part_sizes``)."""
+        return self.size + sum(self.part_stat(rank).st_size
+                               for rank in range(self.header["world_size"]))
 
 
 def open_sharded(source) -> ShardedContents:
@@ -337,7 +381,11 @@ def read_structure(ck: ShardedContents) -> None:
     if manifest_digest(ck.header, ck.raw_groups, columns, table, arrays) != digest:
         raise ck.corrupt("its metadata digest does not match (attributes, index or fragment "
                          "tables were modified or damaged)")
-    ck.raw_columns = columns
+    ck.raw_columns, ck.digest = columns, digest
+    # every part file held open from now on: a later commit in the directory removes them,
+    # but the save parsed here stays readable (its data lives while a handle does)
+    for rank in range(ck.header["world_size"]):
+        ck.part(rank)
 
 
 def _check_part_sizes(ck: ShardedContents) -> None:
@@ -351,10 +399,7 @@ def _check_part_sizes(ck: ShardedContents) -> None:
                 declared[rank] += (stop - start) * DTYPES[key[1]].itemsize
     for rank, nbytes in enumerate(declared):
         name = part_name(ck.header["save_id"], rank, ck.header["world_size"])
-        try:
-            size = os.stat(os.path.join(ck.name, name)).st_size
-        except OSError:
-            raise ck.missing(rank) from None
+        size = ck.part_stat(rank).st_size
         if nbytes > size:
             raise ck.corrupt(f"the manifest gives rank {rank}'s file {name} {nbytes:,} bytes "
                              f"of fragments, more than its {size:,} bytes")

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import files
+from .format import check_flags
 from .loader import guarded, open_checkpoint, saved_state_entry, verify_one
 
 
@@ -49,6 +50,7 @@ def read(source, *, state: bool = False, arrays: bool = True) -> CheckpointData:
     Each array returned is a view into a flat buffer read for this call (nothing else holds
     it); buffers of state slots are read only with ``state=True``, extra arrays only with
     ``arrays=True``."""
+    check_flags(state=state, arrays=arrays)
     with open_checkpoint(source) as ck, files.pool() as workers:
         schema = ck.schema
         staged = {(key, slot): verify_one(ck, key, slot, workers)

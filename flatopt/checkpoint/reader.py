@@ -23,7 +23,8 @@ from ..errors import CheckpointCorrupt, CheckpointMismatch
 from ..schema import Schema
 from . import files
 from .format import (BASE_COLUMNS, BLOCK_BYTES, DTYPES, FLETCHER32, FORMAT, FORMAT_VERSION,
-                     MAX_ATTRS, MAX_JSON, MAX_MEMBERS, MAX_NAME, MAX_NDIM, ROOT_ATTRS,
+                     MAX_ARRAY_NDIM, MAX_ATTRS, MAX_JSON, MAX_MEMBERS, MAX_NAME, MAX_NDIM,
+                     ROOT_ATTRS,
                      array_dtype_problem, array_name_problem, crc, hashes_digest,
                      manifest_digest, n_blocks, stored_dtype)
 
@@ -101,6 +102,7 @@ class Contents:
         self.raw_columns: dict[str, list] = {}
         self.raw_groups: list[dict] = []
         self.declared = 0   # bytes of buffers and arrays the structure declares
+        self.digest: str | None = None  # the commit digest, once verified
 
     def corrupt(self, message: str, buffer: str | None = None) -> CheckpointCorrupt:
         where = f" (buffer {buffer})" if buffer else ""
@@ -599,9 +601,9 @@ def read_arrays(ck: Contents) -> dict[str, list]:
             raise ck.corrupt(f"extra array {name!r} is stored as {ds.dtype}, not "
                              f"{stored_dtype(dtype)}", buffer=where)
         shape = tuple(int(d) for d in ds.shape) if ds.shape is not None else None
-        if shape is None or len(shape) > MAX_NDIM:
-            raise ck.corrupt(f"extra array {name!r} has no shape or more than {MAX_NDIM} "
-                             "dimensions", buffer=where)
+        if shape is None or len(shape) > MAX_ARRAY_NDIM:
+            raise ck.corrupt(f"extra array {name!r} has no shape or more than "
+                             f"{MAX_ARRAY_NDIM} dimensions", buffer=where)
         nbytes = math.prod(shape) * dtype.itemsize
         ck.declared += nbytes
         if ck.declared > ck.size:
@@ -634,4 +636,4 @@ def read_structure(ck: Contents) -> None:
     if manifest_digest(ck.header, ck.raw_groups, columns, table, arrays) != digest:
         raise ck.corrupt("its metadata digest does not match (attributes or index were modified "
                          "or damaged)")
-    ck.raw_columns = columns
+    ck.raw_columns, ck.digest = columns, digest

@@ -2,7 +2,9 @@
 
 ``flatopt.save(path, opt)`` and ``flatopt.load(path, opt)`` come here for a sharded optimizer;
 both are collective (every rank calls them with the same arguments), and an error on any rank
-raises on every rank, with nothing changed.
+raises on every rank, with nothing changed. The ranks first agree on their input: the same
+directory to save (after resolving symlinks), the same checkpoint to load (its commit digest,
+whatever path each rank reaches it by).
 
 A save writes the directory ``path`` (see ``manifest``): every rank checks its range of the
 state with the one value check a file's state gets, writes its part file (its range of the
@@ -24,6 +26,7 @@ every rank, which keeps its range.
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import numpy as np
@@ -50,6 +53,19 @@ def _collectively(comm, action, where: str, root: int | None = None):
         raise failure
     _raise_collected(records, where)
     return value if root is None else comm.bcast(value, root=root)
+
+
+def _agree(comm, value: str, shown: str, what: str, where: str, path: str) -> None:
+    """Every rank's ``value`` the same, or CheckpointError on every rank naming each rank's
+    (``shown``): a collective save or load takes one input, and ranks given different ones
+    would write one save into several directories, or load one optimizer from several
+    checkpoints."""
+    values = comm.allgather((value, shown))
+    if any(mine != values[0][0] for mine, _ in values):
+        listed = "; ".join(f"rank {rank}: {text}" for rank, (_, text) in enumerate(values))
+        raise CheckpointError(f"{where}: the ranks were given different {what} ({listed[:2000]})"
+                              "; a sharded save or load is collective: give every rank the same "
+                              "one. Nothing was changed", path=path)
 
 
 # ------------------------------------------------------------------------ save
@@ -136,6 +152,9 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
             return directory, pieces, snapshot
 
         directory, pieces, snapshot = _collectively(comm, prepare, where)
+        # resolved, so that one directory reached through a symlink on some ranks agrees
+        real = os.path.realpath(directory)
+        _agree(comm, real, real, "checkpoint directories", where, directory)
         # every rank's checks passed: only now is the target touched
         _collectively(comm, lambda: manifest.target_directory(path, create=True), where, root=0)
         save_id = comm.bcast(manifest.new_save_id() if rank == 0 else None, root=0)
@@ -170,6 +189,8 @@ def load(source, opt, **options: Any):
 
         try:
             planned, matched, whole = _collectively(comm, plan, where)
+            ck = opened[0]  # the same contents (commit digest) on every rank, whatever the path
+            _agree(comm, ck.digest, f"{ck.name} ({ck.digest})", "checkpoints", where, ck.name)
             if all(comm.allgather(whole)):
                 return _load_ranges(opened[0], opt, planned, matched, options, where)
         finally:

@@ -10,7 +10,8 @@ import numpy as np
 
 from ..errors import CheckpointError
 from . import files
-from .loader import Scratch, guarded, open_checkpoint, verify_one
+from .format import check_flags
+from .loader import Scratch, guarded, open_checkpoint, saved_values, verify_one
 
 
 def _state_summary(schema, members) -> dict:
@@ -33,6 +34,7 @@ def inspect_checkpoint(source, *, tensors: bool = False) -> dict:
     its extra arrays (name, shape, dtype, bytes). With ``tensors``, one row per parameter in
     id order: id, path, shape, dtype, group, its label and the schema's persisted columns
     (named in ``columns``: Adam's step, SGD's momentum_initialized)."""
+    check_flags(tensors=tensors)
     with open_checkpoint(source) as ck:
         schema = ck.schema
         groups = []
@@ -90,8 +92,7 @@ def verify_checkpoint(source) -> dict:
             scratch = Scratch()
             checks = [({"buffer": saved.datasets[slot].name, "elements": saved.lengths[slot],
                         "digest": saved.digests[slot]},
-                       lambda key=key, slot=slot, saved=saved: verify_one(
-                           ck, key, slot, workers, scratch.get(saved, slot)))
+                       lambda key=key, slot=slot: verify_one(ck, key, slot, workers, scratch))
                       for key, saved in sorted(ck.buffers.items()) for slot in saved.datasets]
             checks += [({"buffer": saved.dataset.name, "array": name,
                          "elements": math.prod(saved.shape), "digest": saved.digest},
@@ -137,11 +138,11 @@ def _group_differences(ca, cb) -> list[dict]:
     return out
 
 
-def _values(staged, entry, slot):
-    key = (entry.group, entry.dtype)
-    if (key, slot) not in staged:
+def _values(ck, staged, entry, slot):
+    """A parameter's values in ``slot`` (None where the file has no such slot or entry)."""
+    if ((entry.group, entry.dtype), slot) not in staged:
         return None
-    return staged[key, slot][entry.offset:entry.offset + entry.size]
+    return saved_values(ck, entry, staged, slot)
 
 
 def _slot_difference(path: str, slot: str, va, vb) -> dict | None:
@@ -165,7 +166,7 @@ def diff_checkpoints(a, b) -> dict:
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         only_a = [e.path for e in ca.params if e.path not in cb.by_path]
         only_b = [e.path for e in cb.params if e.path not in ca.by_path]
-        staged_a, staged_b = ca.read_all(), cb.read_all()
+        staged_a, staged_b = guarded(ca, ca.read_all), guarded(cb, cb.read_all)
         slots = sorted({s for buf in (*ca.buffers.values(), *cb.buffers.values())
                         for s in buf.datasets})
         params = []
@@ -185,8 +186,8 @@ def diff_checkpoints(a, b) -> dict:
             if ea.shape != eb.shape:
                 continue
             for slot in slots:
-                found = _slot_difference(ea.path, slot, _values(staged_a, ea, slot),
-                                         _values(staged_b, eb, slot))
+                found = _slot_difference(ea.path, slot, _values(ca, staged_a, ea, slot),
+                                         _values(cb, staged_b, eb, slot))
                 if found:
                     params.append(found)
         header, groups = _header_differences(ca, cb), _group_differences(ca, cb)

@@ -11,7 +11,7 @@ import numpy as np
 
 from .._layout import SlotLayout, aligned_offsets
 from ..schema import slot_value_problems
-from .format import DTYPES, schema_named
+from .format import DTYPES, json_depth_problem, schema_named
 from .reader import Contents, SavedParam
 
 
@@ -54,10 +54,7 @@ def interpret(ck: Contents) -> None:
 def _groups(ck: Contents) -> None:
     schema = ck.schema
     for number, raw in enumerate(ck.raw_groups):
-        try:
-            values = json.loads(raw["hyperparameters"])
-        except ValueError as exc:
-            raise ck.corrupt(f"group {number} hyperparameters are not JSON: {exc}") from None
+        values = _parsed_json(ck, raw["hyperparameters"], f"group {number} hyperparameters")
         if not isinstance(values, dict) or "label" in values or "params" in values:
             raise ck.corrupt(f"group {number} hyperparameters are not a dict of values")
         if raw["label"] is not None:
@@ -72,10 +69,18 @@ def _groups(ck: Contents) -> None:
 def _json_texts(ck: Contents) -> None:
     for key, attribute in (("metadata", "metadata"), ("scheduler", "scheduler_state")):
         if key in ck.header:
-            try:
-                setattr(ck, attribute, json.loads(ck.header[key]))
-            except (ValueError, RecursionError) as exc:
-                raise ck.corrupt(f"{key} is not valid JSON: {exc}") from None
+            setattr(ck, attribute, _parsed_json(ck, ck.header[key], key))
+
+
+def _parsed_json(ck: Contents, text: str, what: str):
+    """A JSON text of the file, parsed; no deeper than save writes (json.loads recurses)."""
+    problem = json_depth_problem(text)
+    if problem:
+        raise ck.corrupt(f"{what} {problem}")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ck.corrupt(f"{what} is not valid JSON: {exc}") from None
 
 
 def _rows(ck: Contents) -> None:

@@ -35,8 +35,9 @@ from ..optimizer import Optimizer
 from ..schema import column_problems, slot_value_problems
 from . import files
 from .format import (BLOCK_BYTES, FORMAT, FORMAT_VERSION, LIBVER, PLAIN_FORMAT_VERSION,
-                     checked_arrays, hashes_digest, jsonable, limits_problems, manifest_digest, n_blocks,
-                     schema_columns, stored_dtype, text_dtype, to_json)
+                     check_flags, checked_arrays, hashes_digest, jsonable, limits_problems,
+                     manifest_digest, n_blocks, schema_columns, stored_dtype, text_dtype,
+                     to_json)
 
 ALIGN_THRESHOLD = 1 << 20   # datasets this large start on a page boundary in the file
 ALIGN_INTERVAL = 4096
@@ -410,13 +411,16 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     then checks, writes and commits the file on another thread, and returns a
     :class:`SaveHandle` (``wait()``, ``done()``, ``exception()``). A background save of the same
     optimizer still running is waited for first; so is one that a plain save would overtake.
-    At exit, the interpreter waits for a running background save and says so on stderr.
+    At exit, the interpreter waits for a running background save and says so on stderr. A
+    process forked during one does not wait for it (its thread, and the commit, stay in the
+    parent): there the handle's ``wait()`` raises CheckpointError saying so.
 
     For an optimizer sharded over several ranks (``comm=``), ``save`` is collective: every
     rank calls it, and ``path`` becomes a directory holding one file per rank and a
     ``manifest.h5`` that commits them (see ``flatopt.checkpoint.sharded``); it returns the
     directory's absolute path.
     """
+    check_flags(background=background)
     if getattr(opt, "_sharding", None) is not None:  # comm= over several ranks: collective
         from . import sharded
         return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
@@ -553,6 +557,30 @@ def wait_for_background_saves() -> list[SaveHandle]:
     for handle in handles:
         handle._future.exception()
     return handles
+
+
+def _forget_saves_after_fork() -> None:
+    """In a child forked during a background save: the save's thread stayed in the parent,
+    which commits the file. The child's handles say so instead of waiting for ever, and
+    neither its next save nor its exit waits for it; the locks a parent's thread may have
+    held at the fork are new ones."""
+    global _PENDING_LOCK
+    _PENDING_LOCK = threading.Lock()
+    for handle in _PENDING:
+        handle._future = concurrent.futures.Future()  # the parent's may be locked
+        handle._future.set_exception(CheckpointError(
+            f"the background save of {handle.path} runs in the parent process, which was "
+            "saving when this process was forked from it: wait for it there", path=handle.path))
+        handle._seen = True
+    _PENDING.clear()
+    _Saver._savers_lock = threading.Lock()
+    for saver in _Saver._savers.values():
+        saver.lock = threading.Lock()
+        saver.running = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_saves_after_fork)
 
 
 @atexit.register

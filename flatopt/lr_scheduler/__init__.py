@@ -28,7 +28,9 @@ What is here (torch 2.13's names, signatures, defaults and lr sequences):
 Every scheduler computes its values with the same Python expressions, in the same order, as
 torch's (chainable/recursive forms where torch uses them, closed forms where torch does, for
 example when ``SequentialLR`` switches to the next child), so with float learning rates the
-sequences are bit-identical to torch's. As in torch: building a scheduler sets
+sequences are bit-identical to torch's, but for one thing: an lr that rounds below zero (torch's
+chained ``LinearLR`` ending at 0 gives -1.48e-18 times the initial lr) is written as 0.0, since
+the optimizer refuses a negative lr and torch's does not. As in torch: building a scheduler sets
 ``group.setdefault("initial_lr", group["lr"])`` (``OneCycleLR`` sets ``initial_lr`` to
 ``max_lr / div_factor``), a non-default ``last_epoch`` without ``initial_lr`` in the groups is
 a ``KeyError``, and the constructor makes the initial step (``last_epoch`` -1 -> 0), which

@@ -8,8 +8,22 @@ from typing import Any, ClassVar
 
 from ..errors import StateDictError
 from ._checks import (EPOCH_DEPRECATION_WARNING, _any_reals, _check_last_epoch,
-                      _check_optimizer, _group_lrs, _int, _plain, _reals,
+                      _check_optimizer, _group_lrs, _int, _is_real, _plain, _reals,
                       _require_initial_lr)
+
+ROUNDING = 2.0 ** -30
+"""A negative lr no larger than this times the group's initial lr is a schedule's rounding
+(torch's chained LinearLR ends at 0 as -1.48e-18 times it), far beyond the ulps a schedule's
+formulas lose and far below any lr a schedule means."""
+
+
+def _clamped(lr: Any, base: Any) -> Any:
+    """``lr``, or 0.0 where it is below zero only by rounding: the optimizer refuses a
+    negative lr, and a schedule that ends at 0 must not stop training. A negative lr beyond
+    rounding (a subclass's get_lr gone wrong) is left for the optimizer to refuse."""
+    if _is_real(lr) and _is_real(base) and lr < 0 and -lr <= ROUNDING * abs(base):
+        return 0.0
+    return lr
 
 
 class LRScheduler:
@@ -103,8 +117,9 @@ class LRScheduler:
         self._write_lrs(values)
 
     def _write_lrs(self, values: list) -> None:
-        for group, lr in zip(self.optimizer.param_groups, values, strict=True):
-            group["lr"] = lr
+        for group, lr, base in zip(self.optimizer.param_groups, values, self.base_lrs,
+                                   strict=True):
+            group["lr"] = _clamped(lr, base)
         self._last_lr = _group_lrs(self.optimizer)
 
     def get_lr(self) -> list[float]:

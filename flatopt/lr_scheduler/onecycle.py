@@ -145,6 +145,14 @@ class OneCycleLR(LRScheduler):
             self._check_momentums(self.optimizer, checked)
         return checked
 
+    def _checked_values(self, state):
+        values = super()._checked_values(state)
+        if values["last_epoch"] > values["total_steps"]:
+            # the step to it would have failed ("Tried to step ..."): no run reaches it
+            raise ValueError(f"last_epoch {values['last_epoch']} is past the schedule's end "
+                             f"(total_steps {values['total_steps']})")
+        return values
+
     @staticmethod
     def _check_momentums(optimizer: Any, values: dict) -> None:
         check_momentum_values("OneCycleLR", optimizer, values["use_beta1"],
