@@ -86,9 +86,9 @@ def _print_inspect(info: dict) -> None:
         if group["step_min"] is not None:
             _say(f"      step counts {group['step_min']}..{group['step_max']}")
     if info["metadata"] is not None:
-        _say(f"  metadata     {json.dumps(info['metadata'])[:200]}")
+        _say(f"  metadata     {_cut(json.dumps(info['metadata']))}")
     if info["scheduler_state"] is not None:
-        _say(f"  scheduler    {json.dumps(info['scheduler_state'])[:200]}")
+        _say(f"  scheduler    {_cut(json.dumps(info['scheduler_state']))}")
     if info["arrays"]:
         _say(f"  arrays       {len(info['arrays'])} extra arrays")
         _print_table(["name", "shape", "dtype", "bytes"],
@@ -101,6 +101,18 @@ def _print_inspect(info: dict) -> None:
                      [[t["path"], _shape(t["shape"]), t["dtype"],
                        f"{t['group']}" + (f" {t['label']!r}" if t["label"] else ""),
                        *(str(t[c]) for c in columns)] for t in info["tensors"]])
+
+
+SHOWN_CHARACTERS = 200
+
+
+def _cut(text: str) -> str:
+    """``text``, or its first SHOWN_CHARACTERS with a mark saying how much is left out (a cut
+    number must not read as a whole one)."""
+    if len(text) <= SHOWN_CHARACTERS:
+        return text
+    return (f"{text[:SHOWN_CHARACTERS]}... ({len(text) - SHOWN_CHARACTERS:,} more characters; "
+            "--json prints all of it)")
 
 
 def _shape(shape: list) -> str:
@@ -118,7 +130,8 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
 def _print_verify(result: dict) -> None:
     for entry in result["buffers"]:
         status = "ok  " if entry["ok"] else "BAD "
-        _say(f"  {status} {entry['buffer']}  {entry['elements']:,} elements  {entry['digest']}")
+        what = f"array {entry['array']!r}" if "array" in entry else entry["buffer"]
+        _say(f"  {status} {what}  {entry['elements']:,} elements  {entry['digest']}")
     if result["ok"]:
         _say(f"{result['path']}: OK ({result.get('optimizer')}, {result.get('parameters')} "
               f"parameters, {len(result['buffers'])} buffers verified)")
@@ -151,8 +164,11 @@ def _print_diff(result: dict) -> None:
             _say(f"  {item['path']}: {item['field']}: {item['a']} -> {item['b']}")
     for item in result.get("arrays", []):
         if "elements_differing" in item:
-            _say(f"  array {item['array']!r}: values differ in {item['elements_differing']} "
-                 "elements")
+            count = item["elements_differing"]
+            largest = (f" (max abs diff {item['max_abs_diff']:.6g})" if "max_abs_diff" in item
+                       else "")
+            _say(f"  array {item['array']!r}: values differ in {count} "
+                 f"element{'s' if count != 1 else ''}{largest}")
         else:
             _say(f"  array {item['array']!r}: {item['field']}: {item['a']} -> {item['b']}")
 

@@ -341,12 +341,12 @@ def test_cli_diff_reports_extra_arrays(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["params"] == [] and report["header"] == []
     by_name = {item["array"]: item for item in report["arrays"]}
-    assert by_name["ema"]["elements_differing"] == 2
+    assert by_name["ema"]["elements_differing"] == 2 and by_name["ema"]["max_abs_diff"] == 2.0
     assert (by_name["gone"]["a"], by_name["gone"]["b"]) == (True, False)
     assert (by_name["new"]["a"], by_name["new"]["b"]) == (False, True)
     assert by_name["kind"]["a"] == ["<i4", [2]] and by_name["kind"]["b"] == ["<f8", [2]]
     assert cli.main(["diff", str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]) == 1
-    assert "array 'ema': values differ in 2 elements" in capsys.readouterr().out
+    assert "array 'ema': values differ in 2 elements (max abs diff 2)" in capsys.readouterr().out
     flatopt.save(tmp_path / "c.h5", opt, arrays={"ema": np.zeros(4), "gone": np.ones(2),
                                                  "kind": np.zeros(2, np.int32)})
     assert cli.main(["diff", str(tmp_path / "a.h5"), str(tmp_path / "c.h5")]) == 0
@@ -412,3 +412,30 @@ def test_fragment_tables_tile_their_slot_with_one_fragment_per_rank():
            "a bad digest": ([[0, 0, 32, "crc32:0"]], 32, 1)}
     for what, arguments in bad.items():
         assert fragment_problems(*arguments), what
+
+
+def test_cli_diff_of_arrays_counts_nan_against_nan_as_equal_and_bools_by_count(tmp_path, capsys):
+    opt = make_opt("Adam")
+    flatopt.save(tmp_path / "a.h5", opt, arrays={"f": np.array([np.nan, 1.0, 2.0]),
+                                                 "mask": np.array([True, False])})
+    flatopt.save(tmp_path / "b.h5", opt, arrays={"f": np.array([np.nan, 1.0, 2.5]),
+                                                 "mask": np.array([True, True])})
+    assert cli.main(["diff", "--json", str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]) == 1
+    by_name = {item["array"]: item for item in json.loads(capsys.readouterr().out)["arrays"]}
+    assert by_name["f"]["elements_differing"] == 1 and by_name["f"]["max_abs_diff"] == 0.5
+    assert by_name["mask"]["elements_differing"] == 1 and "max_abs_diff" not in by_name["mask"]
+
+
+def test_cli_verify_names_extra_arrays_and_inspect_marks_a_cut_text(tmp_path, capsys):
+    opt = make_opt("Adam")
+    state = 12345678901234567890123456789012345678  # a 38-digit RNG state, cut mid-number
+    flatopt.save(tmp_path / "ck.h5", opt, arrays={"ema:head.weight": np.zeros(3)},
+                 metadata={"note": "x" * 180, "rng": str(state)})
+    assert cli.main(["verify", str(tmp_path / "ck.h5")]) == 0
+    out = capsys.readouterr().out
+    assert "array 'ema:head.weight'" in out and "/arrays/0" not in out
+    assert cli.main(["inspect", str(tmp_path / "ck.h5")]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if "metadata" in l)
+    assert "more characters; --json prints all of it" in line
+    assert cli.main(["inspect", "--json", str(tmp_path / "ck.h5")]) == 0
+    assert json.loads(capsys.readouterr().out)["metadata"]["rng"] == str(state)

@@ -151,14 +151,25 @@ def _slot_difference(path: str, slot: str, va, vb) -> dict | None:
     if va is None or vb is None:
         return {"path": path, "field": slot, "a": va is not None, "b": vb is not None,
                 "note": "present"}
-    if np.array_equal(va, vb, equal_nan=True):
+    difference = _value_difference(va, vb)
+    return None if difference is None else {"path": path, "field": slot, **difference}
+
+
+def _value_difference(va: np.ndarray, vb: np.ndarray) -> dict | None:
+    """How two arrays of one dtype and shape differ: ``elements_differing`` (NaN equals NaN)
+    and, for numbers, ``max_abs_diff`` (NaN against a number: unbounded, null in --json);
+    None when they are equal."""
+    numeric = va.dtype.kind in "iuf"
+    floating = va.dtype.kind == "f"
+    if np.array_equal(va, vb, equal_nan=floating):
         return None
-    both_nan = np.isnan(va) & np.isnan(vb)
-    delta = np.abs(va.astype(np.float64) - vb.astype(np.float64))
-    delta[both_nan] = 0.0
-    # NaN against a number: the difference is unbounded (null in --json)
-    return {"path": path, "field": slot, "max_abs_diff": float(np.max(delta)),
-            "elements_differing": int(np.count_nonzero(~((va == vb) | both_nan)))}
+    both_nan = (np.isnan(va) & np.isnan(vb)) if floating else np.zeros(va.shape, bool)
+    difference = {"elements_differing": int(np.count_nonzero(~((va == vb) | both_nan)))}
+    if numeric and va.size:
+        delta = np.abs(va.astype(np.float64) - vb.astype(np.float64))
+        delta[both_nan] = 0.0
+        difference = {"max_abs_diff": float(np.max(delta)), **difference}
+    return difference
 
 
 def diff_checkpoints(a, b) -> dict:
@@ -211,7 +222,7 @@ def _array_differences(ca, cb) -> list[dict]:
                         "a": [sa.dtype.str, list(sa.shape)], "b": [sb.dtype.str, list(sb.shape)]})
         else:
             va, vb = (guarded(ck, lambda ck=ck: ck.read_array(name)) for ck in (ca, cb))
-            if not np.array_equal(va, vb, equal_nan=va.dtype.kind == "f"):
-                out.append({"array": name, "field": "values",
-                            "elements_differing": int(np.count_nonzero(va != vb))})
+            difference = _value_difference(va, vb)
+            if difference is not None:
+                out.append({"array": name, "field": "values", **difference})
     return out
