@@ -23,6 +23,7 @@ from . import _device, _params, _restore, _state_dict, _stepping
 from ._stepping import StepResult
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._restore import BufferState
+from ._validated import Validated
 from ._views import Gradients, ParamViews, gradient_problem
 from .errors import (GradientError, HyperparameterError, ParamError, StateDictError,
                      UnknownPathError)
@@ -30,61 +31,6 @@ from .errors import raise_problems as _raise
 from .kernels import backend as kernel_backend
 from .schema import Schema, describe_group, near
 
-
-
-_IMMUTABLE = (type(None), bool, int, float, str)
-
-
-def _frozen(value: Any) -> Any:
-    """A type-exact, immutable copy of a group value, to tell whether it changed since the
-    last validation (a list mutated in place, or 0 replacing False, counts as a change); None
-    for a value that cannot change in place (the same object is then the same value)."""
-    kind = type(value)
-    if kind in _IMMUTABLE:
-        return None
-    if kind in (tuple, list):
-        items = tuple(_frozen(item) for item in value)
-        if kind is tuple and not any(items):
-            return None
-        return (kind, tuple((type(item), item) if frozen is None else frozen
-                            for item, frozen in zip(value, items)))
-    return (kind, id(value), repr(value))
-
-
-class _Validated:
-    """A group as last validated: its keys, its value objects (and a frozen copy of each that
-    can change in place) and the normalised values. At every step a group whose keys are the
-    same and whose values are the same objects is this; otherwise only the values that changed
-    are checked again (a scheduler's ``lr``: a few microseconds)."""
-
-    __slots__ = ("keys", "objects", "mutable", "values")
-
-    def __init__(self, group: Mapping[str, Any], values: dict[str, Any],
-                 previous: "_Validated | None" = None, changes: Mapping[str, Any] = ()):
-        """``previous``, ``changes``: the record ``group`` differs from by ``changes`` only
-        (its frozen copies of the other values are kept)."""
-        self.keys = tuple(group)
-        self.objects = tuple(group.values())
-        self.mutable = {} if previous is None else dict(previous.mutable)
-        for key, value in (group.items() if previous is None else changes.items()):
-            frozen = _frozen(value)
-            if frozen is None:
-                self.mutable.pop(key, None)
-            else:
-                self.mutable[key] = frozen
-        self.values = values
-
-    def changes(self, group: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The keys of ``group`` whose values changed (empty: none did); None when keys were
-        added or removed. ``params`` is compared by identity, like every value."""
-        if len(group) != len(self.keys) or tuple(group) != self.keys:
-            return None
-        changed = {key: value for key, value, known
-                   in zip(self.keys, group.values(), self.objects) if value is not known}
-        for key, frozen in self.mutable.items():
-            if key not in changed and _frozen(group[key]) != frozen:
-                changed[key] = group[key]
-        return changed
 
 
 def _locked(method):
@@ -167,7 +113,7 @@ class Optimizer:
         self._param_views: dict[str, np.ndarray] = {}
         self._grad_views: dict[str, np.ndarray] = {}
         self._group_paths: list[tuple[str, ...]] = []
-        self._validated: list[_Validated | None] = []
+        self._validated: list[Validated | None] = []
         self._plans: list[_Plan | None] = []
         self._warned_no_gradient = False
         self.lock = threading.RLock()
@@ -356,7 +302,7 @@ class Optimizer:
                                                                  base=validated.values)
                 if not value_problems:
                     settings.append(values)
-                    self._validated[number] = _Validated(group, values, validated, changes)
+                    self._validated[number] = Validated(group, values, validated, changes)
                     continue
             where = describe_group(number, group)
             if group.get("params") is not self._group_paths[number]:
@@ -367,7 +313,7 @@ class Optimizer:
             problems += value_problems
             settings.append(values)
             if not value_problems:
-                self._validated[number] = _Validated(group, values)
+                self._validated[number] = Validated(group, values)
         _raise(problems, HyperparameterError)
         return settings
 

@@ -132,6 +132,17 @@ def force_torch_state(torch_opt, tensors, opt):
                 theirs[name].copy_(torch.from_numpy(np.array(value)))
 
 
+def step_both(opt, torch_opt, tensors, grads, step):
+    """One step of both on the same gradients (absent: missing), lr changed mid-run."""
+    torch = _torch()
+    change_lr(opt.param_groups, step)
+    change_lr(torch_opt.param_groups, step)
+    for path, t in tensors.items():
+        t.grad = torch.from_numpy(grads[path].copy()) if path in grads else None
+    torch_opt.step()
+    opt.step(grads)
+
+
 @pytest.fixture
 def torch_default_dtype(dtype):
     """torch keeps per-parameter numbers in state (NAdam's mu_product, ASGD's eta and mu) as
@@ -159,12 +170,7 @@ def test_matches_torch_optim(kind, dtype, seed, torch_default_dtype):
     float32 = dtype == np.float32
     rtol, atol = (1e-5, 1e-6) if float32 else (1e-12, 1e-15)
     for step, grads in enumerate(schedule):
-        change_lr(opt.param_groups, step)
-        change_lr(torch_opt.param_groups, step)
-        for path, t in tensors.items():
-            t.grad = torch.from_numpy(grads[path].copy()) if path in grads else None
-        torch_opt.step()
-        opt.step(grads)
+        step_both(opt, torch_opt, tensors, grads, step)
         for path, t in tensors.items():
             where = f"{kind} {path} step {step}"
             np.testing.assert_allclose(opt.params[path], t.detach().numpy(), rtol=rtol,
@@ -259,14 +265,9 @@ def test_steps_equal_torchs_bit_for_bit(kind, dtype, seed, torch_default_dtype):
     torch.set_num_threads(1)
     try:
         for step in range(STEPS):
-            change_lr(opt.param_groups, step)
-            change_lr(torch_opt.param_groups, step)
             grads = {path: rng.standard_normal(t.shape).astype(dtype)
                      for path, t in tensors.items() if rng.random() < 0.8}
-            for path, t in tensors.items():
-                t.grad = torch.from_numpy(grads[path].copy()) if path in grads else None
-            torch_opt.step()
-            opt.step(grads)
+            step_both(opt, torch_opt, tensors, grads, step)
             for path, t in tensors.items():
                 where = f"{kind} {path} step {step}"
                 assert _bits(opt.params[path]) == _bits(t.detach().numpy()), where

@@ -195,7 +195,6 @@ def test_chained_scheduler_matches_torch(case):
 
 
 def test_chained_scheduler_errors_are_torchs_and_change_nothing():
-    torch = pytest.importorskip("torch")
     opt = flat_optimizer("sgd", [0.1, 0.2])
     other = flat_optimizer("sgd", [0.1, 0.2])
     with pytest.raises(ValueError, match="expects at least one scheduler"):

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import HyperparameterError
+from ._checks import _reals
 from ..optimizer import Optimizer
 from ..schema import describe_group
 
@@ -50,3 +51,32 @@ def write_momentums(optimizer: Any, momentums: list, use_beta1: bool) -> None:
             group["betas"] = (momentum, *group["betas"][1:])
         else:
             group["momentum"] = momentum
+
+
+def checked_bounds(who: str, optimizer: Any, values: Mapping[str, Any], checked: dict,
+                   count: int, loading: bool) -> None:
+    """Check a saved or given ``max_momentums``/``base_momentums`` into ``checked`` (which
+    holds ``cycle_momentum`` and ``use_beta1``): per-group numbers >= 0 when momentum cycles,
+    else None; when ``loading``, the state must cycle what this optimizer has, with values it
+    accepts."""
+    for key in ("max_momentums", "base_momentums"):
+        if checked["cycle_momentum"]:
+            checked[key] = _reals(values[key], key[:-1], count, low=0.0)
+        elif values[key] is not None:
+            raise ValueError(f"{key} must be None when cycle_momentum is False")
+        else:
+            checked[key] = None
+    if checked["cycle_momentum"] and loading:
+        if checked["use_beta1"] != uses_beta1(optimizer):
+            raise ValueError(
+                f"the state cycles {'betas' if checked['use_beta1'] else 'momentum'}, but "
+                f"this {type(optimizer).__name__} has "
+                f"{'momentum' if checked['use_beta1'] else 'betas'}")
+        check_bounds(who, optimizer, checked)
+
+
+def check_bounds(who: str, optimizer: Any, values: Mapping[str, Any]) -> None:
+    """:func:`check_momentum_values` for a scheduler's ``max_momentums``/``base_momentums``."""
+    check_momentum_values(who, optimizer, values["use_beta1"],
+                          {"max_momentum": values["max_momentums"],
+                           "base_momentum": values["base_momentums"]})

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from ._checks import (_check_last_epoch, _check_optimizer, _describe, _flag, _per_group,
                       _real, _reals, _require_initial_lr)
-from ._momentum import check_momentum_values, uses_beta1, write_momentums
+from ._momentum import check_bounds, checked_bounds, uses_beta1, write_momentums
 from .base import LRScheduler
 from .lambdas import _saved_attributes
 
@@ -66,7 +66,7 @@ class CyclicLR(LRScheduler):
             "_scale_fn_custom": _saved_attributes(scale_fn) if scale_fn is not None else None})
         self.optimizer = optimizer
         if cycle_momentum:
-            self._check_momentums(values)
+            check_bounds("CyclicLR", optimizer, values)
         if last_epoch != -1:  # torch's KeyError, before anything is written
             _require_initial_lr(optimizer)
         self.__dict__.update(values)
@@ -111,26 +111,9 @@ class CyclicLR(LRScheduler):
             "use_beta1": _flag(values["use_beta1"], "use_beta1"),
             "_scale_fn_custom": custom,
         }
-        for key in ("base_momentums", "max_momentums"):
-            if checked["cycle_momentum"]:
-                checked[key] = _reals(values[key], key, count, low=0.0)
-            elif values[key] is not None:
-                raise ValueError(f"{key} must be None when cycle_momentum is False")
-            else:
-                checked[key] = None
-        if checked["cycle_momentum"] and hasattr(self, "optimizer"):  # loading a state
-            if checked["use_beta1"] != uses_beta1(self.optimizer):
-                raise ValueError(
-                    f"the state cycles {'betas' if checked['use_beta1'] else 'momentum'}, "
-                    f"but this {type(self.optimizer).__name__} has "
-                    f"{'momentum' if checked['use_beta1'] else 'betas'}")
-            self._check_momentums(checked)
+        checked_bounds("CyclicLR", getattr(self, "optimizer", None), values, checked, count,
+                       loading=hasattr(self, "optimizer"))
         return checked
-
-    def _check_momentums(self, values: dict) -> None:
-        check_momentum_values("CyclicLR", self.optimizer, values["use_beta1"],
-                              {"max_momentum": values["max_momentums"],
-                               "base_momentum": values["base_momentums"]})
 
     def _apply_state(self, values: dict[str, Any]) -> None:
         super()._apply_state(values)

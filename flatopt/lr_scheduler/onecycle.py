@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 from ._checks import (_check_last_epoch, _check_optimizer, _flag, _is_int,
                       _per_group, _real, _reals, _require_initial_lr)
-from ._momentum import check_momentum_values, uses_beta1, write_momentums
+from ._momentum import check_bounds, checked_bounds, uses_beta1, write_momentums
 from .base import LRScheduler
 
 
@@ -69,7 +68,7 @@ class OneCycleLR(LRScheduler):
             "cycle_momentum": cycle_momentum, "use_beta1": use_beta1,
             "max_momentums": max_momentums, "base_momentums": base_momentums})
         if cycle_momentum:
-            self._check_momentums(optimizer, values)
+            check_bounds("OneCycleLR", optimizer, values)
         if last_epoch != -1:  # torch's KeyError, before anything is written
             _require_initial_lr(optimizer)
         self.__dict__.update(values)
@@ -125,24 +124,11 @@ class OneCycleLR(LRScheduler):
             "cycle_momentum": _flag(values["cycle_momentum"], "cycle_momentum"),
             "use_beta1": _flag(values["use_beta1"], "use_beta1"),
         }
-        for key, name in (("max_momentums", "max_momentum"),
-                          ("base_momentums", "base_momentum")):
-            if checked["cycle_momentum"]:
-                checked[key] = _reals(values[key], name, count, low=0.0)
-            elif values[key] is not None:
-                raise ValueError(f"{key} must be None when cycle_momentum is False")
-            else:
-                checked[key] = None
         phases = self._phases(total_steps, pct_start, three_phase)
         self._check_phase_lengths(phases, total_steps, pct_start)
         checked["_schedule_phases"] = phases
-        if checked["cycle_momentum"] and hasattr(self, "optimizer"):  # loading a state
-            if checked["use_beta1"] != uses_beta1(self.optimizer):
-                raise ValueError(
-                    f"the state cycles {'betas' if checked['use_beta1'] else 'momentum'}, "
-                    f"but this {type(self.optimizer).__name__} has "
-                    f"{'momentum' if checked['use_beta1'] else 'betas'}")
-            self._check_momentums(self.optimizer, checked)
+        checked_bounds("OneCycleLR", getattr(self, "optimizer", None), values, checked,
+                       count, loading=hasattr(self, "optimizer"))
         return checked
 
     def _checked_values(self, state):
@@ -152,12 +138,6 @@ class OneCycleLR(LRScheduler):
             raise ValueError(f"last_epoch {values['last_epoch']} is past the schedule's end "
                              f"(total_steps {values['total_steps']})")
         return values
-
-    @staticmethod
-    def _check_momentums(optimizer: Any, values: dict) -> None:
-        check_momentum_values("OneCycleLR", optimizer, values["use_beta1"],
-                              {"max_momentum": values["max_momentums"],
-                               "base_momentum": values["base_momentums"]})
 
     @staticmethod
     def _check_phase_lengths(phases: list[tuple], total_steps: int, pct_start: float) -> None:
