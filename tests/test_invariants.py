@@ -459,7 +459,7 @@ def test_argparse_errors_print_hostile_arguments_escaped(capsys):
 
 
 # ----------------------------------------------------------------------------- typed errors
-def test_untyped_errors_of_issue_8_are_typed_now(tmp_path):
+def test_huge_values_bad_paths_and_contents_given_as_paths_raise_typed_errors(tmp_path):
     with pytest.raises(flatopt.HyperparameterError, match="too large"):
         flatopt.SGD({"w": np.zeros(1)}, lr=2 ** 2000)
     opt = make_opt("SGD")
@@ -496,7 +496,7 @@ def test_a_bytes_path_is_refused_by_save_and_named_by_load(tmp_path):
         flatopt.load(target, make_opt("SGD", seed=3, steps=0))
 
 
-def test_smaller_holes_of_issue_8(tmp_path):
+def test_betas_as_mappings_or_sets_and_other_odd_inputs_are_refused(tmp_path):
     with pytest.raises(flatopt.HyperparameterError, match="betas"):
         flatopt.Adam({"w": np.zeros(1)}, betas={"a": 0.9, "b": 0.99})
     with pytest.raises(flatopt.HyperparameterError, match="betas"):
