@@ -15,7 +15,7 @@ from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                      StateDictError, UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
-from .optimizers import (ASGD, SGD, Adadelta, AdadeltaParamState, Adafactor,
+from .optimizers import (ADOPT, ASGD, SGD, ADOPTParamState, Adadelta, AdadeltaParamState, Adafactor,
                          AdafactorParamState, Adagrad, AdagradParamState, Adam, Adamax,
                          AdamaxParamState, AdamParamState, AdamW, ASGDParamState, LAMB,
                          LAMBParamState, Lion, LionParamState, Muon, MuonParamState, NAdam,
@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
-    "NAdam", "ASGD", "Adagrad", "LAMB", "Muon", "Adafactor",
+    "NAdam", "ASGD", "Adagrad", "LAMB", "Muon", "Adafactor", "ADOPT",
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
@@ -42,7 +42,7 @@ __all__ = [
     "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",
     "NAdamParamState", "ASGDParamState", "AdagradParamState", "LAMBParamState",
-    "MuonParamState", "AdafactorParamState",
+    "MuonParamState", "AdafactorParamState", "ADOPTParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",

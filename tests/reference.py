@@ -385,10 +385,35 @@ def adafactor(state, p, g, hp):
     return p + t(-alpha / max(1.0, rms / hp["d"])) * update
 
 
+def adopt(state, p, g, hp):
+    """timm's single-tensor Adopt."""
+    t = p.dtype.type
+    beta1, beta2 = hp["betas"]
+    lr, wd = hp["lr"], hp["weight_decay"]
+    if not state:
+        state.update(step=0, exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p))
+    g = -g if hp["maximize"] else g.copy()
+    state["step"] += 1
+    if wd != 0 and not hp["decoupled"]:
+        g = g + t(wd) * p
+    if state["step"] == 1:
+        state["exp_avg_sq"] = state["exp_avg_sq"] + g * g
+        return p
+    if wd != 0 and hp["decoupled"]:
+        p = p + t(-lr * wd) * p
+    normed = g / np.maximum(np.sqrt(state["exp_avg_sq"]), t(hp["eps"]))
+    if hp["clip_exp"] is not None:
+        bound = t(float(state["step"] - 1) ** hp["clip_exp"])
+        normed = np.clip(normed, -bound, bound)
+    m = state["exp_avg"] = _lerp(state["exp_avg"], normed, t(1 - beta1))
+    state["exp_avg_sq"] = state["exp_avg_sq"] * t(beta2) + t(1 - beta2) * g * g
+    return p + t(-lr) * m
+
+
 RULES = {"SGD": sgd, "Adam": adam, "AdamW": adamw, "Adamax": adamax, "RAdam": radam,
          "Adadelta": adadelta, "RMSprop": rmsprop, "Rprop": rprop, "Lion": lion,
          "NAdam": nadam, "ASGD": asgd, "Adagrad": adagrad, "LAMB": lamb, "Muon": muon,
-         "Adafactor": adafactor}
+         "Adafactor": adafactor, "ADOPT": adopt}
 """Registry name -> reference rule ``(state, p, g, hyperparameters) -> new p``; ``state`` is
 the parameter's dict, filled by the rule (empty until the parameter has state)."""
 

@@ -5,6 +5,7 @@ from .adadelta import Adadelta, AdadeltaParamState
 from .adagrad import Adagrad, AdagradParamState
 from .adam import Adam, AdamParamState, AdamW
 from .adamax import Adamax, AdamaxParamState
+from .adopt import ADOPT, ADOPTParamState
 from .asgd import ASGD, ASGDParamState
 from .lamb import LAMB, LAMBParamState
 from .lion import Lion, LionParamState
@@ -21,4 +22,4 @@ __all__ = ["SGD", "SGDParamState", "Adam", "AdamW", "AdamParamState",
            "Rprop", "RpropParamState", "Lion", "LionParamState",
            "NAdam", "NAdamParamState", "ASGD", "ASGDParamState",
            "Adagrad", "AdagradParamState", "LAMB", "LAMBParamState", "Muon", "MuonParamState",
-           "Adafactor", "AdafactorParamState"]
+           "Adafactor", "AdafactorParamState", "ADOPT", "ADOPTParamState"]

@@ -1,0 +1,129 @@
+"""ADOPT (Taniguchi et al. 2024), as timm's ``Adopt``: the second moment is updated after the
+step, so the step uses the gradient normalised by the previous one; a parameter's first step
+only seeds the second moment."""
+
+import math
+from typing import NamedTuple
+
+from ..arithmetic import fma
+from ..rule import Rule, positions
+
+
+class Scalars(NamedTuple):
+    neg_lr: float
+    lerp_coefficient: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+    neg_lr_weight_decay: float
+
+
+class PrepareScalars(NamedTuple):
+    clip_exp: float
+
+
+class Flags(NamedTuple):
+    has_weight_decay: bool
+    decoupled: bool
+    clip: bool
+    maximize: bool
+    lerp_from_end: bool
+
+
+class Columns(NamedTuple):
+    step: int
+    first: int
+    clip_value: float
+
+
+S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
+              positions(Columns))
+
+
+def adopt_rule(p, g, m, v, first, clip_value, neg_lr, lerp_coefficient, beta2,
+               one_minus_beta2, eps, weight_decay, neg_lr_weight_decay, has_weight_decay,
+               decoupled, clip, maximize, lerp_from_end):
+    """One ADOPT element update; returns ``(p, m, v)``. With ``t`` the parameter's own step
+    count::
+
+        g = -g                                   if maximize
+        g = g + weight_decay * p                 if weight_decay != 0 and not decoupled
+        t == 1:  v = v + g * g                   (nothing else: the first step seeds v)
+        t > 1:   p = p - lr * weight_decay * p   if weight_decay != 0 and decoupled
+                 n = g / max(sqrt(v), eps)
+                 n = clamp(n, -c, c)             c = (t - 1) ** clip_exp, unless clip_exp None
+                 m = lerp(m, n, 1 - beta1)       (torch's lerp, from the nearer end)
+                 p = p - lr * m
+                 v = beta2 * v + (1 - beta2) * g * g
+
+    Rounded as timm's single-tensor path on torch's CPU kernels (``add`` with alpha, ``lerp``
+    and ``addcmul``'s last step are fused multiply-adds); clamps keep NaN, as torch's do.
+    """
+    if maximize:
+        g = -g
+    if has_weight_decay and not decoupled:
+        g = fma(p, weight_decay, g)
+    if first:
+        return p, m, fma(g, g, v)
+    if has_weight_decay and decoupled:
+        p = fma(p, neg_lr_weight_decay, p)
+    root = math.sqrt(v)
+    n = g / (eps if root < eps else root)
+    if clip:
+        if n < -clip_value:
+            n = -clip_value
+        elif n > clip_value:
+            n = clip_value
+    if lerp_from_end:
+        m = fma(lerp_coefficient, n - m, n)
+    else:
+        m = fma(lerp_coefficient, n - m, m)
+    p = fma(m, neg_lr, p)
+    v = fma(one_minus_beta2 * g, g, v * beta2)
+    return p, m, v
+
+
+def adopt_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    p, g, m, v = arrays
+    first = columns[C.first][k] != 0
+    clip_value = columns[C.clip_value][k]
+    neg_lr = scalars[S.neg_lr]
+    lerp_coefficient = scalars[S.lerp_coefficient]
+    beta2 = scalars[S.beta2]
+    one_minus_beta2 = scalars[S.one_minus_beta2]
+    eps = scalars[S.eps]
+    weight_decay = scalars[S.weight_decay]
+    neg_lr_weight_decay = scalars[S.neg_lr_weight_decay]
+    has_weight_decay = flags[F.has_weight_decay]
+    decoupled = flags[F.decoupled]
+    clip = flags[F.clip]
+    maximize = flags[F.maximize]
+    lerp_from_end = flags[F.lerp_from_end]
+    for i in range(start, stop, stride):
+        p[i], m[i], v[i] = adopt_rule(p[i], g[i], m[i], v[i], first, clip_value, neg_lr,
+                                      lerp_coefficient, beta2, one_minus_beta2, eps,
+                                      weight_decay, neg_lr_weight_decay, has_weight_decay,
+                                      decoupled, clip, maximize, lerp_from_end)
+
+
+def adopt_prepare(present, columns, scalars, flags, start, stop, stride):
+    """Advance each present parameter's own step count ``t``; ``first`` marks ``t == 1`` and
+    ``clip_value`` is ``(t - 1) ** clip_exp``, formed in float64 as timm does in Python and
+    stored in the buffer's dtype (torch rounds a clamp bound to the tensor's dtype)."""
+    steps = columns[C.step]
+    first = columns[C.first]
+    clip_value = columns[C.clip_value]
+    clip = flags[F.clip]
+    for k in range(start, stop, stride):
+        if present[k] != 0:
+            steps[k] += 1
+            first[k] = steps[k] == 1
+            if clip:
+                clip_value[k] = float(steps[k] - 1) ** scalars[P.clip_exp]
+
+
+RULE = Rule(name="adopt", span=adopt_span, prepare=adopt_prepare, helpers=(adopt_rule,),
+            slots=("exp_avg", "exp_avg_sq"),
+            columns={"step": "int64", "first": "uint8", "clip_value": "param"},
+            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)
