@@ -12,7 +12,8 @@ compute the same values in the same order, so the choice never changes a result.
 Which one runs (the *policy*, ``FLATOPT_PARALLEL`` or :func:`set_policy`):
 
 - ``"auto"`` (default): below :data:`PARALLEL_MIN_ELEMENTS`, with one Numba thread or one usable
-  core, serial. Above, each kernel times both ways for each size it is called with and runs the
+  core (CPU affinity and a container's CPU quota), serial; a parallel call runs on at most
+  the usable cores' worth of threads. Above, each kernel times both ways for each size it is called with and runs the
   faster, trying the other again every :data:`RETRY_EVERY` calls. Measured because the answer
   depends on where the step runs: back to back the threads win (2x on 2 cores); right after
   NumPy matmuls, BLAS's idle threads spin on the other cores for milliseconds and Numba's
@@ -28,7 +29,7 @@ import os
 import time
 from typing import Callable
 
-from numba import get_num_threads, njit
+from numba import get_num_threads, njit, set_num_threads
 
 from ._bind import instantiate
 
@@ -42,11 +43,24 @@ what it costs now: BLAS threads and other processes come and go)."""
 POLICIES = ("auto", "always", "never")
 
 
-def _usable_cores() -> int:
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+
+
+def _usable_cores(cpu_max: str = CGROUP_CPU_MAX) -> int:
+    """The cores this process may run on: its CPU affinity, and a container's CPU quota
+    (cgroup v2 ``cpu.max``: "quota period", or "max"), whichever is smaller."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 quota here
+        pass
+    return cores
 
 
 USABLE_CORES = _usable_cores()
@@ -146,15 +160,28 @@ class Threaded:
         if run_serially(n_elements):
             return self.serial(*args)
         if _policy == "always":
-            return self.parallel(*args)
+            return self._parallel(*args)
         timings = self.timings.get(n_elements)
         if timings is None:
             timings = self.timings[n_elements] = _Timings()
         way = timings.choose()
         start = time.perf_counter()
-        result = (self.parallel if way else self.serial)(*args)
+        result = self._parallel(*args) if way else self.serial(*args)
         timings.record(way, time.perf_counter() - start)
         return result
+
+    def _parallel(self, *args):
+        """The parallel way on at most USABLE_CORES threads: Numba starts as many threads as
+        the machine has cores, a container may grant fewer. Numba's thread count is per
+        calling thread, so it is lowered for this call only and put back."""
+        threads = get_num_threads()
+        if threads <= USABLE_CORES:
+            return self.parallel(*args)
+        set_num_threads(USABLE_CORES)
+        try:
+            return self.parallel(*args)
+        finally:
+            set_num_threads(threads)
 
     def __repr__(self) -> str:
         return f"Threaded({self.name!r})"

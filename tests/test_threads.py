@@ -181,3 +181,27 @@ def test_the_policy_comes_from_the_environment_and_bad_values_are_named():
     env["FLATOPT_PARALLEL"] = "maybe"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "FLATOPT_PARALLEL" in out.stderr and "maybe" in out.stderr
+
+
+def test_usable_cores_take_a_containers_cpu_quota(tmp_path):
+    quota = tmp_path / "cpu.max"
+    quota.write_text("100000 100000\n")
+    assert threads._usable_cores(str(quota)) == 1
+    quota.write_text("max 100000\n")
+    assert threads._usable_cores(str(quota)) == threads._usable_cores(str(tmp_path / "none"))
+    quota.write_text("50000 100000\n")  # half a core: still one
+    assert threads._usable_cores(str(quota)) == 1
+
+
+def test_a_parallel_call_runs_on_at_most_the_usable_cores_and_restores_the_count(monkeypatch):
+    counts = [8]
+    seen = []
+    monkeypatch.setattr(threads, "get_num_threads", lambda: counts[-1])
+    monkeypatch.setattr(threads, "set_num_threads", lambda n: counts.append(n))
+    monkeypatch.setattr(threads, "USABLE_CORES", 2)
+    monkeypatch.setattr(threads, "_policy", "always")
+    kernel = threads.Threaded(lambda x: x, "test_threads.fake", cache=False)
+    threads.ALL.remove(kernel)
+    kernel.parallel = lambda x: seen.append(counts[-1])
+    kernel(1 << 30, None)
+    assert seen == [2] and counts[-1] == 8  # lowered for the call, then put back
