@@ -20,9 +20,10 @@ How the element loops are kept fast (each point was measured; see ``bench/``):
   flag branches. Flags that change which arrays are written (AMSGrad, SGD's momentum) get
   separate loops in the span.
 - Every walk is a :class:`~.threads.Threaded` kernel: compiled once with threads and once
-  without, and small buffers (see :func:`~.threads.run_serially`) take the one without, which
-  never touches Numba's thread pool. The threaded one's ``prange`` loop is its only parallel
-  region (no ``np.zeros`` or ``.sum()`` in it: those would be parallel launches of their own).
+  without; small buffers (see :func:`~.threads.run_serially`) take the one without, which
+  never touches Numba's thread pool, larger ones the way measured faster there. The threaded
+  one's ``prange`` loop is its only parallel region (no ``np.zeros`` or ``.sum()`` in it:
+  those would be parallel launches of their own).
 - Kernels are cached on disk (``cache=True``) under the rule's name and source fingerprint,
   so a process loads them instead of compiling, and an edited rule compiles afresh.
 """
@@ -30,6 +31,7 @@ How the element loops are kept fast (each point was measured; see ``bench/``):
 from __future__ import annotations
 
 from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange, uint64
 

@@ -159,7 +159,6 @@ def torch_default_dtype(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_torch_optim(kind, dtype, seed, torch_default_dtype):
-    torch = _torch()
     groups, schedule = random_problem(seed, kind, dtype)
     opt = make_flatopt(kind, groups)
     torch_opt, tensors = make_torch(kind, groups)
