@@ -228,9 +228,13 @@ class pool:
             self.threads, thread_name_prefix="flatopt-io") if self.threads > 1 else None)
 
     def map(self, fn, items) -> list:
+        """``fn`` over ``items``; every call has finished when this returns or raises (the
+        first error in item order), so nothing writes into a caller's memory afterwards."""
         if self.executor is None:
             return [fn(item) for item in items]
-        return list(self.executor.map(fn, items))
+        futures = [self.executor.submit(fn, item) for item in items]
+        concurrent.futures.wait(futures)
+        return [future.result() for future in futures]
 
     def __enter__(self):
         return self
@@ -321,15 +325,25 @@ def raw_reader(source, fd: int | None) -> RawReader:
     return _StreamReader(source)
 
 
-def read_hashed(reader: RawReader, offset: int, out: memoryview, workers: pool) -> np.ndarray:
+def read_hashed(reader: RawReader, offset: int, out: memoryview, workers: pool,
+                before: Callable[[int, int], None] | None = None,
+                after: Callable[[int, int], None] | None = None) -> np.ndarray:
     """Read ``len(out)`` bytes at ``offset`` into ``out``, block by block on the pool's
-    threads, each block hashed right after it lands; returns the block hashes."""
+    threads, each block hashed right after it lands; returns the block hashes. ``before(start,
+    stop)`` and ``after(start, stop)``, when given, run on the same thread just before bytes
+    ``[start, stop)`` of ``out`` are overwritten and just after they are hashed (a load keeps
+    its undo copy of them, and checks their values, while they are in the cache)."""
 
     def one(block):
         k, start, size = block
         view = out[start:start + size]
+        if before is not None:
+            before(start, start + size)
         reader.readinto(view, offset + start)
-        return hash_block(view)
+        value = hash_block(view)
+        if after is not None:
+            after(start, start + size)
+        return value
 
     blocks = _blocks(len(out))
     hashes = workers.map(one, blocks) if reader.parallel else [one(b) for b in blocks]
