@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointCorrupt, CheckpointError
-from .format import BLOCK_BYTES, hash_block, n_blocks
+from .format import BLOCK_BYTES, block_hasher, hash_block, n_blocks
 
 # The name of a save's temporary file: "." + the target's name + "." + the saver's pid + "." +
 # mkstemp's 8 random characters + ".tmp". Matched in full (``$`` would also match before a
@@ -325,6 +325,11 @@ def raw_reader(source, fd: int | None) -> RawReader:
     return _StreamReader(source)
 
 
+READ_PIECE = 1 << 20
+"""Bytes read, kept (the undo copy), hashed and checked at a time: a block passes in pieces
+this size, each worked on while it is in the core's cache (the hash is streamed over them)."""
+
+
 def read_hashed(reader: RawReader, offset: int, out: memoryview, workers: pool,
                 before: Callable[[int, int], None] | None = None,
                 after: Callable[[int, int], None] | None = None) -> np.ndarray:
@@ -336,14 +341,21 @@ def read_hashed(reader: RawReader, offset: int, out: memoryview, workers: pool,
 
     def one(block):
         k, start, size = block
-        view = out[start:start + size]
-        if before is not None:
-            before(start, start + size)
-        reader.readinto(view, offset + start)
-        value = hash_block(view)
-        if after is not None:
-            after(start, start + size)
-        return value
+        if size <= READ_PIECE:
+            pieces = [(start, start + size)]
+        else:  # a block in pieces that stay in the core's cache while they are worked on
+            pieces = [(low, min(start + size, low + READ_PIECE))
+                      for low in range(start, start + size, READ_PIECE)]
+        hasher = block_hasher()
+        for low, high in pieces:
+            view = out[low:high]
+            if before is not None:
+                before(low, high)
+            reader.readinto(view, offset + low)
+            hasher.update(view)
+            if after is not None:
+                after(low, high)
+        return hasher.intdigest()
 
     blocks = _blocks(len(out))
     hashes = workers.map(one, blocks) if reader.parallel else [one(b) for b in blocks]
