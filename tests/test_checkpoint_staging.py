@@ -311,3 +311,36 @@ def test_second_moments_are_checked_block_by_block_as_they_land(tmp_path, monkey
                            match="exp_avg_sq holds 3 negative, NaN or infinite"):
             flatopt.load(tmp_path / "ck.h5", target)
         assert same_snapshot(before, snapshot(target))
+
+
+def test_blocks_are_read_in_cache_sized_pieces_that_the_hooks_see_once():
+    """``read_hashed`` streams each block's hash over pieces of READ_PIECE bytes: the hashes
+    are the blocks' own, and ``before`` / ``after`` see every byte once, before it is
+    overwritten and after it has landed, in pieces no larger than READ_PIECE."""
+    from flatopt.checkpoint import files
+    from flatopt.checkpoint.format import hash_block
+    data = np.random.default_rng(5).integers(0, 256, reader.BLOCK_BYTES * 2 + 12345,
+                                             dtype=np.uint8)
+    out = np.zeros_like(data)
+    seen_before, seen_after = [], []
+
+    def before(start, stop):
+        assert not out[start:stop].any()  # not overwritten yet
+        seen_before.append((start, stop))
+
+    def after(start, stop):
+        assert np.array_equal(out[start:stop], data[start:stop])
+        seen_after.append((start, stop))
+
+    with files.pool(2) as workers:
+        got = files.read_hashed(files._MemoryReader(memoryview(data.tobytes())), 0,
+                                memoryview(out), workers, before, after)
+    assert np.array_equal(out, data)
+    assert list(got) == [hash_block(data[k:k + reader.BLOCK_BYTES])
+                         for k in range(0, data.size, reader.BLOCK_BYTES)]
+    for seen in (seen_before, seen_after):
+        assert max(stop - start for start, stop in seen) <= files.READ_PIECE
+        covered = np.zeros(data.size, np.int64)
+        for start, stop in seen:
+            covered[start:stop] += 1
+        assert (covered == 1).all()
