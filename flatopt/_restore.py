@@ -206,7 +206,14 @@ def _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit) -> No
                 landed = None
                 if name != "params" and opt.schema.slots[name].nonnegative:
                     landed = _counter(target, counts)
-                source.fill(target, undo.keeper(target) if live else None, landed)
+                try:
+                    source.fill(target, undo.keeper(target) if live else None, landed)
+                except Exception:
+                    # the undo copy failed on a reading thread (a full disk): that, not the
+                    # reader's report of it, is the error
+                    if undo.failure is not None:
+                        raise undo.failure from None
+                    raise
                 bad = sum(counts) if landed is not None else None
             else:
                 if live:
@@ -254,6 +261,9 @@ class _Undo:
         self.kept: list[tuple[np.ndarray, Any, list]] = []
         self.file = None
         self.spilled = 0
+        self.failure: BaseException | None = None
+        """The first error of a piece's copy (an OSError of a full disk), kept because it
+        happens on a reading thread, whose caller reports errors as a damaged file."""
 
     def keep(self, target: np.ndarray) -> None:
         self.keeper(target)(0, target.nbytes)
@@ -269,7 +279,11 @@ class _Undo:
             self.used += nbytes
 
             def keep(start: int, stop: int) -> None:
-                np.copyto(copy[start:stop], raw[start:stop])
+                try:
+                    np.copyto(copy[start:stop], raw[start:stop])
+                except BaseException as exc:
+                    self.failure = self.failure or exc
+                    raise
                 ranges.append((start, stop))
             self.kept.append((target, copy, ranges))
             return keep
@@ -280,9 +294,13 @@ class _Undo:
         view = memoryview(raw)
 
         def spill(start: int, stop: int) -> None:
-            for low in range(start, stop, _SPILL_PIECE):
-                high = min(stop, low + _SPILL_PIECE)
-                _pwrite_all(fd, view[low:high], base + low)
+            try:
+                for low in range(start, stop, _SPILL_PIECE):
+                    high = min(stop, low + _SPILL_PIECE)
+                    _pwrite_all(fd, view[low:high], base + low)
+            except BaseException as exc:
+                self.failure = self.failure or exc
+                raise
             ranges.append((start, stop))
         self.kept.append((target, base, ranges))
         return spill

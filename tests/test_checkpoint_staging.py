@@ -344,3 +344,27 @@ def test_blocks_are_read_in_cache_sized_pieces_that_the_hooks_see_once():
         for start, stop in seen:
             covered[start:stop] += 1
         assert (covered == 1).all()
+
+
+def test_a_full_disk_while_spilling_the_undo_copy_is_reported_as_such(big_file, monkeypatch):
+    """The spilled undo copy is written on the reading threads: a full disk there is the
+    undo copy's error (a CheckpointError naming it, with the staging= hint), not a damaged
+    checkpoint, and the optimizer is left as it was."""
+    import errno
+    path, _ = big_file
+    calls = []
+
+    def full(fd, view, offset):
+        calls.append(offset)
+        if len(calls) > 3:  # some pieces kept, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.pwrite(fd, view, offset)
+
+    monkeypatch.setattr(restore_mod, "_pwrite_all", full)
+    target = big(1, steps=1)
+    before = snapshot(target)
+    with pytest.raises(flatopt.CheckpointError, match="keeping a copy of the state") as info:
+        flatopt.load(path, target, staging=0)
+    assert not isinstance(info.value, flatopt.CheckpointCorrupt)
+    assert "larger staging=" in str(info.value)
+    assert same_snapshot(before, snapshot(target))
