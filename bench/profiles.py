@@ -53,6 +53,7 @@ def _uniform(name: str, count: int, size: int, description: str) -> Profile:
 def make_profiles() -> dict[str, Profile]:
     return {p.name: p for p in (
         _uniform("1x64M", 1, 1 << 26, "one 64M-element tensor"),
+        _uniform("32x1M", 32, 1 << 20, "32 tensors of 1M"),
         _uniform("64x1M", 64, 1 << 20, "64 tensors of 1M"),
         _uniform("10000x1000", 10_000, 1_000, "10,000 tensors of 1,000"),
         _uniform("1000x100", 1_000, 100, "1,000 tensors of 100"),

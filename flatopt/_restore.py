@@ -10,7 +10,10 @@ memory budget and beyond it in a temporary file; only then does it change anythi
 
 from __future__ import annotations
 
+import errno
+import os
 import tempfile
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -18,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._views import gradient_problem
+from .kernels.checks import count_negative_or_nonfinite
 from .schema import array_problem, column_problems, slot_value_problems
 
 
@@ -28,12 +32,19 @@ class Fill:
     they turn out wrong (a checksum); the restore then checks them as it checks arrays
     (``slot_value_problems``) and, on any failure, puts back everything it changed."""
 
-    def __init__(self, length: int, dtype: np.dtype, fill: Callable[[np.ndarray], None],
-                 what: str = ""):
+    def __init__(self, length: int, dtype: np.dtype, fill: Callable[..., None],
+                 what: str = "", blockwise: bool = False):
         self.length = int(length)
         self.dtype = np.dtype(dtype)
         self.fill = fill
         self.what = what
+        self.blockwise = blockwise
+        """``fill(out, keep, landed)`` calls ``keep(start, stop)`` (when not None; from any
+        thread) before it overwrites bytes ``[start, stop)`` of ``out`` and ``landed(start,
+        stop)`` once they hold the new values, for ranges on element boundaries that cover
+        ``out`` once: the undo copy of the optimizer's own array is made, and the values are
+        checked, piece by piece as the data lands (in the cache, on the reading threads)
+        instead of in passes of their own."""
 
     def __repr__(self) -> str:
         return f"Fill({self.what or 'values'}, {self.length} x {self.dtype})"
@@ -189,15 +200,31 @@ def _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit) -> No
     undo = _Undo(staging, spill_dir)
     try:
         for live, number, name, source, target, contents in fills:
-            if live:
-                undo.keep(target)
-            source.fill(target)
+            bad = None
+            if source.blockwise:
+                counts: list[int] = []
+                landed = None
+                if name != "params" and opt.schema.slots[name].nonnegative:
+                    landed = _counter(target, counts)
+                try:
+                    source.fill(target, undo.keeper(target) if live else None, landed)
+                except Exception:
+                    # the undo copy failed on a reading thread (a full disk): that, not the
+                    # reader's report of it, is the error
+                    if undo.failure is not None:
+                        raise undo.failure from None
+                    raise
+                bad = sum(counts) if landed is not None else None
+            else:
+                if live:
+                    undo.keep(target)
+                source.fill(target)
             if name != "params":
                 buf = opt.buffers[number]
                 where = f"buffer {number} (group {buf.group}, {buf.dtype})"
                 problems = [f"{where}: {problem}" for problem in slot_value_problems(
                     opt.schema, name, target, buf.layout(name),
-                    opt.schema.stateful(contents.columns), buf.paths)]
+                    opt.schema.stateful(contents.columns), buf.paths, bad)]
                 if problems:
                     raise StateDictError("; ".join(problems))
         if before_commit is not None:
@@ -209,50 +236,90 @@ def _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit) -> No
         undo.close()
 
 
+def _counter(target: np.ndarray, counts: list) -> Callable[[int, int], None]:
+    """``landed(start, stop)`` for a blockwise fill of ``target``: counts the negative or
+    non-finite values of bytes ``[start, stop)`` into ``counts`` (on the reading thread,
+    while they are in the cache; the kernel releases the GIL)."""
+    flat = target.reshape(-1)
+    item = flat.dtype.itemsize
+
+    def landed(start: int, stop: int) -> None:
+        counts.append(int(count_negative_or_nonfinite(flat[start // item:stop // item])))
+    return landed
+
+
 class _Undo:
     """Copies of arrays about to be overwritten, to put them back: in memory up to ``budget``
-    bytes (None: no limit), the rest in an unnamed temporary file in ``directory``."""
+    bytes (None: no limit), the rest in an unnamed temporary file in ``directory``. A copy is
+    made whole (:meth:`keep`) or piece by piece from several threads (:meth:`keeper`); only
+    the pieces kept are put back, so a target overwritten only in part is restored exactly."""
 
     def __init__(self, budget: int | None, directory: str | None):
         self.budget = budget
         self.directory = directory
         self.used = 0
-        self.kept: list[tuple[np.ndarray, Any]] = []
+        self.kept: list[tuple[np.ndarray, Any, list]] = []
         self.file = None
         self.spilled = 0
+        self.failure: BaseException | None = None
+        """The first error of a piece's copy (an OSError of a full disk), kept because it
+        happens on a reading thread, whose caller reports errors as a damaged file."""
 
     def keep(self, target: np.ndarray) -> None:
+        self.keeper(target)(0, target.nbytes)
+
+    def keeper(self, target: np.ndarray) -> Callable[[int, int], None]:
+        """``keep(start, stop)``: bytes ``[start, stop)`` of ``target`` (C-contiguous) copied
+        aside; safe to call from several threads for disjoint ranges."""
         nbytes = target.nbytes
+        raw = target.reshape(-1).view(np.uint8)
+        ranges: list[tuple[int, int]] = []
         if self.budget is None or self.used + nbytes <= self.budget:
-            copy = np.empty_like(target)
-            np.copyto(copy, target)
-            self.kept.append((target, copy))
+            copy = np.empty(nbytes, np.uint8)
             self.used += nbytes
-            return
+
+            def keep(start: int, stop: int) -> None:
+                try:
+                    np.copyto(copy[start:stop], raw[start:stop])
+                except BaseException as exc:
+                    self.failure = self.failure or exc
+                    raise
+                ranges.append((start, stop))
+            self.kept.append((target, copy, ranges))
+            return keep
         if self.file is None:
             self.file = tempfile.TemporaryFile(dir=self.directory)
-        raw = memoryview(target.reshape(-1).view(np.uint8))
-        offset = self.spilled
-        self.file.seek(offset)
-        for start in range(0, len(raw), 64 << 20):
-            self.file.write(raw[start:start + (64 << 20)])
-        self.file.flush()
-        self.kept.append((target, offset))
+        fd, base = self.file.fileno(), self.spilled
         self.spilled += nbytes
+        view = memoryview(raw)
+
+        def spill(start: int, stop: int) -> None:
+            try:
+                for low in range(start, stop, _SPILL_PIECE):
+                    high = min(stop, low + _SPILL_PIECE)
+                    _pwrite_all(fd, view[low:high], base + low)
+            except BaseException as exc:
+                self.failure = self.failure or exc
+                raise
+            ranges.append((start, stop))
+        self.kept.append((target, base, ranges))
+        return spill
 
     def restore(self) -> None:
-        for target, saved in reversed(self.kept):
-            if isinstance(saved, np.ndarray):
-                np.copyto(target, saved)
-                continue
-            raw = memoryview(target.reshape(-1).view(np.uint8))
-            self.file.seek(saved)
-            done = 0
-            while done < len(raw):
-                got = self.file.readinto(raw[done:])
-                if not got:
-                    raise OSError("the undo file of a failed restore is short")
-                done += got
+        for target, saved, ranges in reversed(self.kept):
+            raw = target.reshape(-1).view(np.uint8)
+            for start, stop in ranges:
+                if isinstance(saved, np.ndarray):
+                    np.copyto(raw[start:stop], saved[start:stop])
+                    continue
+                view = memoryview(raw)[start:stop]
+                self.file.seek(saved + start)
+                done = 0
+                while done < len(view):
+                    got = self.file.readinto(view[done:])
+                    if not got:
+                        raise OSError("the undo file of a failed restore is short")
+                    done += got
         self.kept = []
 
     def close(self) -> None:
@@ -260,6 +327,26 @@ class _Undo:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+_SPILL_PIECE = 64 << 20
+_WRITE_LOCK = threading.Lock()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """All of ``view`` written at ``offset`` of ``fd`` (positional: several threads may
+    write one file at once)."""
+    done = 0
+    while done < len(view):
+        if hasattr(os, "pwrite"):
+            got = os.pwrite(fd, view[done:], offset + done)
+        else:  # Windows: no positional writes
+            with _WRITE_LOCK:
+                os.lseek(fd, offset + done, os.SEEK_SET)
+                got = os.write(fd, view[done:])
+        if got <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        done += got
 
 
 class PendingRestore:

@@ -392,15 +392,18 @@ def column_problems(schema: Schema, columns: Mapping[str, Any], count: int,
 
 
 def slot_value_problems(schema: Schema, name: str, flat: np.ndarray, layout,
-                        stateful: np.ndarray, paths) -> list[str]:
+                        stateful: np.ndarray, paths, bad: int | None = None) -> list[str]:
     """Values no optimizer holds in state slot ``name`` of a flat buffer whose entries lie at
     ``layout.offsets`` / ``layout.sizes`` (a FlatBuffer, or a shaped slot's SlotLayout): a
     second moment negative, NaN or infinite, or a non-zero value for a parameter without
     state (``stateful`` false: its marker column is 0). The one check of saved state values,
-    made by save, load, ``flatopt verify`` and ``restore``."""
+    made by save, load, ``flatopt verify`` and ``restore``. ``bad``: the count of negative
+    or non-finite values when the caller has made it (a load counts each block as it lands,
+    on its reading threads)."""
     problems = []
     if schema.slots[name].nonnegative:
-        bad = count_negative_or_nonfinite(flat)
+        if bad is None:
+            bad = count_negative_or_nonfinite(flat)
         if bad:
             problems.append(f"{name} holds {bad} negative, NaN or infinite value(s); a second "
                             "moment is finite and >= 0 (a NaN or infinite gradient reached the "

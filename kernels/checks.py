@@ -1,11 +1,12 @@
 """Single-pass checks over flat buffers, used where state is saved or loaded (no temporary
 arrays the size of a buffer). Serial on purpose: save may run in a forked child, where a
-parallel kernel of the parent's threading layer can hang."""
+parallel kernel of the parent's threading layer can hang. ``count_negative_or_nonfinite``
+releases the GIL: a load runs it on its reading threads, on each block as it lands."""
 
 from numba import njit
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def count_negative_or_nonfinite(flat):
     """How many values are negative, NaN or infinite (second moments must be none)."""
     bad = 0

@@ -229,3 +229,142 @@ def test_the_undo_copy_spills_to_the_temporary_directory_not_beside_the_checkpoi
     flatopt.load(path, target, staging=0)
     assert state_equal(opt, target)
     assert directories and all(d in (None, str(spill)) for d in directories), directories
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["in-memory", "spilled"])
+def test_the_undo_copy_made_piece_by_piece_puts_back_only_the_pieces_kept(budget):
+    """A fill that keeps its undo copy block by block (on the reading threads) and fails
+    part-way: the blocks it overwrote come back, and the rest, which it never kept (nor
+    overwrote), is not written from a copy that was never made."""
+    target = np.arange(1 << 16, dtype=np.float32)
+    original = target.copy()
+    undo = restore_mod._Undo(budget, None)
+    try:
+        keep = undo.keeper(target)
+        keep(4096, 8192)  # bytes [4096, 8192): elements 1024..2047
+        target[1024:2048] = -1
+        target[40000:] = 7  # overwritten elsewhere, never kept: restore leaves it
+        undo.restore()
+    finally:
+        undo.close()
+    assert np.array_equal(target[:40000], original[:40000])
+    assert (target[40000:] == 7).all()
+
+
+def test_a_damaged_block_in_the_middle_of_a_buffer_read_in_place_undoes_every_block(
+        big_file, tmp_path):
+    """The undo copy of a buffer read in place is made block by block as each one lands:
+    a block damaged in the middle of a multi-block buffer (the blocks after it read on other
+    threads, before and after it) still leaves every array as it was, in memory or spilled."""
+    path, _ = big_file
+    data = bytearray(path.read_bytes())
+    with loader_mod.open_checkpoint(path) as ck:
+        saved = ck.buffers[0, "float32"]
+        offset, length = saved.offsets["exp_avg"], saved.lengths["exp_avg"] * 4
+    assert length > 4 * reader.BLOCK_BYTES
+    data[offset + length // 2] ^= 0x40
+    (tmp_path / "bad.h5").write_bytes(bytes(data))
+    for staging in (0, 16 * MB, None, 1 << 40):
+        target = big(1, steps=1)
+        before = snapshot(target)
+        with pytest.raises(flatopt.CheckpointCorrupt, match="checksum mismatch"):
+            flatopt.load(tmp_path / "bad.h5", target, staging=staging)
+        assert same_snapshot(before, snapshot(target)), staging
+
+
+def test_a_failed_block_read_returns_only_once_every_block_has_finished():
+    """The pool's map raises the first error only when every call has finished: a read that
+    failed in one block must not start putting arrays back while another thread is still
+    writing a later block into them."""
+    import threading
+    import time
+    from flatopt.checkpoint import files
+    finished = threading.Event()
+
+    def one(item):
+        if item == 0:
+            raise OSError("block 0 failed")
+        time.sleep(0.2)
+        finished.set()
+        return item
+
+    with files.pool(2) as workers:
+        with pytest.raises(OSError, match="block 0"):
+            workers.map(one, [0, 1])
+        assert finished.is_set()
+
+
+def test_second_moments_are_checked_block_by_block_as_they_land(tmp_path, monkeypatch):
+    """The value check of a slot read in place runs on each block as it lands (on the
+    reading threads): bad values in the first, a middle and the last block are all counted,
+    into a fresh optimizer and over state, and the optimizer is left as it was."""
+    opt = big(2, steps=1)
+    flat = opt.buffers[0].state["exp_avg_sq"]
+    per_block = reader.BLOCK_BYTES // flat.itemsize
+    flat[[3, per_block * 2 + 5, flat.size - 1]] = [np.nan, -1.0, np.inf]
+    with monkeypatch.context() as patch:
+        patch.setattr(writer_mod._Snapshot, "value_problems", lambda self: [])
+        flatopt.save(tmp_path / "ck.h5", opt)
+    for target in (big(3, steps=0), big(3, steps=1)):
+        before = snapshot(target)
+        with pytest.raises(flatopt.CheckpointCorrupt,
+                           match="exp_avg_sq holds 3 negative, NaN or infinite"):
+            flatopt.load(tmp_path / "ck.h5", target)
+        assert same_snapshot(before, snapshot(target))
+
+
+def test_blocks_are_read_in_cache_sized_pieces_that_the_hooks_see_once():
+    """``read_hashed`` streams each block's hash over pieces of READ_PIECE bytes: the hashes
+    are the blocks' own, and ``before`` / ``after`` see every byte once, before it is
+    overwritten and after it has landed, in pieces no larger than READ_PIECE."""
+    from flatopt.checkpoint import files
+    from flatopt.checkpoint.format import hash_block
+    data = np.random.default_rng(5).integers(0, 256, reader.BLOCK_BYTES * 2 + 12345,
+                                             dtype=np.uint8)
+    out = np.zeros_like(data)
+    seen_before, seen_after = [], []
+
+    def before(start, stop):
+        assert not out[start:stop].any()  # not overwritten yet
+        seen_before.append((start, stop))
+
+    def after(start, stop):
+        assert np.array_equal(out[start:stop], data[start:stop])
+        seen_after.append((start, stop))
+
+    with files.pool(2) as workers:
+        got = files.read_hashed(files._MemoryReader(memoryview(data.tobytes())), 0,
+                                memoryview(out), workers, before, after)
+    assert np.array_equal(out, data)
+    assert list(got) == [hash_block(data[k:k + reader.BLOCK_BYTES])
+                         for k in range(0, data.size, reader.BLOCK_BYTES)]
+    for seen in (seen_before, seen_after):
+        assert max(stop - start for start, stop in seen) <= files.READ_PIECE
+        covered = np.zeros(data.size, np.int64)
+        for start, stop in seen:
+            covered[start:stop] += 1
+        assert (covered == 1).all()
+
+
+def test_a_full_disk_while_spilling_the_undo_copy_is_reported_as_such(big_file, monkeypatch):
+    """The spilled undo copy is written on the reading threads: a full disk there is the
+    undo copy's error (a CheckpointError naming it, with the staging= hint), not a damaged
+    checkpoint, and the optimizer is left as it was."""
+    import errno
+    path, _ = big_file
+    calls = []
+
+    def full(fd, view, offset):
+        calls.append(offset)
+        if len(calls) > 3:  # some pieces kept, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.pwrite(fd, view, offset)
+
+    monkeypatch.setattr(restore_mod, "_pwrite_all", full)
+    target = big(1, steps=1)
+    before = snapshot(target)
+    with pytest.raises(flatopt.CheckpointError, match="keeping a copy of the state") as info:
+        flatopt.load(path, target, staging=0)
+    assert not isinstance(info.value, flatopt.CheckpointCorrupt)
+    assert "larger staging=" in str(info.value)
+    assert same_snapshot(before, snapshot(target))

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointCorrupt, CheckpointError
-from .format import BLOCK_BYTES, hash_block, n_blocks
+from .format import BLOCK_BYTES, block_hasher, hash_block, n_blocks
 
 # The name of a save's temporary file: "." + the target's name + "." + the saver's pid + "." +
 # mkstemp's 8 random characters + ".tmp". Matched in full (``$`` would also match before a
@@ -228,9 +228,13 @@ class pool:
             self.threads, thread_name_prefix="flatopt-io") if self.threads > 1 else None)
 
     def map(self, fn, items) -> list:
+        """``fn`` over ``items``; every call has finished when this returns or raises (the
+        first error in item order), so nothing writes into a caller's memory afterwards."""
         if self.executor is None:
             return [fn(item) for item in items]
-        return list(self.executor.map(fn, items))
+        futures = [self.executor.submit(fn, item) for item in items]
+        concurrent.futures.wait(futures)
+        return [future.result() for future in futures]
 
     def __enter__(self):
         return self
@@ -321,15 +325,37 @@ def raw_reader(source, fd: int | None) -> RawReader:
     return _StreamReader(source)
 
 
-def read_hashed(reader: RawReader, offset: int, out: memoryview, workers: pool) -> np.ndarray:
+READ_PIECE = 1 << 20
+"""Bytes read, kept (the undo copy), hashed and checked at a time: a block passes in pieces
+this size, each worked on while it is in the core's cache (the hash is streamed over them)."""
+
+
+def read_hashed(reader: RawReader, offset: int, out: memoryview, workers: pool,
+                before: Callable[[int, int], None] | None = None,
+                after: Callable[[int, int], None] | None = None) -> np.ndarray:
     """Read ``len(out)`` bytes at ``offset`` into ``out``, block by block on the pool's
-    threads, each block hashed right after it lands; returns the block hashes."""
+    threads, each block hashed right after it lands; returns the block hashes. ``before(start,
+    stop)`` and ``after(start, stop)``, when given, run on the same thread just before bytes
+    ``[start, stop)`` of ``out`` are overwritten and just after they are hashed (a load keeps
+    its undo copy of them, and checks their values, while they are in the cache)."""
 
     def one(block):
         k, start, size = block
-        view = out[start:start + size]
-        reader.readinto(view, offset + start)
-        return hash_block(view)
+        if size <= READ_PIECE:
+            pieces = [(start, start + size)]
+        else:  # a block in pieces that stay in the core's cache while they are worked on
+            pieces = [(low, min(start + size, low + READ_PIECE))
+                      for low in range(start, start + size, READ_PIECE)]
+        hasher = block_hasher()
+        for low, high in pieces:
+            view = out[low:high]
+            if before is not None:
+                before(low, high)
+            reader.readinto(view, offset + low)
+            hasher.update(view)
+            if after is not None:
+                after(low, high)
+        return hasher.intdigest()
 
     blocks = _blocks(len(out))
     hashes = workers.map(one, blocks) if reader.parallel else [one(b) for b in blocks]

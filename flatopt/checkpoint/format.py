@@ -208,6 +208,12 @@ def hash_block(view) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
+def block_hasher():
+    """A streaming :func:`hash_block`: ``update`` with a block's bytes in pieces, then
+    ``intdigest()`` (the same value; the updates release the GIL too)."""
+    return xxhash.xxh3_64()
+
+
 def n_blocks(nbytes: int) -> int:
     return -(-int(nbytes) // BLOCK_BYTES)
 

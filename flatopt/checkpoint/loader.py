@@ -171,8 +171,9 @@ def _fill(ck: Contents, key: tuple[int, str], slot: str, workers) -> Fill:
     """A buffer of the file read straight into the optimizer's array during the restore."""
     saved = ck.buffers[key]
     return Fill(saved.lengths[slot], DTYPES[saved.dtype],
-                lambda out: guarded(ck, lambda: ck.read_into(key, slot, out, workers)),
-                saved.datasets[slot].name)
+                lambda out, keep=None, landed=None: guarded(
+                    ck, lambda: ck.read_into(key, slot, out, workers, keep, landed)),
+                saved.datasets[slot].name, blockwise=True)
 
 
 def whole_matches(ck: Contents, opt: Optimizer, plan: Comparison) -> dict[int, tuple]:

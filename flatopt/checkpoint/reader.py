@@ -122,13 +122,14 @@ class Contents:
 
     # ------------------------------------------------------------------ data
     def _read_hashed(self, offset: int, out: np.ndarray, hashes: np.ndarray, where: str,
-                     workers) -> None:
-        """Version 2: the bytes at ``offset`` into ``out``, every block's XXH3 checked."""
+                     workers, before=None, after=None) -> None:
+        """Version 2: the bytes at ``offset`` into ``out``, every block's XXH3 checked
+        (``before``, ``after``: see :func:`files.read_hashed`)."""
         view = files.byte_view(out)
         if not len(view):
             return
         try:
-            got = files.read_hashed(self.raw, offset, view, workers)
+            got = files.read_hashed(self.raw, offset, view, workers, before, after)
         except (OSError, EOFError, ValueError) as exc:
             raise self.corrupt(f"reading failed ({type(exc).__name__}: {exc}); the file is "
                                "truncated or unreadable", buffer=where) from exc
@@ -151,18 +152,28 @@ class Contents:
                                                   saved.datasets[slot].name))]
 
     def read_into(self, key: tuple[int, str], slot: str, out: np.ndarray,
-                  workers=None) -> np.ndarray:
+                  workers=None, keep=None, landed=None) -> np.ndarray:
         """Buffer ``slot`` of ``key`` read into ``out`` (its length, the buffer's dtype) and
         verified: every block's XXH3 (version 2), or HDF5's fletcher32 per chunk and the
-        buffer's CRC-32 (version 1). On an error ``out`` holds partial data."""
+        buffer's CRC-32 (version 1). On an error ``out`` holds partial data. ``keep(start,
+        stop)`` and ``landed(start, stop)``, when given, are called (on any thread, for byte
+        ranges of ``out`` that together cover it once, on element boundaries) before those
+        bytes are overwritten and after they have landed."""
         saved = self.buffers[key]
         if self.version >= 2:
+            item = out.dtype.itemsize
+
+            def shifted(hook, base):
+                return None if hook is None else (lambda a, b: hook(base + a, base + b))
             with files.pool(None if workers is None else 1) as own:
                 for first, stop, locate in self.pieces(key, slot):
                     part, offset, hashes, where = locate()
-                    part._read_hashed(offset, out[first:stop], hashes, where, workers or own)
+                    part._read_hashed(offset, out[first:stop], hashes, where, workers or own,
+                                      shifted(keep, first * item), shifted(landed, first * item))
             return out
         ds = saved.datasets[slot]
+        if keep is not None:
+            keep(0, out.nbytes)
         try:
             if saved.length:
                 ds.read_direct(out)
@@ -175,6 +186,8 @@ class Contents:
             raise self.corrupt(f"CRC mismatch: stored {saved.digests[slot]}, data {digest}; "
                                "the data was damaged: use another copy or an earlier checkpoint",
                                buffer=ds.name)
+        if landed is not None:
+            landed(0, out.nbytes)
         return out
 
     def read_range(self, key: tuple[int, str], slot: str, start: int, stop: int,
