@@ -10,16 +10,14 @@ memory budget and beyond it in a temporary file; only then does it change anythi
 
 from __future__ import annotations
 
-import errno
-import os
 import tempfile
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
+from ._io import pwrite_all
 from ._views import gradient_problem
 from .kernels.checks import count_negative_or_nonfinite
 from .schema import array_problem, column_problems, slot_value_problems
@@ -297,7 +295,7 @@ class _Undo:
             try:
                 for low in range(start, stop, _SPILL_PIECE):
                     high = min(stop, low + _SPILL_PIECE)
-                    _pwrite_all(fd, view[low:high], base + low)
+                    pwrite_all(fd, view[low:high], base + low)
             except BaseException as exc:
                 self.failure = self.failure or exc
                 raise
@@ -330,23 +328,8 @@ class _Undo:
 
 
 _SPILL_PIECE = 64 << 20
-_WRITE_LOCK = threading.Lock()
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    """All of ``view`` written at ``offset`` of ``fd`` (positional: several threads may
-    write one file at once)."""
-    done = 0
-    while done < len(view):
-        if hasattr(os, "pwrite"):
-            got = os.pwrite(fd, view[done:], offset + done)
-        else:  # Windows: no positional writes
-            with _WRITE_LOCK:
-                os.lseek(fd, offset + done, os.SEEK_SET)
-                got = os.write(fd, view[done:])
-        if got <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        done += got
 
 
 class PendingRestore:

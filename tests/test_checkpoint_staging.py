@@ -360,7 +360,7 @@ def test_a_full_disk_while_spilling_the_undo_copy_is_reported_as_such(big_file, 
             raise OSError(errno.ENOSPC, "No space left on device")
         os.pwrite(fd, view, offset)
 
-    monkeypatch.setattr(restore_mod, "_pwrite_all", full)
+    monkeypatch.setattr(restore_mod, "pwrite_all", full)
     target = big(1, steps=1)
     before = snapshot(target)
     with pytest.raises(flatopt.CheckpointError, match="keeping a copy of the state") as info:

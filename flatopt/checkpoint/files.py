@@ -18,6 +18,7 @@ from typing import Callable
 import h5py
 import numpy as np
 
+from .._io import pwrite_all
 from ..errors import CheckpointCorrupt, CheckpointError
 from .format import BLOCK_BYTES, block_hasher, hash_block, n_blocks
 
@@ -368,21 +369,8 @@ def hash_blocks(data: memoryview, workers: pool) -> np.ndarray:
                                 _blocks(len(data))), dtype=np.uint64)
 
 
-_WRITE_LOCK = threading.Lock()
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        if hasattr(os, "pwrite"):
-            got = os.pwrite(fd, view[done:], offset + done)
-        else:  # Windows: no positional writes
-            with _WRITE_LOCK:
-                os.lseek(fd, offset + done, os.SEEK_SET)
-                got = os.write(fd, view[done:])
-        if got <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        done += got
 
 
 def write_hashed(fd: int, offset: int, data: memoryview, workers: pool) -> np.ndarray:
@@ -393,7 +381,7 @@ def write_hashed(fd: int, offset: int, data: memoryview, workers: pool) -> np.nd
         k, start, size = block
         view = data[start:start + size]
         value = hash_block(view)
-        _pwrite_all(fd, view, offset + start)
+        pwrite_all(fd, view, offset + start)
         return value
 
     return np.array(workers.map(one, _blocks(len(data))), dtype=np.uint64)
