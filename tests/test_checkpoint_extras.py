@@ -92,7 +92,7 @@ REFUSED = [
     ({"a\udc80": np.zeros(2)}, "surrogate"),
     ({3: np.zeros(2)}, "names are strings"),
     ({"x" * (70 << 10): np.zeros(2)}, "name of"),
-    ({"dict": {"a": 1}}, "not a NumPy array"),
+    ({"set": {1, 2}}, "not a NumPy array"),
     ({f"a{k}": np.zeros(1) for k in range(4097)}, "at most 4096"),
     ({"deep": np.zeros((1,) * 33)}, "'deep' has 33 dimensions"),  # Issue 23 #14: HDF5's limit
 ]
@@ -123,13 +123,13 @@ def test_arrays_must_be_a_dict(tmp_path):
 @pytest.mark.parametrize("arrays, match", [
     ({"complex": np.zeros(2, np.complex64)}, "not a bool, integer or float dtype"),
     ({"": np.zeros(2)}, "empty"),
-    ({"a/b": np.zeros(2)}, "'/'"),
+    ({"a//b": np.zeros(2)}, "empty"),
     ({"x" * (70 << 10): np.zeros(2)}, "name too long"),
 ])
 def test_what_save_refuses_load_refuses(tmp_path, monkeypatch, arrays, match):
     """Save's checks are load's: written without them, the same arrays make the file
     refused as damaged (so a file save accepts is one load accepts, and no more)."""
-    monkeypatch.setattr(writer_mod, "checked_arrays", lambda arrays: dict(arrays))
+    monkeypatch.setattr(writer_mod, "checked_arrays", lambda arrays, own: dict(arrays))
     opt = make_opt("Adam")
     flatopt.save(tmp_path / "ck.h5", opt, arrays=arrays)
     other = make_opt("Adam", seed=99, steps=0)

@@ -28,6 +28,13 @@ column factors) has its own length: its members' entries packed as the live opti
 them (aligned, in offset order, none for a parameter without an entry). Only files of such
 optimizers are written as version 3, so a flatopt that reads version 2 still reads the rest.
 
+Version 4 is version 3 in which an extra array's name may be a key path: the keys of nested
+``arrays=`` dicts joined by ``/`` (each key non-empty, without ``/``); no name is both an array
+and a prefix of another. Top-level keys beginning ``flatopt:`` hold flatopt's own state saved
+with ``save(ema=, scaler=)``: ``flatopt:ema/<g>/<dtype>`` (the EMA's averages, packed as the
+group's parameter buffer), ``flatopt:ema/decay|warmup|num_updates`` and
+``flatopt:scaler/<key>`` (0-d arrays). Only files with such names are written as version 4.
+
 Version 1 (flatopt 0.1.0) stored each buffer in 1 MiB chunks with HDF5's fletcher32 filter and
 attr digest = "crc32:<hex>" (zlib CRC-32 of the buffer), and had no /arrays; it is still read.
 """
@@ -49,9 +56,12 @@ from ..errors import CheckpointError, CheckpointOptionError
 from ..schema import Schema
 
 FORMAT = "flatopt.checkpoint"
-FORMAT_VERSION = 3
-"""The newest version this flatopt reads; it writes 3 only for shaped slots (see above)."""
+FORMAT_VERSION = 4
+"""The newest version this flatopt reads; it writes 4 only for nested extra arrays, 3 only for
+shaped slots (see above)."""
 PLAIN_FORMAT_VERSION = 2
+SHAPED_FORMAT_VERSION = 3
+NESTED_FORMAT_VERSION = 4
 BLOCK_BYTES = 4 << 20     # a buffer's checksum covers one block of this many bytes (version 2)
 CHUNK_BYTES = 1 << 20     # version 1: HDF5 chunk size, each with a fletcher32 sum
 LIBVER = ("v110", "latest")  # superblock v3: checksummed metadata
@@ -258,11 +268,22 @@ def stored_dtype(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
 
 
-def array_name_problem(name: Any) -> str | None:
+NEST = "/"
+"""Joins the keys of nested ``arrays=`` dicts into one stored name (format version 4)."""
+OWN_PREFIX = "flatopt:"
+"""Top-level keys of extra arrays that flatopt keeps for its own state (EMA, GradScaler)."""
+MAX_NESTING = 32
+
+
+def array_name_problem(name: Any, nested: bool = False) -> str | None:
+    """Why ``name`` cannot name an extra array: a key of a user's dict (``nested=False``) or a
+    stored name (``nested=True``: keys joined by ``/``)."""
     if not isinstance(name, str):
         return f"extra array names are strings, got {type(name).__name__} {name!r}"
-    if not name or "\x00" in name or "/" in name:
-        return f"extra array name {name!r} is empty or holds a NUL or '/'"
+    keys = name.split(NEST) if nested else [name]
+    if not all(keys) or "\x00" in name or (not nested and NEST in name):
+        return (f"extra array name {name!r} is empty or holds a NUL or '/' (nest dicts "
+                "instead of writing paths)")
     try:
         raw = name.encode("utf-8")
     except UnicodeEncodeError:
@@ -272,23 +293,71 @@ def array_name_problem(name: Any) -> str | None:
     return None
 
 
-def checked_arrays(arrays: Any) -> dict[str, np.ndarray]:
-    """``save(arrays=...)`` checked: name -> contiguous array of an allowed dtype, at most
-    ``MAX_MEMBERS`` of them, each of at most ``MAX_ARRAY_NDIM`` dimensions. Raises
-    CheckpointError naming every problem (nothing is written)."""
-    if arrays is None:
-        return {}
-    if not isinstance(arrays, Mapping):
-        raise CheckpointError(f"arrays must be a dict {{name: ndarray}}, got "
-                              f"{type(arrays).__name__}")
-    problems, out = [], {}
-    if len(arrays) > MAX_MEMBERS:
-        problems.append(f"{len(arrays)} extra arrays: a checkpoint holds at most {MAX_MEMBERS}")
-    for name, value in arrays.items():
-        problem = array_name_problem(name)
+def flat_arrays(arrays: Mapping, problems: list, prefix: str = "", depth: int = 0) -> dict:
+    """The leaves of nested ``arrays`` by stored name (keys joined by ``/``); a key path's
+    problems are added to ``problems``."""
+    out = {}
+    if depth > MAX_NESTING:
+        problems.append(f"extra arrays nest deeper than {MAX_NESTING} dicts at {prefix!r}")
+        return out
+    for key, value in arrays.items():
+        problem = array_name_problem(key)
         if problem:
-            problems.append(problem)
+            problems.append(problem + (f" (in {prefix!r})" if prefix else ""))
             continue
+        name = prefix + NEST + key if prefix else key
+        if isinstance(value, Mapping):
+            if not value:
+                problems.append(f"extra arrays {name!r} is an empty dict (nothing to store)")
+            out.update(flat_arrays(value, problems, name, depth + 1))
+        else:
+            out[name] = value
+    return out
+
+
+def nested_arrays(flat: Mapping[str, Any]) -> dict:
+    """Stored names back into the nested dicts they came from (names without ``/``, as
+    every file before version 4 has, stay flat)."""
+    out: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(NEST)
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
+
+def prefix_problem(names) -> str | None:
+    """A stored name that is also a key path's prefix (``a`` and ``a/b``): no dict gives that."""
+    known = set(names)
+    for name in known:
+        parts = name.split(NEST)
+        for n in range(1, len(parts)):
+            if NEST.join(parts[:n]) in known:
+                return f"extra array {NEST.join(parts[:n])!r} is also a dict holding {name!r}"
+    return None
+
+
+def checked_arrays(arrays: Any, own: Mapping[str, np.ndarray] | None = None
+                   ) -> dict[str, np.ndarray]:
+    """``save(arrays=...)`` checked and flattened: stored name -> contiguous array of an
+    allowed dtype, at most ``MAX_MEMBERS`` of them (with ``own``, flatopt's state stored
+    beside them), each of at most ``MAX_ARRAY_NDIM`` dimensions. Raises CheckpointError naming
+    every problem (nothing is written)."""
+    if arrays is not None and not isinstance(arrays, Mapping):
+        raise CheckpointError(f"arrays must be a dict {{name: ndarray or dict}}, got "
+                              f"{type(arrays).__name__}")
+    problems: list[str] = []
+    flat = flat_arrays(arrays or {}, problems)
+    problems += [f"extra array name {name!r}: top-level keys beginning {OWN_PREFIX!r} are "
+                 "flatopt's own (save(ema=, scaler=))" for name in flat
+                 if name.startswith(OWN_PREFIX)]
+    flat.update(own or {})
+    out = {}
+    if len(flat) > MAX_MEMBERS:
+        problems.append(f"{len(flat)} extra arrays: a checkpoint holds at most {MAX_MEMBERS}")
+    for name, value in flat.items():
         if not isinstance(value, np.ndarray):
             if hasattr(value, "__array__") or isinstance(value, (list, tuple, int, float, bool)):
                 try:

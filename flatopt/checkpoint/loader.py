@@ -15,9 +15,9 @@ from .._restore import Fill
 from ..errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                       CheckpointOptionError, StateDictError)
 from ..optimizer import BufferState, Optimizer
-from . import files, manifest, validate
+from . import extras, files, manifest, validate
 from .compare import Comparison, Difference, compare, is_relaxed, mismatch_message
-from .format import DTYPES, check_flags
+from .format import DTYPES, check_flags, nested_arrays
 from .files import open_file
 from .reader import Contents, read_structure
 
@@ -39,18 +39,20 @@ class LoadResult:
     metadata: Any
     scheduler_state: Any
     info: dict = field(default_factory=dict)
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    arrays: dict[str, Any] = field(default_factory=dict)
     """The extra arrays saved with ``save(arrays=...)``: name -> a fresh array of the saved
-    dtype and shape (verified like every buffer)."""
+    dtype and shape (verified like every buffer), nested as they were saved."""
 
     @classmethod
     def of(cls, ck, opt, plan, relaxed: list, arrays: dict) -> "LoadResult":
-        """What a load of ``ck`` into ``opt`` following ``plan`` did."""
+        """What a load of ``ck`` into ``opt`` following ``plan`` did (``arrays``: the file's
+        extra arrays by stored name)."""
         loaded = {info.path for info, _ in plan.matches}
         return cls(path=ck.name, loaded=[p for p in opt.index.paths if p in loaded],
                    fresh=[p for p in opt.index.paths if p not in loaded], unused=plan.unused,
                    differences=relaxed, metadata=ck.metadata,
-                   scheduler_state=ck.scheduler_state, info=dict(ck.header), arrays=arrays)
+                   scheduler_state=ck.scheduler_state, info=dict(ck.header),
+                   arrays=nested_arrays(extras.split(arrays)[0]))
 
 
 SUPERSEDED_RETRIES = 3
@@ -264,7 +266,8 @@ def saved_state_entry(ck: Contents, entry, staged: dict, shape) -> dict:
 def load(source, opt: Optimizer, *, strict: bool = True,
          rename: Mapping[str, str] | Callable[[str], str | None] | None = None,
          hyperparameters: str | None = None, regroup: bool = False,
-         scheduler: Any = None, staging: int | None = None) -> LoadResult:
+         scheduler: Any = None, ema: Any = None, scaler: Any = None,
+         staging: int | None = None) -> LoadResult:
     """Load a checkpoint into ``opt`` in place, matched by path, never by position.
 
     The whole file is verified (structure, sizes, digests, every buffer's checksums and
@@ -286,8 +289,11 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     whatever ``strict`` says; the change is listed in the result's ``differences``.
     ``source`` is a path, bytes or a binary file object, or the directory of a sharded
     checkpoint (saved by an optimizer sharded over ranks; see ``flatopt.checkpoint.sharded``).
-    With ``scheduler``, its ``load_state_dict`` receives the saved scheduler state. Returns a :class:`LoadResult`
-    (with the extra arrays saved by ``save(arrays=...)``).
+    With ``scheduler``, its ``load_state_dict`` receives the saved scheduler state; ``ema``
+    and ``scaler`` (an :class:`~flatopt.EMA` of ``opt``, a :class:`~flatopt.GradScaler`) get
+    what ``save(ema=, scaler=)`` stored, in the same commit (a file without them is a
+    mismatch unless ``strict=False``). Returns a :class:`LoadResult` (with the extra arrays
+    saved by ``save(arrays=...)``).
 
     Memory: a buffer whose saved layout is the live one is read straight into the optimizer's
     array (or into the state slot the load allocates), checked as it lands; to put the
@@ -300,6 +306,9 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     _check_options(opt, rename, hyperparameters, staging)
     check_flags(strict=strict, regroup=regroup)
     if opt._sharding is not None:  # comm= over several ranks: collective
+        if ema is not None or scaler is not None:
+            raise CheckpointOptionError("load(ema=, scaler=) into an optimizer sharded over "
+                                        "ranks is not supported yet")
         from . import sharded
         return sharded.load(source, opt, strict=strict, rename=rename,
                             hyperparameters=hyperparameters, regroup=regroup,
@@ -310,6 +319,9 @@ def load(source, opt: Optimizer, *, strict: bool = True,
                                                regroup=regroup, scheduler=scheduler)
         with files.pool() as workers:
             arrays = guarded(ck, lambda: ck.read_arrays())
+            restore_extras = extras.restorer(ck, extras.split(arrays)[1], plan.matches,
+                                             strict=strict, ema=ema, scaler=scaler,
+                                             scheduler=scheduler)
             state, params, buffers = _restore_arguments(ck, opt, plan, workers)
             try:
                 pending = opt.prepare_restore(state, settings=settings, params=params,
@@ -321,7 +333,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
                 # the spill goes to tempfile's directory ($TMPDIR): the checkpoint's own may be
                 # read-only or full, and a load must not write beside what it reads
                 pending.apply(staging=budget, spill_dir=None,
-                              before_commit=lambda: load_scheduler(ck, scheduler))
+                              before_commit=restore_extras)
             except StateDictError as exc:  # a value check of data read into place
                 raise ck.corrupt(str(exc)) from exc
             except (OSError, MemoryError) as exc:  # the undo copy: a full disk, or memory

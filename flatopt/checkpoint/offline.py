@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import files
-from .format import check_flags
+from .format import check_flags, nested_arrays
 from .loader import guarded, open_checkpoint, saved_state_entry, verify_one
 
 
@@ -31,7 +31,8 @@ class CheckpointData:
     """With ``read(state=True)``: path -> ``{column: value, slot: array}`` as in
     ``opt.state_dict()["state"]``, for each parameter with state; otherwise None."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    """The extra arrays saved with ``save(arrays=...)``."""
+    """The extra arrays saved with ``save(arrays=...)``, nested as saved (with flatopt's own,
+    ``save(ema=, scaler=)``, under the keys ``"flatopt:ema"`` and ``"flatopt:scaler"``)."""
     info: dict = field(default_factory=dict)
     """The file's header: format and library versions, optimizer, schema version."""
 
@@ -67,8 +68,8 @@ def read(source, *, state: bool = False, arrays: bool = True) -> CheckpointData:
                    "paths": [e.path for e in sorted(ck.params, key=lambda e: e.id)
                              if e.group == number]}
                   for number, group in enumerate(ck.groups)]
-        extra = guarded(ck, lambda: {name: ck.read_array(name, workers)
-                                     for name in ck.arrays}) if arrays else {}
+        extra = guarded(ck, lambda: nested_arrays({name: ck.read_array(name, workers)
+                                                   for name in ck.arrays})) if arrays else {}
         return CheckpointData(path=ck.name, optimizer=schema.name, params=params,
                               groups=groups, metadata=ck.metadata,
                               scheduler_state=ck.scheduler_state, state=states,

@@ -24,9 +24,8 @@ from ..schema import Schema
 from . import files
 from .format import (BASE_COLUMNS, BLOCK_BYTES, DTYPES, FLETCHER32, FORMAT, FORMAT_VERSION,
                      MAX_ARRAY_NDIM, MAX_ATTRS, MAX_JSON, MAX_MEMBERS, MAX_NAME, MAX_NDIM,
-                     ROOT_ATTRS,
-                     array_dtype_problem, array_name_problem, crc, hashes_digest,
-                     manifest_digest, n_blocks, stored_dtype)
+                     NESTED_FORMAT_VERSION, ROOT_ATTRS, array_dtype_problem, array_name_problem,
+                     crc, hashes_digest, manifest_digest, n_blocks, prefix_problem, stored_dtype)
 
 
 @dataclass
@@ -597,7 +596,8 @@ def read_arrays(ck: Contents) -> dict[str, list]:
         if set(ds.attrs) != _ARRAY_ATTRS:
             raise ck.corrupt(f"unexpected attributes {sorted(ds.attrs)}", buffer=where)
         name = attr(ck, ds, "name", str)
-        problem = array_name_problem(name) if len(name) <= MAX_NAME else "name too long"
+        problem = (array_name_problem(name, nested=ck.version >= NESTED_FORMAT_VERSION)
+                   if len(name) <= MAX_NAME else "name too long")
         if problem:
             raise ck.corrupt(problem, buffer=where)
         if name in ck.arrays:
@@ -629,6 +629,9 @@ def read_arrays(ck: Contents) -> dict[str, list]:
         hashes = block_hashes(ck, ds, nbytes, digest)
         ck.arrays[name] = SavedArray(name, dtype, shape, ds, digest, hashes, offset)
         table[where] = [name, dtype.str, list(shape), digest]
+    problem = prefix_problem(ck.arrays)
+    if problem:
+        raise ck.corrupt(problem)
     return table
 
 

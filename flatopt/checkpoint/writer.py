@@ -30,11 +30,13 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointOptionError
 from ..optimizer import Optimizer
 from ..schema import column_problems, slot_value_problems
 from . import files
-from .format import (BLOCK_BYTES, FORMAT, FORMAT_VERSION, LIBVER, PLAIN_FORMAT_VERSION,
+from .extras import own_arrays
+from .format import (BLOCK_BYTES, FORMAT, LIBVER, NEST, NESTED_FORMAT_VERSION,
+                     PLAIN_FORMAT_VERSION, SHAPED_FORMAT_VERSION,
                      check_flags, checked_arrays, hashes_digest, jsonable, limits_problems,
                      manifest_digest, n_blocks, schema_columns, stored_dtype, text_dtype,
                      to_json)
@@ -138,7 +140,8 @@ class _Snapshot:
     thread, with :meth:`value_problems`)."""
 
     def __init__(self, opt: Optimizer, metadata: Any, scheduler: Any, arrays: Any = None, *,
-                 memory: dict | None = None, check: bool = True, buffers: bool = True):
+                 ema: Any = None, scaler: Any = None, memory: dict | None = None,
+                 check: bool = True, buffers: bool = True):
         from .. import __version__
         self.schema = opt.schema
         self.fragments: dict[tuple[int, str], tuple[int, list]] | None = None
@@ -147,7 +150,9 @@ class _Snapshot:
         of the data (see ``manifest``)."""
         self.groups = _groups(opt)
         self.columns = _index_columns(opt)
-        version = FORMAT_VERSION if self.schema.shaped_slots else PLAIN_FORMAT_VERSION
+        self.arrays = checked_arrays(arrays, own_arrays(opt, ema, scaler))
+        version = (NESTED_FORMAT_VERSION if any(NEST in name for name in self.arrays) else
+                   SHAPED_FORMAT_VERSION if self.schema.shaped_slots else PLAIN_FORMAT_VERSION)
         self.header = {"format": FORMAT, "format_version": version,
                        "flatopt_version": __version__, "h5py_version": h5py.version.version,
                        "hdf5_version": h5py.version.hdf5_version, "optimizer": self.schema.name}
@@ -169,7 +174,6 @@ class _Snapshot:
         if problems:
             raise CheckpointError("cannot save this optimizer (nothing was written): "
                                   + "; ".join(problems[:20]))
-        self.arrays = checked_arrays(arrays)
         self.buffers = []
         self.copy_seconds = 0.0
         for buf in opt.host_buffers():  # on CUDA: copied to the host mirror first
@@ -394,15 +398,19 @@ def _snapshot_error(final: str, exc: OSError) -> CheckpointError:
 
 
 def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
-         metadata: Any = None, arrays: dict[str, np.ndarray] | None = None,
+         metadata: Any = None, arrays: dict[str, Any] | None = None,
+         ema: Any = None, scaler: Any = None,
          background: bool = False) -> "str | SaveHandle":
     """Save ``opt`` (parameters, state, hyperparameters, index) to the HDF5 file ``path``.
 
     The file is written to a temporary file in the same directory, fsynced, renamed over
     ``path`` and the directory fsynced: a crash at any moment leaves either the previous
     checkpoint or the new one, never a mix. ``metadata`` (JSON-serializable),
-    ``scheduler.state_dict()`` and ``arrays`` (``{name: ndarray}``: EMA weights, running
-    statistics; bool, integer or float data of any shape) are stored in the same file. Everything
+    ``scheduler.state_dict()`` and ``arrays`` (``{name: ndarray}``, or nested dicts of them:
+    running statistics, data-loader positions; bool, integer or float data of any shape) are
+    stored in the same file, and so are an :class:`~flatopt.EMA` of ``opt`` (``ema=``) and a
+    :class:`~flatopt.GradScaler` (``scaler=``), which ``load(..., ema=, scaler=)`` restore
+    (see ``flatopt.checkpoint.extras``). Everything
     a load would refuse is refused here, before the target is touched. Returns the absolute
     path.
 
@@ -422,6 +430,10 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     """
     check_flags(background=background)
     if getattr(opt, "_sharding", None) is not None:  # comm= over several ranks: collective
+        if ema is not None or scaler is not None:
+            raise CheckpointOptionError("save(ema=, scaler=) of an optimizer sharded over "
+                                        "ranks is not supported yet: save their state_dict() "
+                                        "with arrays= and metadata=")
         from . import sharded
         return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
                             background=background)
@@ -430,10 +442,11 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     if saver is not None:
         saver.wait_previous()  # saves of one optimizer commit in the order they were asked for
     if background:
-        return saver.save(final, opt, metadata=metadata, scheduler=scheduler, arrays=arrays)
+        return saver.save(final, opt, metadata=metadata, scheduler=scheduler, arrays=arrays,
+                          ema=ema, scaler=scaler)
     with opt.lock:  # no step can change the buffers while they are written
         try:
-            snapshot = _Snapshot(opt, metadata, scheduler, arrays)
+            snapshot = _Snapshot(opt, metadata, scheduler, arrays, ema=ema, scaler=scaler)
         except OSError as exc:
             raise _snapshot_error(final, exc) from exc
         files.replace_atomically(final, snapshot.write)
@@ -517,7 +530,9 @@ class _Saver:
             with opt.lock:
                 try:
                     snapshot = _Snapshot(opt, what["metadata"], what["scheduler"],
-                                         what["arrays"], memory=self.memory, check=False)
+                                         what["arrays"], ema=what["ema"],
+                                         scaler=what["scaler"], memory=self.memory,
+                                         check=False)
                 except OSError as exc:
                     raise _snapshot_error(final, exc) from exc
             handle = SaveHandle(final, time.perf_counter() - start, snapshot.copy_seconds)

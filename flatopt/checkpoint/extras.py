@@ -1,0 +1,146 @@
+"""flatopt's own training state saved with an optimizer: an :class:`~flatopt.EMA` of its
+parameters and a :class:`~flatopt.GradScaler` (``save(..., ema=, scaler=)``,
+``load(..., ema=, scaler=)``).
+
+Both are stored as extra arrays under the reserved top-level keys (format version 4)::
+
+    flatopt:ema/<group>/<dtype>     the averages, packed as that group's parameter buffer
+    flatopt:ema/decay, warmup, num_updates          0-d arrays
+    flatopt:scaler/enabled, scale, growth_factor, backoff_factor, growth_interval,
+                   _growth_tracker                  0-d arrays
+
+so they are checksummed, verified and committed with everything else in the file. A load
+maps the averages by path, as it maps parameters (``rename``, ``regroup`` and partial loads
+apply); it checks them before anything changes and restores them in the same commit as the
+optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from ..errors import CheckpointError, CheckpointMismatch, StateDictError
+from .format import NEST, OWN_PREFIX
+
+EMA_KEY = OWN_PREFIX + "ema"
+SCALER_KEY = OWN_PREFIX + "scaler"
+EMA_SETTINGS = ("decay", "warmup", "num_updates")
+SCALER_SETTINGS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                   "_growth_tracker")
+
+
+def _buffer_key(group: int, dtype: str) -> str:
+    return NEST.join((EMA_KEY, str(group), dtype))
+
+
+def own_arrays(opt, ema: Any, scaler: Any) -> dict[str, np.ndarray]:
+    """The arrays that store ``ema`` (an EMA of ``opt``) and ``scaler``; CheckpointError for
+    anything else (nothing is written)."""
+    out: dict[str, np.ndarray] = {}
+    if ema is not None:
+        if getattr(ema, "opt", None) is not opt or not callable(getattr(ema, "state_dict",
+                                                                         None)):
+            raise CheckpointError(f"ema= takes a flatopt.EMA of the optimizer being saved, got "
+                                  f"{type(ema).__name__}{' of another optimizer' if hasattr(ema, 'opt') else ''}")
+        state = ema.state_dict()
+        for key in EMA_SETTINGS:
+            out[NEST.join((EMA_KEY, key))] = np.asarray(state[key])
+        for buf in opt.buffers:
+            packed = np.zeros(buf.length, buf.dtype)
+            for path in buf.paths:
+                info = opt.index[path]
+                packed[info.offset:info.offset + info.size] = state["averages"][path].ravel()
+            out[_buffer_key(buf.group, buf.dtype.name)] = packed
+    if scaler is not None:
+        if not callable(getattr(scaler, "state_dict", None)) \
+                or not callable(getattr(scaler, "is_enabled", None)):
+            raise CheckpointError(f"scaler= takes a flatopt.GradScaler, got "
+                                  f"{type(scaler).__name__}")
+        state = scaler.state_dict()
+        out[NEST.join((SCALER_KEY, "enabled"))] = np.asarray(bool(scaler.is_enabled()))
+        for key in SCALER_SETTINGS if state else ():
+            out[NEST.join((SCALER_KEY, key))] = np.asarray(state[key])
+    return out
+
+
+def split(arrays: Mapping[str, np.ndarray]) -> tuple[dict, dict]:
+    """The file's extra arrays by stored name: (the user's, flatopt's own)."""
+    user = {k: v for k, v in arrays.items() if not k.startswith(OWN_PREFIX)}
+    return user, {k: v for k, v in arrays.items() if k.startswith(OWN_PREFIX)}
+
+
+def _scalar(own: Mapping, key: str):
+    value = own.get(key)
+    if not isinstance(value, np.ndarray) or value.shape != ():
+        raise StateDictError(f"{key} is missing or not a single value")
+    return value.item()
+
+
+def ema_state(ck, own: Mapping, ema, matches) -> dict:
+    """The EMA state dict the file gives ``ema``: saved averages for the matched parameters
+    (live info, saved parameter), the live ones for the rest."""
+    state = {key: _scalar(own, NEST.join((EMA_KEY, key))) for key in EMA_SETTINGS}
+    averages = {path: None for path in ema.params}
+    for info, saved in matches:
+        packed = own.get(_buffer_key(saved.group, saved.dtype))
+        if packed is None or packed.ndim != 1 or packed.size < saved.offset + saved.size:
+            raise StateDictError(f"the EMA averages of group {saved.group} ({saved.dtype}) are "
+                                 f"missing or too short for {saved.path!r}")
+        averages[info.path] = packed[saved.offset:saved.offset + saved.size].reshape(info.shape)
+    live = ema.state_dict()["averages"] if any(v is None for v in averages.values()) else {}
+    state["averages"] = {path: live[path] if value is None else value
+                         for path, value in averages.items()}
+    return state
+
+
+def scaler_state(own: Mapping) -> dict:
+    enabled = _scalar(own, NEST.join((SCALER_KEY, "enabled")))
+    return {key: _scalar(own, NEST.join((SCALER_KEY, key))) for key in SCALER_SETTINGS} \
+        if enabled else {}
+
+
+def restorer(ck, own: Mapping, matches, *, strict: bool, ema: Any = None,
+             scaler: Any = None, scheduler: Any = None) -> Callable[[], None]:
+    """What a load does last, in its commit: the scheduler, EMA and scaler states from the
+    file (``ck``), each checked before the first changes. Returns the function that loads
+    them (put back as they were if one of them fails). Raises CheckpointMismatch for one
+    the file lacks (unless ``strict=False``: that one keeps its state) and CheckpointCorrupt
+    for a saved state that cannot be read."""
+    wanted = []
+    for name, target, key in (("EMA", ema, EMA_KEY), ("GradScaler", scaler, SCALER_KEY)):
+        if target is None:
+            continue
+        if not any(k.startswith(key + NEST) for k in own):
+            if strict:
+                raise CheckpointMismatch(
+                    f"checkpoint {ck.name} holds no {name} state (it was saved without "
+                    f"{'ema=' if target is ema else 'scaler='}); pass strict=False to keep "
+                    f"the live {name}'s state; nothing was changed", path=ck.name)
+            continue
+        try:
+            state = ema_state(ck, own, ema, matches) if target is ema else scaler_state(own)
+        except StateDictError as exc:
+            raise ck.corrupt(f"its {name} state: {exc}") from exc
+        wanted.append((name, target, state))
+    if scheduler is not None and ck.scheduler_state is not None:
+        wanted.insert(0, ("scheduler", scheduler, ck.scheduler_state))
+
+    def restore() -> None:
+        done = []
+        try:
+            for name, target, state in wanted:
+                before = target.state_dict()
+                try:
+                    target.load_state_dict(state)
+                except Exception as exc:
+                    raise CheckpointError(f"checkpoint {ck.name}: {name}.load_state_dict() "
+                                          f"failed: {exc}; the optimizer is unchanged",
+                                          path=ck.name) from exc
+                done.append((target, before))
+        except BaseException:
+            for target, before in reversed(done):
+                target.load_state_dict(before)
+            raise
+    return restore
