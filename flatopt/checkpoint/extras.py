@@ -17,7 +17,7 @@ optimizer.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -101,14 +101,16 @@ def scaler_state(own: Mapping) -> dict:
         if enabled else {}
 
 
-def restorer(ck, own: Mapping, matches, *, strict: bool, ema: Any = None,
-             scaler: Any = None, scheduler: Any = None) -> Callable[[], None]:
-    """What a load does last, in its commit: the scheduler, EMA and scaler states from the
-    file (``ck``), each checked before the first changes. Returns the function that loads
-    them (put back as they were if one of them fails). Raises CheckpointMismatch for one
-    the file lacks (unless ``strict=False``: that one keeps its state) and CheckpointCorrupt
-    for a saved state that cannot be read."""
+def wanted_states(ck, own: Mapping, matches, *, strict: bool, ema: Any = None,
+                  scaler: Any = None, scheduler: Any = None) -> list[tuple]:
+    """What a load takes from the file ``ck`` besides the optimizer: (what, object, state)
+    for the scheduler, EMA and scaler, each state read and checked now (``matches``: the
+    load's (live info, saved parameter) pairs). Raises CheckpointMismatch for one the file
+    lacks (unless ``strict=False``: that one keeps its state) and CheckpointCorrupt for a
+    saved state that cannot be read."""
     wanted = []
+    if scheduler is not None and ck.scheduler_state is not None:
+        wanted.append((f"checkpoint {ck.name}: scheduler", scheduler, ck.scheduler_state))
     for name, target, key in (("EMA", ema, EMA_KEY), ("GradScaler", scaler, SCALER_KEY)):
         if target is None:
             continue
@@ -123,24 +125,25 @@ def restorer(ck, own: Mapping, matches, *, strict: bool, ema: Any = None,
             state = ema_state(ck, own, ema, matches) if target is ema else scaler_state(own)
         except StateDictError as exc:
             raise ck.corrupt(f"its {name} state: {exc}") from exc
-        wanted.append((name, target, state))
-    if scheduler is not None and ck.scheduler_state is not None:
-        wanted.insert(0, ("scheduler", scheduler, ck.scheduler_state))
+        wanted.append((f"checkpoint {ck.name}: {name}", target, state))
+    return wanted
 
-    def restore() -> None:
-        done = []
-        try:
-            for name, target, state in wanted:
-                before = target.state_dict()
-                try:
-                    target.load_state_dict(state)
-                except Exception as exc:
-                    raise CheckpointError(f"checkpoint {ck.name}: {name}.load_state_dict() "
-                                          f"failed: {exc}; the optimizer is unchanged",
-                                          path=ck.name) from exc
-                done.append((target, before))
-        except BaseException:
-            for target, before in reversed(done):
-                target.load_state_dict(before)
-            raise
-    return restore
+
+def load_states(wanted: list[tuple], path: str) -> None:
+    """``load_state_dict`` of every (what, object, state) of :func:`wanted_states`, the last
+    thing a load does before it commits: if one fails, those done are put back as they were
+    and CheckpointError says which failed."""
+    done = []
+    try:
+        for what, target, state in wanted:
+            before = target.state_dict()
+            try:
+                target.load_state_dict(state)
+            except Exception as exc:
+                raise CheckpointError(f"{what}.load_state_dict() failed: {exc}; the optimizer "
+                                      "is unchanged", path=path) from exc
+            done.append((target, before))
+    except BaseException:
+        for target, before in reversed(done):
+            target.load_state_dict(before)
+        raise

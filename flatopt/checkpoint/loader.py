@@ -313,38 +313,66 @@ def load(source, opt: Optimizer, *, strict: bool = True,
         return sharded.load(source, opt, strict=strict, rename=rename,
                             hyperparameters=hyperparameters, regroup=regroup,
                             scheduler=scheduler, staging=staging)
-    with opt.lock, open_checkpoint(source) as ck:
+    with opt.lock, open_checkpoint(source) as ck, files.pool() as workers:
+        prepared = Prepared.of(ck, opt, workers, strict=strict, rename=rename,
+                               hyperparameters=hyperparameters, regroup=regroup,
+                               scheduler=scheduler, ema=ema, scaler=scaler)
+        prepared.apply(staging, lambda: extras.load_states(prepared.wanted, ck.name))
+        return prepared.result()
+
+
+@dataclass
+class Prepared:
+    """A load of ``ck`` into ``opt``, compared, read as far as it can be before the first
+    change, and validated; :meth:`apply` makes it."""
+
+    ck: Contents
+    opt: Optimizer
+    plan: Comparison
+    relaxed: list
+    arrays: dict
+    pending: Any
+    wanted: list
+    """(what, object, state) for the scheduler, EMA and scaler (``extras.wanted_states``)."""
+
+    @classmethod
+    def of(cls, ck: Contents, opt: Optimizer, workers, *, strict: bool, rename,
+           hyperparameters, regroup: bool, scheduler, ema=None, scaler=None) -> "Prepared":
         plan, relaxed, settings = checked_plan(ck, opt, strict=strict, rename=rename,
                                                hyperparameters=hyperparameters,
                                                regroup=regroup, scheduler=scheduler)
-        with files.pool() as workers:
-            arrays = guarded(ck, lambda: ck.read_arrays())
-            restore_extras = extras.restorer(ck, extras.split(arrays)[1], plan.matches,
-                                             strict=strict, ema=ema, scaler=scaler,
-                                             scheduler=scheduler)
-            state, params, buffers = _restore_arguments(ck, opt, plan, workers)
-            try:
-                pending = opt.prepare_restore(state, settings=settings, params=params,
-                                              buffers=buffers)
-            except StateDictError as exc:
-                raise ck.corrupt(str(exc)) from exc
-            budget = largest_buffer(ck) if staging is None else int(min(staging, 1 << 62))
-            try:
-                # the spill goes to tempfile's directory ($TMPDIR): the checkpoint's own may be
-                # read-only or full, and a load must not write beside what it reads
-                pending.apply(staging=budget, spill_dir=None,
-                              before_commit=restore_extras)
-            except StateDictError as exc:  # a value check of data read into place
-                raise ck.corrupt(str(exc)) from exc
-            except (OSError, MemoryError) as exc:  # the undo copy: a full disk, or memory
-                hint = ("a smaller staging= to keep less of the copy in memory"
-                        if isinstance(exc, MemoryError) else
-                        "a larger staging= to keep the copy in memory")
-                raise CheckpointError(f"could not load checkpoint {ck.name}: keeping a copy "
-                                      f"of the state to undo a failed load failed "
-                                      f"({type(exc).__name__}: {exc}); the optimizer is "
-                                      f"unchanged; pass {hint}", path=ck.name) from exc
-        return LoadResult.of(ck, opt, plan, relaxed, arrays)
+        arrays = guarded(ck, lambda: ck.read_arrays())
+        wanted = extras.wanted_states(ck, extras.split(arrays)[1], plan.matches, strict=strict,
+                                      ema=ema, scaler=scaler, scheduler=scheduler)
+        state, params, buffers = _restore_arguments(ck, opt, plan, workers)
+        try:
+            pending = opt.prepare_restore(state, settings=settings, params=params,
+                                          buffers=buffers)
+        except StateDictError as exc:
+            raise ck.corrupt(str(exc)) from exc
+        return cls(ck, opt, plan, relaxed, arrays, pending, wanted)
+
+    def apply(self, staging: int | None, before_commit) -> None:
+        """Make the load; ``before_commit`` runs last (its error undoes the load too)."""
+        ck = self.ck
+        budget = largest_buffer(ck) if staging is None else int(min(staging, 1 << 62))
+        try:
+            # the spill goes to tempfile's directory ($TMPDIR): the checkpoint's own may be
+            # read-only or full, and a load must not write beside what it reads
+            self.pending.apply(staging=budget, spill_dir=None, before_commit=before_commit)
+        except StateDictError as exc:  # a value check of data read into place
+            raise ck.corrupt(str(exc)) from exc
+        except (OSError, MemoryError) as exc:  # the undo copy: a full disk, or memory
+            hint = ("a smaller staging= to keep less of the copy in memory"
+                    if isinstance(exc, MemoryError) else
+                    "a larger staging= to keep the copy in memory")
+            raise CheckpointError(f"could not load checkpoint {ck.name}: keeping a copy "
+                                  f"of the state to undo a failed load failed "
+                                  f"({type(exc).__name__}: {exc}); the optimizer is "
+                                  f"unchanged; pass {hint}", path=ck.name) from exc
+
+    def result(self) -> LoadResult:
+        return LoadResult.of(self.ck, self.opt, self.plan, self.relaxed, self.arrays)
 
 
 def _check_options(opt, rename, hyperparameters, staging) -> None:
