@@ -22,8 +22,8 @@ import math
 import os
 import sys
 
-from .checkpoint import diff_checkpoints, inspect_checkpoint, verify_checkpoint
-from .errors import CheckpointError
+from .checkpoint import diff_checkpoints, inspect_checkpoint, run, verify_checkpoint
+from .errors import CheckpointError, CheckpointOptionError
 
 
 def _escaped(text: str) -> str:
@@ -187,16 +187,37 @@ def _strict_json(value):
 def _run(args: argparse.Namespace, emit) -> int:
     """The command's output and exit status."""
     if args.command == "verify":
-        result = verify_checkpoint(args.path)
-        emit(result) if args.json else _print_verify(result)
+        result = (run.verify_run(args.path) if run.is_run(args.path) else
+                  verify_checkpoint(args.path))
+        emit(result) if args.json else _each_member(result, _print_verify)
         return 0 if result["ok"] else 1
     if args.command == "inspect":
-        info = inspect_checkpoint(args.path, tensors=args.tensors)
-        emit(info) if args.json else _print_inspect(info)
+        info = (run.inspect_run(args.path, tensors=args.tensors) if run.is_run(args.path) else
+                inspect_checkpoint(args.path, tensors=args.tensors))
+        emit(info) if args.json else _each_member(info, _print_inspect)
         return 0
-    result = diff_checkpoints(args.a, args.b)
-    emit(result) if args.json else _print_diff(result)
+    if run.is_run(args.a) != run.is_run(args.b):
+        raise CheckpointOptionError("diff compares two runs of several optimizers, or two "
+                                    "checkpoints of one, not one of each")
+    result = (run.diff_runs(args.a, args.b) if run.is_run(args.a) else
+              diff_checkpoints(args.a, args.b))
+    emit(result) if args.json else _each_member(result, _print_diff)
     return 0 if result["identical"] else 1
+
+
+def _each_member(result: dict, show) -> None:
+    """``show(result)``, or for a run each member's under its name."""
+    if "members" not in result:
+        show(result)
+        return
+    for name, member in result["members"].items():
+        _say(f"== optimizer {name!r}")
+        show(member)
+    for key, where in (("only_in_a", "a"), ("only_in_b", "b")):
+        for name in result.get(key, ()):
+            _say(f"optimizer {name!r}: only in {result[where]}")
+    for problem in result.get("problems", ()):
+        _say(f"{result['path']}: NOT SOUND: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:

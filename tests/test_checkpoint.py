@@ -22,7 +22,7 @@ import flatopt
 from flatopt import cli
 from flatopt.checkpoint import manifest
 from flatopt.checkpoint import writer as writer_mod
-from flatopt.checkpoint.writer import _set_text, _Snapshot
+from flatopt.checkpoint.writer import _set_text, Snapshot
 from checkpoint_helpers import (add_buffer, check_round_trip, data_extent, edit, grouped,
                                 make_opt, model_params, same_snapshot, snapshot, state_equal,
                                 step_with_grads)
@@ -410,7 +410,7 @@ def test_not_a_checkpoint(tmp_path):
 def test_incomplete_save_is_refused(tmp_path):
     opt = make_opt("Adam")
     target = tmp_path / "partial.h5"
-    _Snapshot(opt, None, None).write(str(target), stop_before_digest=True)
+    Snapshot(opt, None, None).write(str(target), stop_before_digest=True)
     expect_corrupt(target.read_bytes(), match="did not finish")
 
 

@@ -228,7 +228,7 @@ def test_read_verifies_what_it_returns_and_only_reads_what_is_asked(tmp_path):
 def test_read_applies_the_state_value_checks(tmp_path, monkeypatch):
     opt = make_opt("Adam")
     opt.buffers[1].state["exp_avg_sq"][0] = -1.0  # no honest save writes this
-    monkeypatch.setattr(writer_mod._Snapshot, "value_problems", lambda self: [])
+    monkeypatch.setattr(writer_mod.Snapshot, "value_problems", lambda self: [])
     flatopt.save(tmp_path / "ck.h5", opt)
     with pytest.raises(flatopt.CheckpointCorrupt, match="exp_avg_sq"):
         flatopt.read(tmp_path / "ck.h5", state=True)

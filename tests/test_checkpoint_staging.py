@@ -131,7 +131,7 @@ def test_a_value_check_failure_after_the_fill_leaves_the_optimizer_untouched(tmp
     opt = make_opt("Adam", steps=3)
     opt.buffers[-1].state["exp_avg_sq"][1] = np.nan  # checksums match: only the value check
     with monkeypatch.context() as patch:
-        patch.setattr(writer_mod._Snapshot, "value_problems", lambda self: [])
+        patch.setattr(writer_mod.Snapshot, "value_problems", lambda self: [])
         flatopt.save(tmp_path / "ck.h5", opt)
     for staging in (0, None):
         target = make_opt("Adam", seed=7, steps=2)
@@ -303,7 +303,7 @@ def test_second_moments_are_checked_block_by_block_as_they_land(tmp_path, monkey
     per_block = reader.BLOCK_BYTES // flat.itemsize
     flat[[3, per_block * 2 + 5, flat.size - 1]] = [np.nan, -1.0, np.inf]
     with monkeypatch.context() as patch:
-        patch.setattr(writer_mod._Snapshot, "value_problems", lambda self: [])
+        patch.setattr(writer_mod.Snapshot, "value_problems", lambda self: [])
         flatopt.save(tmp_path / "ck.h5", opt)
     for target in (big(3, steps=0), big(3, steps=1)):
         before = snapshot(target)

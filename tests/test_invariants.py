@@ -21,7 +21,7 @@ from checkpoint_helpers import edit, make_opt, model_params, grouped, rehash, st
 from flatopt import cli
 from flatopt.checkpoint import writer as writer_mod
 from flatopt.checkpoint.format import MAX_JSON_DEPTH
-from flatopt.checkpoint.writer import _Snapshot
+from flatopt.checkpoint.writer import Snapshot
 from optimizers import NAMES, fit_shape, random_settings
 
 PROPERTY_CASES = int(os.environ.get("FLATOPT_PROPERTY_CASES", "300"))
@@ -102,7 +102,7 @@ def test_whatever_save_writes_load_accepts(tmp_path):
         size = int(rng.choice([0, 10, 5000, 200_000]))
         metadata = {"case": case, "blob": "x" * size, "nested": [1.5, None, {"k": True}]}
         arrays = random_arrays(rng)
-        estimate = _Snapshot(opt, metadata, None, arrays).estimate_bytes()
+        estimate = Snapshot(opt, metadata, None, arrays).estimate_bytes()
         flatopt.save(path, opt, metadata=metadata, arrays=arrays)
         assert path.stat().st_size <= estimate, f"case {case}: the space reservation is short"
         fresh = build()

@@ -11,15 +11,17 @@ Modules, one job each: ``format`` (names, versions, limits, digests), ``files`` 
 replace), ``writer`` (save), ``reader`` (opening, hostile-file guards, structure), ``validate``
 (what the contents mean against the optimizer's schema), ``compare`` (differences and the
 options that accept them), ``loader`` (load), ``offline`` (read), ``tools`` (inspect,
-verify, diff).
+verify, diff), ``extras`` (EMA and GradScaler state), ``run`` (several optimizers in one
+directory), ``api`` (the public save, load and read: one optimizer or several, decided once).
 """
 
+from .api import load, read, save
 from .compare import Difference
 from .format import FORMAT, FORMAT_VERSION
-from .loader import LoadResult, load, open_checkpoint
-from .offline import CheckpointData, read
+from .loader import LoadResult, open_checkpoint
+from .offline import CheckpointData
 from .tools import diff_checkpoints, inspect_checkpoint, verify_checkpoint
-from .writer import SaveHandle, save
+from .writer import SaveHandle
 
 __all__ = ["save", "load", "read", "LoadResult", "CheckpointData", "SaveHandle", "Difference",
            "open_checkpoint", "inspect_checkpoint", "verify_checkpoint", "diff_checkpoints",

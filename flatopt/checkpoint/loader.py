@@ -303,7 +303,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     Peak memory is the live state plus ``staging`` (plus the buffers a partial, renamed or
     regrouped load takes per path).
     """
-    _check_options(opt, rename, hyperparameters, staging)
+    check_options(opt, rename, hyperparameters, staging)
     check_flags(strict=strict, regroup=regroup)
     if opt._sharding is not None:  # comm= over several ranks: collective
         if ema is not None or scaler is not None:
@@ -375,7 +375,7 @@ class Prepared:
         return LoadResult.of(self.ck, self.opt, self.plan, self.relaxed, self.arrays)
 
 
-def _check_options(opt, rename, hyperparameters, staging) -> None:
+def check_options(opt, rename, hyperparameters, staging) -> None:
     if hyperparameters not in (None, "saved", "live"):
         raise CheckpointOptionError(f"hyperparameters must be None, 'saved' or 'live', got "
                                     f"{hyperparameters!r}")

@@ -136,7 +136,7 @@ def write_part(directory: str, save_id: str, rank: int, world_size: int,
     slot, start, stop, array). Returns its fragment rows: [group, dtype, slot, rank, start,
     stop, digest]."""
     from .. import __version__
-    from .writer import _create_contiguous, _set_text, _Snapshot
+    from .writer import _create_contiguous, _set_text, Snapshot
     rows = []
 
     def write(target: str) -> None:
@@ -157,7 +157,7 @@ def write_part(directory: str, save_id: str, rank: int, world_size: int,
                 pending.append((_create_contiguous(parent, slot, array.shape, array.dtype),
                                 array))
             for (ds, _), hashes, (group, dtype, slot, start, stop, _) in zip(
-                    pending, _Snapshot._write_data(target, pending, None), stored):
+                    pending, Snapshot._write_data(target, pending, None), stored):
                 ds.attrs.create("checksums", data=hashes.astype("<u8"))
                 digest = hashes_digest(hashes)
                 _set_text(ds, "digest", digest)
@@ -172,7 +172,7 @@ def write_part(directory: str, save_id: str, rank: int, world_size: int,
 
 
 def commit(directory: str, snapshot, save_id: str, world_size: int, rows: list[list]) -> None:
-    """Rank 0: the manifest from ``snapshot`` (a ``writer._Snapshot`` made with
+    """Rank 0: the manifest from ``snapshot`` (a ``writer.Snapshot`` made with
     ``buffers=False``) and every rank's fragment rows, checked, then renamed into place (the
     commit); then the part files of other saves are removed."""
     numbers = {(saved.group, saved.dtype.name): saved.number for saved in snapshot.buffers}

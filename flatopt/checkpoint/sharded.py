@@ -119,7 +119,7 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
          arrays: dict | None = None, background: bool = False) -> str:
     """flatopt.save for a sharded optimizer: one file per rank and a manifest (see above).
     Returns the directory's absolute path."""
-    from .writer import _Snapshot
+    from .writer import Snapshot
     comm = opt.comm
     rank, size = comm.Get_rank(), comm.Get_size()
     if background:
@@ -147,7 +147,7 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
             if problems:
                 raise CheckpointError("cannot save this optimizer (nothing was written): "
                                       + "; ".join(problems[:20]), path=directory)
-            snapshot = (_Snapshot(opt, metadata, scheduler, arrays, check=False, buffers=False)
+            snapshot = (Snapshot(opt, metadata, scheduler, arrays, check=False, buffers=False)
                         if rank == 0 else None)
             return directory, pieces, snapshot
 

@@ -161,6 +161,7 @@ def _value_difference(va: np.ndarray, vb: np.ndarray) -> dict | None:
     None when they are equal."""
     numeric = va.dtype.kind in "iuf"
     floating = va.dtype.kind == "f"
+    va, vb = va.reshape(-1), vb.reshape(-1)   # a 0-d array too (an EMA's count)
     if np.array_equal(va, vb, equal_nan=floating):
         return None
     both_nan = (np.isnan(va) & np.isnan(vb)) if floating else np.zeros(va.shape, bool)

@@ -1,7 +1,7 @@
 """``save``: an optimizer (through its public contract) into a checkpoint file, in the calling
 thread or in the background.
 
-A save gathers everything first (``_Snapshot``: settings, index, texts, extra arrays, checked
+A save gathers everything first (``Snapshot``: settings, index, texts, extra arrays, checked
 against the format's limits and the schema's value checks) before the target is touched. The
 file is then written with HDF5 (metadata, index, one contiguous dataset per buffer, allocated
 up front) while the buffers' bytes go straight to their place in the file on several threads,
@@ -130,7 +130,7 @@ class _Buffer:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)   # "params" and state slots
 
 
-class _Snapshot:
+class Snapshot:
     """What save writes, gathered and checked before the target is touched.
 
     ``memory`` (a dict kept by a background saver) makes it a copy: the buffers and extra
@@ -446,7 +446,7 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
                           ema=ema, scaler=scaler)
     with opt.lock:  # no step can change the buffers while they are written
         try:
-            snapshot = _Snapshot(opt, metadata, scheduler, arrays, ema=ema, scaler=scaler)
+            snapshot = Snapshot(opt, metadata, scheduler, arrays, ema=ema, scaler=scaler)
         except OSError as exc:
             raise _snapshot_error(final, exc) from exc
         files.replace_atomically(final, snapshot.write)
@@ -529,7 +529,7 @@ class _Saver:
             start = time.perf_counter()
             with opt.lock:
                 try:
-                    snapshot = _Snapshot(opt, what["metadata"], what["scheduler"],
+                    snapshot = Snapshot(opt, what["metadata"], what["scheduler"],
                                          what["arrays"], ema=what["ema"],
                                          scaler=what["scaler"], memory=self.memory,
                                          check=False)
@@ -545,7 +545,7 @@ class _Saver:
             return handle
 
     @staticmethod
-    def _run(snapshot: _Snapshot, handle: SaveHandle) -> None:
+    def _run(snapshot: Snapshot, handle: SaveHandle) -> None:
         try:
             try:
                 problems = snapshot.value_problems()

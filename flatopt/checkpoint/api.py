@@ -1,0 +1,81 @@
+"""The public ``save``, ``load`` and ``read``, decided once: one optimizer (``writer``,
+``loader``, ``offline``; a sharded optimizer's directory through them) or a dict of several
+(``run``: one directory committed at once)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from ..errors import CheckpointMismatch, CheckpointOptionError
+from . import loader, offline, run, writer
+from .loader import LoadResult
+from .offline import CheckpointData
+from .writer import SaveHandle
+
+
+def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any = None,
+         metadata: Any = None, arrays: Mapping[str, Any] | None = None, ema: Any = None,
+         scaler: Any = None, background: bool = False) -> "str | SaveHandle":
+    """Save an optimizer, or a dict ``{name: optimizer}`` of several, to ``path``.
+
+    One optimizer: see :func:`flatopt.checkpoint.writer.save` (a file; a directory for an
+    optimizer sharded over ranks). Several (``flatopt.save(path, {"muon": muon, "adamw":
+    adamw}, schedulers={"muon": s1, "adamw": s2}, ema=[ema1, ema2], scaler=scaler)``): the
+    directory ``path`` holds one file per optimizer and a commit file written last, so the run
+    is saved whole or not at all (see :mod:`flatopt.checkpoint.run`); ``ema=`` takes an EMA,
+    a list of EMAs (each stored with the optimizer it averages) or a dict by name;
+    ``metadata``, ``arrays`` and ``scaler`` are the run's. Returns the absolute path.
+    """
+    if isinstance(opt, Mapping):
+        if scheduler is not None:
+            raise CheckpointOptionError("with several optimizers, pass schedulers={name: "
+                                        "scheduler} (scheduler= is for one optimizer)")
+        return run.save(path, opt, schedulers=schedulers, metadata=metadata, arrays=arrays,
+                        ema=ema, scaler=scaler, background=background)
+    if schedulers is not None:
+        raise CheckpointOptionError("schedulers= is for a dict of optimizers; with one, pass "
+                                    "scheduler=")
+    return writer.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
+                       ema=ema, scaler=scaler, background=background)
+
+
+def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str | None = None,
+         regroup: bool = False, scheduler: Any = None, schedulers: Any = None, ema: Any = None,
+         scaler: Any = None, staging: int | None = None) -> "LoadResult | dict[str, LoadResult]":
+    """Load a checkpoint into an optimizer, or a run's into a dict ``{name: optimizer}``.
+
+    One optimizer: see :func:`flatopt.checkpoint.loader.load`. Several: every optimizer given
+    must be in the run (and, unless ``strict=False``, every saved one given); all are
+    verified and compared first, then loaded in one commit (any failure puts every optimizer,
+    scheduler, EMA and scaler back). Returns ``{name: LoadResult}``; the run's metadata and
+    arrays are in its first optimizer's result.
+    """
+    options = dict(strict=strict, rename=rename, hyperparameters=hyperparameters,
+                   regroup=regroup, ema=ema, scaler=scaler, staging=staging)
+    if isinstance(opt, Mapping):
+        if scheduler is not None:
+            raise CheckpointOptionError("with several optimizers, pass schedulers={name: "
+                                        "scheduler} (scheduler= is for one optimizer)")
+        return run.load(source, opt, schedulers=schedulers, **options)
+    if schedulers is not None:
+        raise CheckpointOptionError("schedulers= is for a dict of optimizers; with one, pass "
+                                    "scheduler=")
+    if run.is_run(source):
+        names = [entry["name"] for entry in run.read_run(source)["members"]]
+        raise CheckpointMismatch(f"checkpoint {source} is a run of the optimizers {names[:20]}: "
+                                 "load it with flatopt.load(path, {name: optimizer, ...})",
+                                 path=str(source))
+    return loader.load(source, opt, scheduler=scheduler, **options)
+
+
+def read(source, *, state: bool = False, arrays: bool = True
+         ) -> "CheckpointData | dict[str, CheckpointData]":
+    """What a checkpoint holds, without an optimizer (see
+    :func:`flatopt.checkpoint.offline.read`); for a run, ``{name: CheckpointData}``."""
+    if run.is_run(source):
+        with run.open_members(source) as members:
+            paths = {name: ck.name for name, ck in members.items()}
+        return {name: offline.read(path, state=state, arrays=arrays)
+                for name, path in paths.items()}
+    return offline.read(source, state=state, arrays=arrays)

@@ -1,0 +1,377 @@
+"""One checkpoint for several optimizers (Muon for the matrices and AdamW for the rest):
+``save(path, {"muon": muon, "adamw": adamw}, schedulers={...})`` and ``load(path, {...})``.
+
+``path`` becomes a directory::
+
+    path/<save_id>.<k>.h5   the k-th optimizer's checkpoint, an ordinary file (format
+                            ``flatopt.checkpoint``) holding its scheduler and EMA; the first
+                            one also holds the run's metadata, extra arrays and GradScaler
+    path/run.json           written last, the save's commit: format ``flatopt.checkpoint.run``
+                            version 1, save_id, the members (name, file, the file's commit
+                            digest) and a sha256 digest over them
+
+Every member is checked before the first file is written (all the optimizers' locks held), and
+a load compares and validates every member against its optimizer before the first one changes;
+the members then load in one commit: if any fails, every optimizer, scheduler, EMA and scaler
+is put back. Replacing ``run.json`` commits a save (as a sharded checkpoint's manifest): a
+crash leaves the previous run, and the member files of a save that never committed are removed
+by the next save that does. ``inspect``, ``verify`` and ``diff`` show each member.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+from typing import Any, Mapping
+
+import h5py
+
+from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointOptionError
+from ..optimizer import Optimizer
+from . import extras, files
+from .format import check_flags
+from .loader import Prepared, check_options, parse
+from .manifest import MANIFEST
+from .tools import diff_checkpoints, inspect_checkpoint, verify_checkpoint
+from .writer import Snapshot
+
+RUN_FILE = "run.json"
+RUN_FORMAT = "flatopt.checkpoint.run"
+RUN_VERSION = 1
+MAX_OPTIMIZERS = 256
+MAX_RUN_BYTES = 1 << 20
+_MEMBER = re.compile(r"(?P<save_id>[0-9a-f]{16})\.(?P<k>0|[1-9][0-9]{0,2})\.h5", re.ASCII)
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
+SUPERSEDED_RETRIES = 3
+
+
+def is_run(source) -> bool:
+    """Whether ``source`` is a directory holding a run's commit file."""
+    if not isinstance(source, (str, os.PathLike)):
+        return False
+    try:
+        return os.path.isfile(os.path.join(source, RUN_FILE))
+    except (TypeError, ValueError):
+        return False
+
+
+def _digest(content: Mapping) -> str:
+    text = json.dumps({k: content[k] for k in ("format", "format_version", "save_id",
+                                                "members")},
+                      sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- checks
+def _name_problem(name: Any) -> str | None:
+    if not isinstance(name, str) or not name or "\x00" in name or len(name) > 1024:
+        return f"optimizer names are non-empty strings without NUL (at most 1024), got {name!r}"
+    return None
+
+
+def checked_optimizers(optimizers: Any, what: str) -> dict[str, Optimizer]:
+    """``{name: optimizer}`` checked: distinct flatopt optimizers, none sharded over ranks."""
+    if not isinstance(optimizers, Mapping) or not optimizers:
+        raise CheckpointOptionError(f"{what} takes an optimizer or a non-empty dict "
+                                    f"{{name: optimizer}}")
+    problems = []
+    if len(optimizers) > MAX_OPTIMIZERS:
+        problems.append(f"{len(optimizers)} optimizers (at most {MAX_OPTIMIZERS})")
+    seen: dict[int, str] = {}
+    for name, opt in optimizers.items():
+        problem = _name_problem(name)
+        if problem:
+            problems.append(problem)
+        elif not isinstance(opt, Optimizer):
+            problems.append(f"{name!r} is a {type(opt).__name__}, not a flatopt optimizer")
+        elif opt._sharding is not None:
+            problems.append(f"{name!r} is sharded over ranks: save a sharded optimizer on its "
+                            "own (its checkpoint is a directory of its own)")
+        elif id(opt) in seen:
+            problems.append(f"{name!r} is the same optimizer as {seen[id(opt)]!r}")
+        else:
+            seen[id(opt)] = name
+    if problems:
+        raise CheckpointOptionError(f"{what}: " + "; ".join(problems[:20]))
+    return dict(optimizers)
+
+
+def _per_member(value: Any, optimizers: Mapping[str, Optimizer], what: str) -> dict[str, Any]:
+    """``schedulers=`` or ``ema=`` spread over the members: a dict by name (schedulers, or
+    EMAs), or EMAs found by the optimizer each averages."""
+    if value is None:
+        return {}
+    if what == "ema" and not isinstance(value, Mapping):
+        value = list(value) if isinstance(value, (list, tuple)) else [value]
+        owners = {id(opt): name for name, opt in optimizers.items()}
+        spread: dict[str, Any] = {}
+        for ema in value:
+            name = owners.get(id(getattr(ema, "opt", None)))
+            if name is None or name in spread:
+                raise CheckpointOptionError(
+                    "ema= takes EMAs of the optimizers given, at most one each (or a dict "
+                    f"{{name: EMA}}); {type(ema).__name__} is not one of them"
+                    if name is None else f"ema=: two EMAs of optimizer {name!r}")
+            spread[name] = ema
+        return spread
+    if not isinstance(value, Mapping):
+        raise CheckpointOptionError(f"with several optimizers, {what}= takes a dict "
+                                    f"{{name: {what}}}, got {type(value).__name__}")
+    unknown = [name for name in value if name not in optimizers]
+    if unknown:
+        raise CheckpointOptionError(f"{what}= names {unknown[:10]}, which are not among the "
+                                    f"optimizers {list(optimizers)[:20]}")
+    return {name: v for name, v in value.items() if v is not None}
+
+
+def named(exc: CheckpointError, name: str) -> CheckpointError:
+    """``exc`` (kept as it is: its type, path, differences), its message naming the member."""
+    exc.args = (f"optimizer {name!r}: {exc.args[0] if exc.args else ''}", *exc.args[1:])
+    return exc
+
+
+@contextlib.contextmanager
+def _all_locked(optimizers: Mapping[str, Optimizer]):
+    with contextlib.ExitStack() as stack:
+        for opt in optimizers.values():
+            stack.enter_context(opt.lock)
+        yield
+
+
+# ----------------------------------------------------------------------------- save
+def save(path, optimizers: Mapping, *, schedulers=None, metadata=None, arrays=None, ema=None,
+         scaler=None, background: bool = False) -> str:
+    """See ``flatopt.save``: several optimizers in one directory, committed at once."""
+    check_flags(background=background)
+    optimizers = checked_optimizers(optimizers, "save()")
+    if background:
+        raise CheckpointOptionError("save() of several optimizers has no background=True yet: "
+                                    "save them in the foreground")
+    schedulers = _per_member(schedulers, optimizers, "scheduler")
+    emas = _per_member(ema, optimizers, "ema")
+    final = files.target_path(path, directory_target=os.path.isdir(files.file_name(path)))
+    if os.path.isdir(final) and os.path.exists(os.path.join(final, MANIFEST)):
+        raise CheckpointError(f"cannot save checkpoint {final}: it holds a sharded checkpoint; "
+                              "choose another path", path=final)
+    save_id = secrets.token_hex(8)
+    with _all_locked(optimizers):
+        snapshots = []
+        for k, (name, opt) in enumerate(optimizers.items()):
+            try:
+                snapshots.append(Snapshot(
+                    opt, metadata if k == 0 else None, schedulers.get(name),
+                    arrays if k == 0 else None, ema=emas.get(name),
+                    scaler=scaler if k == 0 else None))
+            except CheckpointError as exc:
+                raise named(exc, name)
+        try:
+            os.makedirs(final, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot save checkpoint {final}: {exc}", path=final) from exc
+        members = []
+        for k, (name, snapshot) in enumerate(zip(optimizers, snapshots)):
+            member = f"{save_id}.{k}.h5"
+            files.replace_atomically(os.path.join(final, member), snapshot.write)
+            with h5py.File(os.path.join(final, member), "r") as f:
+                digest = f.attrs["digest"]
+            members.append({"name": name, "file": member,
+                            "digest": digest.decode() if isinstance(digest, bytes) else digest})
+    content = {"format": RUN_FORMAT, "format_version": RUN_VERSION, "save_id": save_id,
+               "members": members}
+    content["digest"] = _digest(content)
+    text = json.dumps(content, indent=1, ensure_ascii=True).encode()
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as out:
+            out.write(text)
+    files.replace_atomically(os.path.join(final, RUN_FILE), write)   # the commit
+    for entry in os.listdir(final):   # member files of earlier (or crashed) saves
+        match = _MEMBER.fullmatch(entry)
+        if match and match["save_id"] != save_id:
+            files.remove_plain_file(os.path.join(final, entry))
+    return final
+
+
+# ----------------------------------------------------------------------------- read
+def read_run(directory: str) -> dict:
+    """The commit file of the run at ``directory``, checked: format, version, digest, and
+    member files named as this format names them (inside the directory)."""
+    where = os.path.join(os.path.abspath(directory), RUN_FILE)
+
+    def corrupt(message: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(f"checkpoint {where} is damaged or not a flatopt run: "
+                                 f"{message}", path=where)
+    try:
+        with open(where, "rb") as f:
+            raw = f.read(MAX_RUN_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {where}: {exc}", path=where) from exc
+    if len(raw) > MAX_RUN_BYTES:
+        raise corrupt(f"larger than {MAX_RUN_BYTES} bytes")
+    try:
+        content = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise corrupt(f"not JSON ({exc})") from None
+    keys = {"format", "format_version", "save_id", "members", "digest"}
+    if not isinstance(content, dict) or set(content) != keys:
+        raise corrupt(f"expected the keys {sorted(keys)}")
+    if content["format"] != RUN_FORMAT:
+        raise corrupt(f"format is {str(content['format'])[:80]!r}, not {RUN_FORMAT!r}")
+    version = content["format_version"]
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise corrupt(f"format_version {version!r}")
+    if version > RUN_VERSION:
+        raise CheckpointMismatch(f"checkpoint {where} has run format version {version}, but "
+                                 f"this flatopt reads up to {RUN_VERSION}: upgrade flatopt",
+                                 path=where)
+    if content["digest"] != _digest(content):
+        raise corrupt("its digest does not match (it was modified or damaged)")
+    members = content["members"]
+    if not isinstance(members, list) or not 0 < len(members) <= MAX_OPTIMIZERS:
+        raise corrupt("members is not a list of 1 to 256 entries")
+    names = set()
+    for k, entry in enumerate(members):
+        if not isinstance(entry, dict) or set(entry) != {"name", "file", "digest"}:
+            raise corrupt(f"member {k} is not {{name, file, digest}}")
+        if _name_problem(entry["name"]) or entry["name"] in names:
+            raise corrupt(f"member {k} has a bad or repeated name {str(entry['name'])[:80]!r}")
+        names.add(entry["name"])
+        if entry["file"] != f"{content['save_id']}.{k}.h5" \
+                or not _MEMBER.fullmatch(str(entry["file"])):
+            raise corrupt(f"member {k} names the file {str(entry['file'])[:80]!r}")
+        if not isinstance(entry["digest"], str) or not _DIGEST.fullmatch(entry["digest"]):
+            raise corrupt(f"member {k} has a bad digest")
+    return content
+
+
+@contextlib.contextmanager
+def open_members(directory: str):
+    """``{name: Contents}`` of every member of the run, each parsed, checked and matched to
+    the digest the commit recorded (a run committing meanwhile is read again)."""
+    for attempt in range(SUPERSEDED_RETRIES):
+        content = read_run(directory)
+        opened: dict[str, Any] = {}
+        try:
+            for entry in content["members"]:
+                member = os.path.join(os.path.abspath(directory), entry["file"])
+                if not os.path.isfile(member) and attempt < SUPERSEDED_RETRIES - 1 \
+                        and read_run(directory)["save_id"] != content["save_id"]:
+                    raise _Superseded
+                ck = opened[entry["name"]] = parse(member)
+                if ck.digest != entry["digest"]:
+                    raise CheckpointCorrupt(
+                        f"checkpoint {directory}: member {entry['name']!r} ({member}) is not "
+                        "the file its run committed (its digest differs)", path=member)
+        except _Superseded:
+            for ck in opened.values():
+                ck.close()
+            continue
+        except BaseException:
+            for ck in opened.values():
+                ck.close()
+            raise
+        try:
+            yield opened
+        finally:
+            for ck in opened.values():
+                ck.close()
+        return
+
+
+class _Superseded(Exception):
+    """A save committed while the run was being opened: open the newer one."""
+
+
+# ----------------------------------------------------------------------------- load
+def load(source, optimizers: Mapping, *, strict: bool = True, rename=None,
+         hyperparameters=None, regroup: bool = False, schedulers=None, ema=None, scaler=None,
+         staging: int | None = None) -> dict:
+    """See ``flatopt.load``: every optimizer of the run at ``source`` in one commit; returns
+    ``{name: LoadResult}`` (the first one's holds the run's metadata and arrays)."""
+    optimizers = checked_optimizers(optimizers, "load()")
+    for opt in optimizers.values():
+        check_options(opt, rename, hyperparameters, staging)
+    check_flags(strict=strict, regroup=regroup)
+    schedulers = _per_member(schedulers, optimizers, "scheduler")
+    emas = _per_member(ema, optimizers, "ema")
+    if not is_run(source):
+        raise CheckpointMismatch(f"checkpoint {source} holds one optimizer, not a run of "
+                                 f"several: load it with flatopt.load(path, optimizer)",
+                                 path=str(source))
+    with _all_locked(optimizers), open_members(source) as members, files.pool() as workers:
+        saved = list(members)
+        missing = [name for name in optimizers if name not in members]
+        unused = [name for name in saved if name not in optimizers]
+        if missing or (unused and strict):
+            raise CheckpointMismatch(
+                f"checkpoint {source} holds the optimizers {saved[:20]}; "
+                + (f"it has none named {missing[:20]}" if missing else
+                   f"{unused[:20]} were not given (pass strict=False to load the rest)")
+                + "; nothing was loaded", path=str(source))
+        prepared = []
+        for k, (name, opt) in enumerate(optimizers.items()):
+            first = saved.index(name) == 0
+            try:
+                prepared.append(Prepared.of(
+                    members[name], opt, workers, strict=strict, rename=rename,
+                    hyperparameters=hyperparameters, regroup=regroup,
+                    scheduler=schedulers.get(name), ema=emas.get(name),
+                    scaler=scaler if first else None))
+            except CheckpointError as exc:
+                raise named(exc, name)
+        if scaler is not None and not any(saved.index(n) == 0 for n in optimizers):
+            raise CheckpointOptionError(f"scaler=: the run's GradScaler is saved with its first "
+                                        f"optimizer {saved[0]!r}, which was not given")
+        wanted = [w for p in prepared for w in p.wanted]
+
+        def apply_from(k: int) -> None:
+            if k == len(prepared):
+                extras.load_states(wanted, str(source))
+            else:   # the next member loads inside this one's commit: its failure undoes both
+                prepared[k].apply(staging, lambda: apply_from(k + 1))
+        apply_from(0)
+        return {name: p.result() for name, p in zip(optimizers, prepared)}
+
+
+# ----------------------------------------------------------------------------- tools
+def _members(directory: str) -> list[tuple[str, str]]:
+    """(name, member file) of the run at ``directory``, every member checked against it."""
+    with open_members(directory) as members:
+        return [(name, ck.name) for name, ck in members.items()]
+
+
+def inspect_run(directory: str, *, tensors: bool = False) -> dict:
+    """``inspect_checkpoint`` of every member: ``{"path", "run": save_id, "members"}``."""
+    return {"path": os.path.abspath(directory), "run": read_run(directory)["save_id"],
+            "members": {name: inspect_checkpoint(member, tensors=tensors)
+                        for name, member in _members(directory)}}
+
+
+def verify_run(directory: str) -> dict:
+    """``verify_checkpoint`` of every member; ``ok`` only when the run and all are sound."""
+    result: dict[str, Any] = {"path": os.path.abspath(directory), "ok": False, "problems": [],
+                              "members": {}}
+    try:
+        members = _members(directory)
+    except CheckpointError as exc:
+        result["problems"].append(str(exc))
+        return result
+    result["members"] = {name: verify_checkpoint(member) for name, member in members}
+    result["ok"] = all(entry["ok"] for entry in result["members"].values())
+    return result
+
+
+def diff_runs(a: str, b: str) -> dict:
+    """``diff_checkpoints`` of the members two runs share, and the names only one has."""
+    ma, mb = dict(_members(a)), dict(_members(b))
+    members = {name: diff_checkpoints(ma[name], mb[name]) for name in ma if name in mb}
+    only_a = [name for name in ma if name not in mb]
+    only_b = [name for name in mb if name not in ma]
+    return {"a": os.path.abspath(a), "b": os.path.abspath(b), "members": members,
+            "only_in_a": only_a, "only_in_b": only_b,
+            "identical": not only_a and not only_b and all(d["identical"]
+                                                           for d in members.values())}
