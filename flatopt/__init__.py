@@ -29,7 +29,7 @@ from .kernels.threads import set_policy as set_parallel_policy
 
 from . import lr_scheduler  # noqa: E402 (it builds on the optimizer classes above)
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",

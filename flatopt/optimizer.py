@@ -133,6 +133,12 @@ class Optimizer:
         self._add_groups(groups, require_params=True)
 
     @property
+    def sharding(self):
+        """The ZeRO-1 sharding of the state over the ranks of ``comm=`` (a
+        ``flatopt.distributed.Sharding``), or None for an optimizer that holds all of it."""
+        return self._sharding
+
+    @property
     def device(self) -> str:
         """Where the buffers live and the kernels run: "cpu" or "cuda"."""
         return "cpu" if self._device is None else "cuda"

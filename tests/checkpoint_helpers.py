@@ -11,7 +11,7 @@ import numpy as np
 import flatopt
 from flatopt.checkpoint.format import (BLOCK_BYTES, hash_block, hashes_digest, manifest_digest,
                                        n_blocks)
-from flatopt.checkpoint.writer import _create_contiguous, _set_text
+from flatopt.checkpoint.h5write import create_contiguous, set_text
 from optimizers import fit_params, rich_settings
 
 
@@ -145,12 +145,12 @@ def rehash(ds) -> None:
     attacker (or a tool that rewrote the data through HDF5) could."""
     hashes = block_hashes_of(ds[...])
     ds.attrs.create("checksums", data=hashes)
-    _set_text(ds, "digest", hashes_digest(hashes))
+    set_text(ds, "digest", hashes_digest(hashes))
 
 
 def add_buffer(parent, name: str, values: np.ndarray):
     """A format-2 buffer dataset (contiguous, checksummed) with ``values``."""
-    ds = _create_contiguous(parent, name, values.shape, values.dtype)
+    ds = create_contiguous(parent, name, values.shape, values.dtype)
     ds[...] = values
     rehash(ds)
     return ds
@@ -215,7 +215,7 @@ def reseal(data: bytes) -> bytes:
                                        _plain(ds.attrs.get("digest"))]
                 except Exception:
                     continue
-        _set_text(f, "digest", manifest_digest(header, groups, columns, buffers, arrays))
+        set_text(f, "digest", manifest_digest(header, groups, columns, buffers, arrays))
     return bio.getvalue()
 
 

@@ -22,7 +22,8 @@ import flatopt
 from flatopt import cli
 from flatopt.checkpoint import manifest
 from flatopt.checkpoint import writer as writer_mod
-from flatopt.checkpoint.writer import _set_text, Snapshot
+from flatopt.checkpoint.h5write import set_text
+from flatopt.checkpoint.writer import Snapshot
 from checkpoint_helpers import (add_buffer, check_round_trip, data_extent, edit, grouped,
                                 make_opt, model_params, same_snapshot, snapshot, state_equal,
                                 step_with_grads)
@@ -417,8 +418,8 @@ def test_incomplete_save_is_refused(tmp_path):
 def test_edited_attributes_and_index_fail_the_digest(saved):
     _, data = saved
     edits = [
-        lambda f: _set_text(f["groups/0"], "hyperparameters", '{"lr": 1.0}'),
-        lambda f: _set_text(f, "flatopt_version", "9.9"),
+        lambda f: set_text(f["groups/0"], "hyperparameters", '{"lr": 1.0}'),
+        lambda f: set_text(f, "flatopt_version", "9.9"),
         lambda f: f["metadata"].__setitem__((), b'{"evil": 1}'),
         lambda f: f["index/step"].__setitem__(0, 99),
         lambda f: f["index/path"].__setitem__(0, b"dec.weight"),
@@ -459,7 +460,7 @@ def resealed_cases(data):
         "negative step": (set_column("step", 2, -1), "outside"),
         "group out of range": (set_column("group", 0, 9), "no float"),
         "negative dimension": (set_shape(0, [-4, -3]), "negative"),
-        "bad hyperparameter": (lambda f: _set_text(
+        "bad hyperparameter": (lambda f: set_text(
             f["groups/0"], "hyperparameters", json.dumps({"lr": -1})), "lr"),
         "variable-length string": (lambda f: f.attrs.__setitem__("optimizer", "Adam"),
                                    "fixed-length"),
@@ -474,7 +475,7 @@ def resealed_cases(data):
 
 
 @pytest.mark.parametrize("edit_newer, what", [
-    (lambda f: _set_text(f, "optimizer", "Sophia"), "optimizer 'Sophia'"),
+    (lambda f: set_text(f, "optimizer", "Sophia"), "optimizer 'Sophia'"),
     (lambda f: f.attrs.__setitem__("schema_version", 7), "schema version 7"),
     (lambda f: add_buffer(f["groups/0/float32"], "exp_avg_cubed", np.zeros(
         f["groups/0/float32"].attrs["length"], np.float32)), "slots ['exp_avg_cubed']"),
@@ -646,7 +647,7 @@ def test_enospc_mid_write_removes_the_temporary_file(tmp_path, monkeypatch):
     opt = make_opt("SGD")
     flatopt.save(tmp_path / "ck.h5", opt)
     original = (tmp_path / "ck.h5").read_bytes()
-    real = writer_mod._write_buffer
+    real = writer_mod.write_buffer
     calls = []
 
     def failing(*args):
@@ -655,7 +656,7 @@ def test_enospc_mid_write_removes_the_temporary_file(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args)
 
-    monkeypatch.setattr(writer_mod, "_write_buffer", failing)
+    monkeypatch.setattr(writer_mod, "write_buffer", failing)
     with pytest.raises(flatopt.CheckpointError, match="disk is full"):
         flatopt.save(tmp_path / "ck.h5", make_opt("SGD", seed=3))
     assert os.listdir(tmp_path) == ["ck.h5"]

@@ -8,7 +8,9 @@ import os
 from typing import Any, Mapping
 
 from ..errors import CheckpointMismatch, CheckpointOptionError
-from . import loader, offline, run, writer
+from ..optimizer import Optimizer
+from . import loader, offline, run, sharded, writer
+from .format import check_flags
 from .loader import LoadResult
 from .offline import CheckpointData
 from .writer import SaveHandle
@@ -36,6 +38,10 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
     if schedulers is not None:
         raise CheckpointOptionError("schedulers= is for a dict of optimizers; with one, pass "
                                     "scheduler=")
+    if _sharded(opt):   # comm= over several ranks: collective
+        _no_training_state(ema, scaler, "save")
+        return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
+                            background=background)
     return writer.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
                        ema=ema, scaler=scaler, background=background)
 
@@ -66,7 +72,25 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
         raise CheckpointMismatch(f"checkpoint {source} is a run of the optimizers {names[:20]}: "
                                  "load it with flatopt.load(path, {name: optimizer, ...})",
                                  path=str(source))
+    if _sharded(opt):   # comm= over several ranks: collective
+        _no_training_state(ema, scaler, "load")
+        loader.check_options(opt, rename, hyperparameters, staging)
+        check_flags(strict=strict, regroup=regroup)
+        return sharded.load(source, opt, strict=strict, rename=rename,
+                            hyperparameters=hyperparameters, regroup=regroup,
+                            scheduler=scheduler, staging=staging)
     return loader.load(source, opt, scheduler=scheduler, **options)
+
+
+def _sharded(opt) -> bool:
+    return isinstance(opt, Optimizer) and opt.sharding is not None
+
+
+def _no_training_state(ema, scaler, what: str) -> None:
+    if ema is not None or scaler is not None:
+        raise CheckpointOptionError(f"{what}(ema=, scaler=) with an optimizer sharded over "
+                                    "ranks is not supported yet: keep their state_dict() in "
+                                    "arrays= and metadata=")
 
 
 def read(source, *, state: bool = False, arrays: bool = True

@@ -363,16 +363,6 @@ def read_hashed(reader: RawReader, offset: int, out: memoryview, workers: pool,
     return np.array(hashes, dtype=np.uint64)
 
 
-def hash_blocks(data: memoryview, workers: pool) -> np.ndarray:
-    """The block hashes of bytes in memory."""
-    return np.array(workers.map(lambda b: hash_block(data[b[1]:b[1] + b[2]]),
-                                _blocks(len(data))), dtype=np.uint64)
-
-
-
-
-
-
 def write_hashed(fd: int, offset: int, data: memoryview, workers: pool) -> np.ndarray:
     """Write ``data`` at ``offset``, block by block on the pool's threads, each block hashed
     just before it is copied out (while it is in the cache); returns the block hashes."""

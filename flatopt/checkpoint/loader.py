@@ -305,14 +305,9 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     """
     check_options(opt, rename, hyperparameters, staging)
     check_flags(strict=strict, regroup=regroup)
-    if opt._sharding is not None:  # comm= over several ranks: collective
-        if ema is not None or scaler is not None:
-            raise CheckpointOptionError("load(ema=, scaler=) into an optimizer sharded over "
-                                        "ranks is not supported yet")
-        from . import sharded
-        return sharded.load(source, opt, strict=strict, rename=rename,
-                            hyperparameters=hyperparameters, regroup=regroup,
-                            scheduler=scheduler, staging=staging)
+    if opt.sharding is not None:
+        raise CheckpointOptionError("loader.load() loads an optimizer that holds all of its "
+                                    "state; flatopt.load sends a sharded one to sharded.load")
     with opt.lock, open_checkpoint(source) as ck, files.pool() as workers:
         prepared = Prepared.of(ck, opt, workers, strict=strict, rename=rename,
                                hyperparameters=hyperparameters, regroup=regroup,

@@ -38,12 +38,15 @@ import stat
 import h5py
 import numpy as np
 
+from .._version import __version__
 from ..errors import CheckpointError
 from . import files
 from .format import DTYPES, FORMAT_VERSION, LIBVER, MAX_MEMBERS, hashes_digest, manifest_digest
 from .files import open_file
+from .h5write import create_contiguous, set_text
 from .reader import (Contents, SavedBuffer, attr, block_hashes, member, raw_offset, read_arrays,
                      read_header, read_index)
+from .writer import Snapshot
 
 SHARDED_FORMAT = "flatopt.checkpoint.sharded"
 SHARDED_VERSION = 1
@@ -85,16 +88,6 @@ def is_sharded(source) -> bool:
 
 
 # ------------------------------------------------------------------------ fragment tables
-def fragment_array(rows: list) -> np.ndarray:
-    """Rows ``[rank, start, stop, "xxh3:<hex>"]`` as the manifest stores them (int64, the
-    digest's 64 bits reinterpreted)."""
-    data = np.zeros((len(rows), 4), np.int64)
-    for k, (rank, start, stop, digest) in enumerate(rows):
-        data[k, :3] = (rank, start, stop)
-        data[k, 3] = np.array(int(digest[5:], 16), np.uint64).view(np.int64)
-    return data
-
-
 def fragment_problems(rows: list, length: int, world_size: int) -> list[str]:
     """Why fragment rows cannot be one slot of ``length`` elements saved by ``world_size``
     ranks: they must tile ``[0, length)`` in order, each non-empty, each from another rank in
@@ -135,8 +128,6 @@ def write_part(directory: str, save_id: str, rank: int, world_size: int,
     """Rank ``rank``'s part file, written atomically; ``pieces`` are (group, dtype name,
     slot, start, stop, array). Returns its fragment rows: [group, dtype, slot, rank, start,
     stop, digest]."""
-    from .. import __version__
-    from .writer import _create_contiguous, _set_text, Snapshot
     rows = []
 
     def write(target: str) -> None:
@@ -146,7 +137,7 @@ def write_part(directory: str, save_id: str, rank: int, world_size: int,
             files.reserve(target, estimate + (1 << 20))
             for key, value in (("format", PART_FORMAT), ("save_id", save_id),
                                ("flatopt_version", __version__)):
-                _set_text(f, key, value)
+                set_text(f, key, value)
             for key, value in (("format_version", PART_VERSION), ("rank", rank),
                                ("world_size", world_size)):
                 f.attrs[key] = value
@@ -154,13 +145,13 @@ def write_part(directory: str, save_id: str, rank: int, world_size: int,
             stored = [piece for piece in pieces if piece[4] > piece[3]]
             for group, dtype, slot, start, stop, array in stored:
                 parent = root.require_group(str(group)).require_group(dtype)
-                pending.append((_create_contiguous(parent, slot, array.shape, array.dtype),
+                pending.append((create_contiguous(parent, slot, array.shape, array.dtype),
                                 array))
             for (ds, _), hashes, (group, dtype, slot, start, stop, _) in zip(
                     pending, Snapshot._write_data(target, pending, None), stored):
                 ds.attrs.create("checksums", data=hashes.astype("<u8"))
                 digest = hashes_digest(hashes)
-                _set_text(ds, "digest", digest)
+                set_text(ds, "digest", digest)
                 rows.append([group, dtype, slot, rank, start, stop, digest])
             # an empty piece names its slot only (a slot of no elements has no fragment)
             rows.extend([group, dtype, slot, rank, start, stop, None]

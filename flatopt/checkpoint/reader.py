@@ -22,6 +22,7 @@ from .._layout import aligned_zeros
 from ..errors import CheckpointCorrupt, CheckpointMismatch
 from ..schema import Schema
 from . import files
+from .difference import Difference
 from .format import (BASE_COLUMNS, BLOCK_BYTES, DTYPES, FLETCHER32, FORMAT, FORMAT_VERSION,
                      MAX_ARRAY_NDIM, MAX_ATTRS, MAX_JSON, MAX_MEMBERS, MAX_NAME, MAX_NDIM,
                      NESTED_FORMAT_VERSION, ROOT_ATTRS, array_dtype_problem, array_name_problem,
@@ -110,7 +111,6 @@ class Contents:
 
     def newer(self, what: str) -> CheckpointMismatch:
         """A sound file (its digest matches) holding something this flatopt does not know."""
-        from .compare import Difference
         version = self.header.get("flatopt_version", "?")
         return CheckpointMismatch(
             f"checkpoint {self.name} was written by flatopt {version} and holds {what}, which "
@@ -436,7 +436,6 @@ def read_header(ck: Contents, fmt_name: str = FORMAT, newest: int = FORMAT_VERSI
         raise ck.corrupt(f"format is {fmt!r}, not {fmt_name!r}: not a flatopt checkpoint")
     version = attr(ck, root, "format_version", int)
     if version > newest:
-        from .compare import Difference
         raise CheckpointMismatch(
             f"checkpoint {ck.name} has format version {version}, but this flatopt reads format "
             f"versions up to {newest}: upgrade flatopt to load it", path=ck.name,
@@ -633,14 +632,6 @@ def read_arrays(ck: Contents) -> dict[str, list]:
     if problem:
         raise ck.corrupt(problem)
     return table
-
-
-def parse_structure(file: h5py.File, name: str, size: int,
-                    raw: files.RawReader | None = None) -> Contents:
-    """The file's structure, read and guarded; the commit digest verified over all of it."""
-    ck = Contents(name, file, size, raw)
-    read_structure(ck)
-    return ck
 
 
 def read_structure(ck: Contents) -> None:

@@ -37,6 +37,10 @@ from ..distributed._common import _error_record, _raise_collected
 from ..errors import CheckpointError
 from ..schema import column_problems, slot_value_problems
 from . import files, manifest
+from .loader import (LoadResult, checked_plan, guarded, load_scheduler, parse, saved_columns,
+                     whole_matches)
+from .loader import load as load_plain
+from .writer import Snapshot
 
 
 def _collectively(comm, action, where: str, root: int | None = None):
@@ -119,7 +123,6 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
          arrays: dict | None = None, background: bool = False) -> str:
     """flatopt.save for a sharded optimizer: one file per rank and a manifest (see above).
     Returns the directory's absolute path."""
-    from .writer import Snapshot
     comm = opt.comm
     rank, size = comm.Get_rank(), comm.Get_size()
     if background:
@@ -172,7 +175,6 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
 # ------------------------------------------------------------------------ load
 def load(source, opt, **options: Any):
     """flatopt.load for a sharded optimizer (see above)."""
-    from .loader import checked_plan, parse, whole_matches
     comm = opt.comm
     where = f"flatopt.load({str(source)[:200]!r})"
     with opt.lock:
@@ -201,7 +203,6 @@ def load(source, opt, **options: Any):
 
 def _load_whole(source, opt, options: dict, where: str):
     """Every rank loads the file into a plain copy of the optimizer and keeps its range."""
-    from .loader import load as load_plain
     # live state never survives a load (state comes from the file or is reset), so the copy
     # needs this optimizer's parameter values and settings only, not its state
     twin = distributed.plain_copy(opt)
@@ -214,7 +215,6 @@ def _load_whole(source, opt, options: dict, where: str):
 def _load_ranges(ck, opt, planned, matched: dict, options: dict, where: str):
     """Each rank reads and verifies its ranges; once every rank has, the scheduler state is
     loaded, the parameters all-gathered and everything taken in."""
-    from .loader import LoadResult, guarded, load_scheduler, saved_columns
     plan, relaxed, settings = planned
     sharding, schema = opt._sharding, ck.schema
 

@@ -30,11 +30,13 @@ from typing import Any
 import h5py
 import numpy as np
 
+from .._version import __version__
 from ..errors import CheckpointError, CheckpointOptionError
 from ..optimizer import Optimizer
 from ..schema import column_problems, slot_value_problems
 from . import files
 from .extras import own_arrays
+from .h5write import fragment_array, set_text, write_buffer, write_column
 from .format import (BLOCK_BYTES, FORMAT, LIBVER, NEST, NESTED_FORMAT_VERSION,
                      PLAIN_FORMAT_VERSION, SHAPED_FORMAT_VERSION,
                      check_flags, checked_arrays, hashes_digest, jsonable, limits_problems,
@@ -72,47 +74,6 @@ def _index_columns(opt: Optimizer) -> dict[str, list]:
     return columns
 
 
-def _set_text(obj, name: str, text: str) -> None:
-    """A fixed-length UTF-8 string attribute (stored inside the checksummed object header)."""
-    raw = text.encode("utf-8")
-    obj.attrs.create(name, data=np.array(raw, dtype=text_dtype(raw)))
-
-
-def _write_column(parent: h5py.Group, name: str, values: list, dtype) -> None:
-    if dtype == "str":
-        raw = [v.encode("utf-8") for v in values]
-        parent.create_dataset(name, data=np.array(raw, dtype=text_dtype(raw)),
-                              shape=(len(values),))
-    elif dtype == "shape":
-        width = max([1] + [len(shape) for shape in values])
-        data = np.full((len(values), width), -1, dtype=np.int64)
-        for k, shape in enumerate(values):
-            data[k, :len(shape)] = shape
-        parent.create_dataset(name, data=data)
-    else:
-        parent.create_dataset(name, data=np.asarray(values, dtype=dtype).reshape(-1))
-
-
-def _create_contiguous(parent: h5py.Group, name: str, shape: tuple, dtype: np.dtype):
-    """A contiguous dataset without filters whose storage HDF5 allocates now and never fills:
-    its bytes are written straight to ``ds.id.get_offset()``."""
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-    space = (h5py.h5s.create(h5py.h5s.SCALAR) if shape == ()
-             else h5py.h5s.create_simple(tuple(shape)))
-    tid = h5py.h5t.py_create(np.dtype(dtype), logical=True)
-    return h5py.Dataset(h5py.h5d.create(parent.id, name.encode("utf-8"), tid, space,
-                                        dcpl=dcpl))
-
-
-def _write_buffer(parent: h5py.Group, name: str, array: np.ndarray) -> tuple:
-    """Create the dataset for one buffer (or extra array); its bytes are written later."""
-    ds = _create_contiguous(parent, name, array.shape, stored_dtype(array.dtype))
-    return ds, array
-
-
 @dataclass
 class _Buffer:
     """One flat buffer as saved: its place, layout and arrays (live ones, or snapshot copies)."""
@@ -142,7 +103,6 @@ class Snapshot:
     def __init__(self, opt: Optimizer, metadata: Any, scheduler: Any, arrays: Any = None, *,
                  ema: Any = None, scaler: Any = None, memory: dict | None = None,
                  check: bool = True, buffers: bool = True):
-        from .. import __version__
         self.schema = opt.schema
         self.fragments: dict[tuple[int, str], tuple[int, list]] | None = None
         """A sharded checkpoint's manifest (``buffers=False``): (buffer number, slot) ->
@@ -277,20 +237,20 @@ class Snapshot:
                     raw = value.encode("utf-8")
                     f.create_dataset(key, data=np.array(raw, dtype=text_dtype(raw)))
                 elif isinstance(value, str):
-                    _set_text(f, key, value)
+                    set_text(f, key, value)
                 else:
                     f.attrs[key] = value
             index = f.create_group("index")
             for name, dtype in schema_columns(self.schema).items():
-                _write_column(index, name, self.columns[name], dtype)
+                write_column(index, name, self.columns[name], dtype)
             pending = self._create_groups(f.create_group("groups"))
             named = []
             if self.arrays:
                 arrays = f.create_group("arrays")
                 for number, (name, value) in enumerate(self.arrays.items()):
-                    ds, data = _write_buffer(arrays, str(number), value)
-                    _set_text(ds, "name", name)
-                    _set_text(ds, "dtype", value.dtype.str)
+                    ds, data = write_buffer(arrays, str(number), value)
+                    set_text(ds, "name", name)
+                    set_text(ds, "dtype", value.dtype.str)
                     pending.append((ds, data))
                     named.append((ds, name, value))
             buffer_table.update(self._write_fragment_tables(f["groups"]))
@@ -298,7 +258,7 @@ class Snapshot:
             for (ds, _), values in zip(pending, hashes):
                 ds.attrs.create("checksums", data=values.astype("<u8"))
                 digest = hashes_digest(values)
-                _set_text(ds, "digest", digest)
+                set_text(ds, "digest", digest)
                 if ds.parent.name != "/arrays":
                     buffer_table[ds.name] = [ds.dtype.name, int(ds.shape[0]), digest]
             for ds, name, value in named:
@@ -306,7 +266,7 @@ class Snapshot:
                                         ds.attrs["digest"].decode()]
             if stop_before_digest:
                 return
-            _set_text(f, "digest", manifest_digest(self.header, self.groups, self.columns,
+            set_text(f, "digest", manifest_digest(self.header, self.groups, self.columns,
                                                    buffer_table, array_table))
 
     @staticmethod
@@ -333,7 +293,6 @@ class Snapshot:
         """A manifest's fragment tables (one per buffer slot: int64 rows rank, start, stop,
         digest as the 64 bits of its XXH3 value; attr length); returns their entries of the
         table the commit digest covers."""
-        from .manifest import fragment_array
         table = {}
         for (number, slot), (length, rows) in sorted((self.fragments or {}).items()):
             saved = self.buffers[number]
@@ -347,9 +306,9 @@ class Snapshot:
         pending = []
         for number, group in enumerate(self.groups):
             g = root.create_group(str(number))
-            _set_text(g, "hyperparameters", group["hyperparameters"])
+            set_text(g, "hyperparameters", group["hyperparameters"])
             if group["label"] is not None:
-                _set_text(g, "label", group["label"])
+                set_text(g, "label", group["label"])
             for saved in self.buffers:
                 if saved.group != number:
                     continue
@@ -358,7 +317,7 @@ class Snapshot:
                 for slot in ("params", *self.schema.slots):
                     flat = saved.arrays.get(slot)
                     if flat is not None:
-                        pending.append(_write_buffer(b, slot, flat))
+                        pending.append(write_buffer(b, slot, flat))
         return pending
 
 
@@ -429,14 +388,9 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     directory's absolute path.
     """
     check_flags(background=background)
-    if getattr(opt, "_sharding", None) is not None:  # comm= over several ranks: collective
-        if ema is not None or scaler is not None:
-            raise CheckpointOptionError("save(ema=, scaler=) of an optimizer sharded over "
-                                        "ranks is not supported yet: save their state_dict() "
-                                        "with arrays= and metadata=")
-        from . import sharded
-        return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
-                            background=background)
+    if isinstance(opt, Optimizer) and opt.sharding is not None:
+        raise CheckpointOptionError("writer.save() saves an optimizer that holds all of its "
+                                    "state; flatopt.save sends a sharded one to sharded.save")
     final = _checked_target(path, opt)
     saver = _Saver.of(opt, create=background)
     if saver is not None:
@@ -562,16 +516,6 @@ class _Saver:
         finally:
             with _PENDING_LOCK:
                 _PENDING.discard(handle)
-
-
-def wait_for_background_saves() -> list[SaveHandle]:
-    """Wait for every background save still running; returns their handles (errors stay in
-    them)."""
-    with _PENDING_LOCK:
-        handles = list(_PENDING)
-    for handle in handles:
-        handle._future.exception()
-    return handles
 
 
 def _forget_saves_after_fork() -> None:
