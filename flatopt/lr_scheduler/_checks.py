@@ -24,33 +24,33 @@ EPOCH_DEPRECATION_WARNING = (
 
 
 # ----------------------------------------------------------------------------- checks
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def _int(value: Any, name: str, low: int | None = None) -> int:
+def integer(value: Any, name: str, low: int | None = None) -> int:
     """An integer (not a bool) >= low, as a Python int."""
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an integer, got {_describe(value)}")
+    if not is_int(value):
+        raise TypeError(f"{name} must be an integer, got {describe(value)}")
     value = int(value)
     if low is not None and value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value}")
     return value
 
 
-def _real(value: Any, name: str, *, low: float | None = None, low_open: bool = False,
+def real(value: Any, name: str, *, low: float | None = None, low_open: bool = False,
           high: float | None = None, high_open: bool = False) -> float:
     """A finite real number (not a bool) in the given range, as a Python float."""
-    if not _is_real(value):
-        raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+    if not is_real(value):
+        raise TypeError(f"{name} must be a real number, got {describe(value)}")
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{name} must be finite, got {value!r}")
@@ -66,36 +66,36 @@ def _real(value: Any, name: str, *, low: float | None = None, low_open: bool = F
     return number
 
 
-def _reals(values: Any, name: str, count: int | None, **limits: Any) -> list[float]:
-    """A list of ``count`` numbers, each checked by :func:`_real`."""
+def reals(values: Any, name: str, count: int | None, **limits: Any) -> list[float]:
+    """A list of ``count`` numbers, each checked by :func:`real`."""
     if not isinstance(values, (list, tuple)):
-        raise TypeError(f"{name} must be a list of numbers, got {_describe(values)}")
+        raise TypeError(f"{name} must be a list of numbers, got {describe(values)}")
     if count is not None and len(values) != count:
         raise ValueError(f"{name} must have one value per param group ({count}), "
                          f"got {len(values)}")
-    return [_real(v, f"{name}[{i}]", **limits) for i, v in enumerate(values)]
+    return [real(v, f"{name}[{i}]", **limits) for i, v in enumerate(values)]
 
 
-def _any_reals(values: Any, name: str, count: int | None) -> list[float]:
+def any_reals(values: Any, name: str, count: int | None) -> list[float]:
     """A list of ``count`` real numbers (infinite allowed), as floats."""
     if not isinstance(values, (list, tuple)):
-        raise TypeError(f"{name} must be a list of numbers, got {_describe(values)}")
+        raise TypeError(f"{name} must be a list of numbers, got {describe(values)}")
     if count is not None and len(values) != count:
         raise ValueError(f"{name} must have one value per param group ({count}), "
                          f"got {len(values)}")
     for i, v in enumerate(values):
-        if not _is_real(v):
-            raise TypeError(f"{name}[{i}] must be a real number, got {_describe(v)}")
+        if not is_real(v):
+            raise TypeError(f"{name}[{i}] must be a real number, got {describe(v)}")
     return [float(v) for v in values]
 
 
-def _flag(value: Any, name: str) -> bool:
+def flag(value: Any, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {_describe(value)}")
+        raise TypeError(f"{name} must be True or False, got {describe(value)}")
     return bool(value)
 
 
-def _plain(value: Any, where: str) -> Any:
+def plain(value: Any, where: str) -> Any:
     """``value`` as JSON data: tuples become lists, numpy scalars Python numbers."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -106,34 +106,34 @@ def _plain(value: Any, where: str) -> Any:
     if isinstance(value, np.floating):
         return float(value)
     if isinstance(value, (list, tuple)):
-        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         out = {}
         for key, v in value.items():
             if not isinstance(key, str):
-                raise TypeError(f"{where}: state keys must be strings, got {_describe(key)}")
-            out[key] = _plain(v, f"{where}[{key!r}]")
+                raise TypeError(f"{where}: state keys must be strings, got {describe(key)}")
+            out[key] = plain(v, f"{where}[{key!r}]")
         return out
     raise TypeError(f"{where} is a {type(value).__name__}, which is not JSON data")
 
 
-def _check_optimizer(optimizer: Any) -> None:
+def check_optimizer(optimizer: Any) -> None:
     """A flatopt optimizer, or anything whose ``param_groups`` is a list of dicts."""
     groups = getattr(optimizer, "param_groups", None)
     if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
         return
     if isinstance(optimizer, Optimizer):
         raise TypeError(f"{type(optimizer).__name__}.param_groups must be a list of dicts, "
-                        f"got {_describe(groups)}")
+                        f"got {describe(groups)}")
     raise TypeError(f"{type(optimizer).__name__} is not an Optimizer (a scheduler takes a "
                     "flatopt optimizer, or an object whose param_groups is a list of dicts)")
 
 
-def _check_last_epoch(last_epoch: Any) -> int:
-    return _int(last_epoch, "last_epoch", low=-1)
+def check_last_epoch(last_epoch: Any) -> int:
+    return integer(last_epoch, "last_epoch", low=-1)
 
 
-def _require_initial_lr(optimizer: Any) -> None:
+def require_initial_lr(optimizer: Any) -> None:
     """torch's KeyError for ``last_epoch >= 0`` without ``initial_lr`` in every group."""
     for i, group in enumerate(optimizer.param_groups):
         if "initial_lr" not in group:
@@ -159,15 +159,15 @@ def _format_param(name: str, optimizer: Any, param: Any) -> list:
     return [param] * len(optimizer.param_groups)
 
 
-def _per_group(name: str, optimizer: Any, param: Any) -> list[float]:
+def per_group(name: str, optimizer: Any, param: Any) -> list[float]:
     """:func:`_format_param`, each value a finite number >= 0."""
     values = _format_param(name, optimizer, param)
     listed = isinstance(param, (list, tuple))
-    return [_real(v, f"{name}[{i}]" if listed else name, low=0.0)
+    return [real(v, f"{name}[{i}]" if listed else name, low=0.0)
             for i, v in enumerate(values)]
 
 
-def _group_lrs(optimizer: Any) -> list:
+def group_lrs(optimizer: Any) -> list:
     return [group["lr"] for group in optimizer.param_groups]
 
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import HyperparameterError
-from ._checks import _reals
+from ._checks import reals
 from ..optimizer import Optimizer
 from ..schema import describe_group
 
@@ -61,7 +61,7 @@ def checked_bounds(who: str, optimizer: Any, values: Mapping[str, Any], checked:
     accepts."""
     for key in ("max_momentums", "base_momentums"):
         if checked["cycle_momentum"]:
-            checked[key] = _reals(values[key], key[:-1], count, low=0.0)
+            checked[key] = reals(values[key], key[:-1], count, low=0.0)
         elif values[key] is not None:
             raise ValueError(f"{key} must be None when cycle_momentum is False")
         else:

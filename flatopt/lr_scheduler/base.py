@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..errors import StateDictError
-from ._checks import (EPOCH_DEPRECATION_WARNING, _any_reals, _check_last_epoch,
-                      _check_optimizer, _group_lrs, _int, _is_real, _plain, _reals,
-                      _require_initial_lr)
+from ._checks import (EPOCH_DEPRECATION_WARNING, any_reals, check_last_epoch,
+                      check_optimizer, group_lrs, integer, is_real, plain, reals,
+                      require_initial_lr)
 
 ROUNDING = 2.0 ** -30
 """A negative lr no larger than this times the group's initial lr is a schedule's rounding
@@ -21,7 +21,7 @@ def _clamped(lr: Any, base: Any) -> Any:
     """``lr``, or 0.0 where it is below zero only by rounding: the optimizer refuses a
     negative lr, and a schedule that ends at 0 must not stop training. A negative lr beyond
     rounding (a subclass's get_lr gone wrong) is left for the optimizer to refuse."""
-    if _is_real(lr) and _is_real(base) and lr < 0 and -lr <= ROUNDING * abs(base):
+    if is_real(lr) and is_real(base) and lr < 0 and -lr <= ROUNDING * abs(base):
         return 0.0
     return lr
 
@@ -43,13 +43,13 @@ class LRScheduler:
     _is_initial: bool = False
 
     def __init__(self, optimizer: Any, last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
-        last_epoch = _check_last_epoch(last_epoch)
+        check_optimizer(optimizer)
+        last_epoch = check_last_epoch(last_epoch)
         if last_epoch == -1:
             for group in optimizer.param_groups:
                 group.setdefault("initial_lr", group["lr"])
         else:
-            _require_initial_lr(optimizer)
+            require_initial_lr(optimizer)
         self.optimizer = optimizer
         self.base_lrs: list = [group["initial_lr"] for group in optimizer.param_groups]
         self.last_epoch = last_epoch
@@ -72,7 +72,7 @@ class LRScheduler:
         there is one, with a ``UserWarning``.
         """
         if epoch is not None:
-            epoch = _int(epoch, "epoch", low=0)
+            epoch = integer(epoch, "epoch", low=0)
         saved = self._counters()
         self._step_count += 1
         if epoch is not None:
@@ -120,7 +120,7 @@ class LRScheduler:
         for group, lr, base in zip(self.optimizer.param_groups, values, self.base_lrs,
                                    strict=True):
             group["lr"] = _clamped(lr, base)
-        self._last_lr = _group_lrs(self.optimizer)
+        self._last_lr = group_lrs(self.optimizer)
 
     def get_lr(self) -> list[float]:
         """The lrs for the current ``last_epoch`` (for the most recent ones, use
@@ -155,7 +155,7 @@ class LRScheduler:
         for key in self._core_state:
             state[key] = getattr(self, key)
         state.update(self._extra_values())
-        return _plain(state, f"{type(self).__name__}.state_dict()")
+        return plain(state, f"{type(self).__name__}.state_dict()")
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the state from :meth:`state_dict` (or its JSON parsed back). Everything is
@@ -193,10 +193,10 @@ class LRScheduler:
     def _checked_values(self, state: Mapping[str, Any]) -> dict[str, Any]:
         count = len(self.optimizer.param_groups)
         values = {
-            "last_epoch": _int(state["last_epoch"], "last_epoch", low=-1),
-            "_step_count": _int(state["_step_count"], "_step_count", low=0),
-            "base_lrs": _reals(state["base_lrs"], "base_lrs", count, low=0.0),
-            "_last_lr": _any_reals(state["_last_lr"], "_last_lr", count),
+            "last_epoch": integer(state["last_epoch"], "last_epoch", low=-1),
+            "_step_count": integer(state["_step_count"], "_step_count", low=0),
+            "base_lrs": reals(state["base_lrs"], "base_lrs", count, low=0.0),
+            "_last_lr": any_reals(state["_last_lr"], "_last_lr", count),
         }
         values.update(self._checked_extra({key: state[key] for key in self.extra_state}))
         return values
@@ -204,7 +204,7 @@ class LRScheduler:
     def _checked_extra(self, values: dict[str, Any]) -> dict[str, Any]:
         """Validate (and normalise) the ``extra_state`` values: used by the constructor and
         by ``load_state_dict``. May return more (derived, internal) attributes."""
-        return {key: _plain(value, key) for key, value in values.items()}
+        return {key: plain(value, key) for key, value in values.items()}
 
 
 # ----------------------------------------------------------------------------- schedulers

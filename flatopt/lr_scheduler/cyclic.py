@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from ._checks import (_check_last_epoch, _check_optimizer, _describe, _flag, _per_group,
-                      _real, _reals, _require_initial_lr)
+from ._checks import (check_last_epoch, check_optimizer, describe, flag, per_group,
+                      real, reals, require_initial_lr)
 from ._momentum import check_bounds, checked_bounds, uses_beta1, write_momentums
 from .base import LRScheduler
-from .lambdas import _saved_attributes
+from .lambdas import saved_attributes
 
 MODES = ("triangular", "triangular2", "exp_range")
 SCALE_MODES = ("cycle", "iterations")
@@ -41,34 +41,34 @@ class CyclicLR(LRScheduler):
                  scale_fn: Callable[[float], float] | None = None, scale_mode: str = "cycle",
                  cycle_momentum: bool = True, base_momentum: float | list[float] = 0.8,
                  max_momentum: float | list[float] = 0.9, last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
-        base_lrs = _per_group("base_lr", optimizer, base_lr)
-        max_lrs = _per_group("max_lr", optimizer, max_lr)
-        up = _real(step_size_up, "step_size_up", low=0.0, low_open=True)
-        down = up if step_size_down is None else _real(step_size_down, "step_size_down",
+        check_optimizer(optimizer)
+        base_lrs = per_group("base_lr", optimizer, base_lr)
+        max_lrs = per_group("max_lr", optimizer, max_lr)
+        up = real(step_size_up, "step_size_up", low=0.0, low_open=True)
+        down = up if step_size_down is None else real(step_size_down, "step_size_down",
                                                        low=0.0)
         if mode not in MODES and scale_fn is None:
             raise ValueError("mode is invalid and scale_fn is None")
         if scale_fn is not None and not callable(scale_fn):
-            raise TypeError(f"scale_fn must be a function, got {_describe(scale_fn)}")
-        last_epoch = _check_last_epoch(last_epoch)
-        cycle_momentum = _flag(cycle_momentum, "cycle_momentum")
+            raise TypeError(f"scale_fn must be a function, got {describe(scale_fn)}")
+        last_epoch = check_last_epoch(last_epoch)
+        cycle_momentum = flag(cycle_momentum, "cycle_momentum")
         beta1 = uses_beta1(optimizer) if cycle_momentum else False
         self._scale_fn = scale_fn
         values = self._checked_extra({
             "max_lrs": max_lrs, "total_size": up + down, "step_ratio": up / (up + down),
             "mode": mode, "gamma": gamma, "scale_mode": scale_mode,
             "cycle_momentum": cycle_momentum, "use_beta1": beta1,
-            "base_momentums": _per_group("base_momentum", optimizer, base_momentum)
+            "base_momentums": per_group("base_momentum", optimizer, base_momentum)
             if cycle_momentum else None,
-            "max_momentums": _per_group("max_momentum", optimizer, max_momentum)
+            "max_momentums": per_group("max_momentum", optimizer, max_momentum)
             if cycle_momentum else None,
-            "_scale_fn_custom": _saved_attributes(scale_fn) if scale_fn is not None else None})
+            "_scale_fn_custom": saved_attributes(scale_fn) if scale_fn is not None else None})
         self.optimizer = optimizer
         if cycle_momentum:
             check_bounds("CyclicLR", optimizer, values)
         if last_epoch != -1:  # torch's KeyError, before anything is written
-            _require_initial_lr(optimizer)
+            require_initial_lr(optimizer)
         self.__dict__.update(values)
         if last_epoch == -1:
             for lr, group in zip(base_lrs, optimizer.param_groups, strict=True):
@@ -83,9 +83,9 @@ class CyclicLR(LRScheduler):
             len(self.optimizer.param_groups)
         mode = values["mode"]
         if not isinstance(mode, str):
-            raise TypeError(f"mode must be a string, got {_describe(mode)}")
+            raise TypeError(f"mode must be a string, got {describe(mode)}")
         custom = values["_scale_fn_custom"]
-        if (custom is None) != (self._scale_fn is None or _saved_attributes(self._scale_fn)
+        if (custom is None) != (self._scale_fn is None or saved_attributes(self._scale_fn)
                                 is None):
             raise ValueError("_scale_fn_custom was saved from a "
                              f"{'function' if custom is None else 'callable object'}, but "
@@ -98,17 +98,17 @@ class CyclicLR(LRScheduler):
             scale_mode = "iterations" if mode == "exp_range" else "cycle"
         elif scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got "
-                             f"{_describe(scale_mode)}")
-        total_size = _real(values["total_size"], "total_size", low=0.0, low_open=True)
+                             f"{describe(scale_mode)}")
+        total_size = real(values["total_size"], "total_size", low=0.0, low_open=True)
         checked = {
-            "max_lrs": _reals(values["max_lrs"], "max_lrs", count, low=0.0),
+            "max_lrs": reals(values["max_lrs"], "max_lrs", count, low=0.0),
             "total_size": total_size,
-            "step_ratio": _real(values["step_ratio"], "step_ratio", low=0.0, low_open=True,
+            "step_ratio": real(values["step_ratio"], "step_ratio", low=0.0, low_open=True,
                                 high=1.0),
-            "mode": mode, "gamma": _real(values["gamma"], "gamma", low=0.0),
+            "mode": mode, "gamma": real(values["gamma"], "gamma", low=0.0),
             "scale_mode": scale_mode,
-            "cycle_momentum": _flag(values["cycle_momentum"], "cycle_momentum"),
-            "use_beta1": _flag(values["use_beta1"], "use_beta1"),
+            "cycle_momentum": flag(values["cycle_momentum"], "cycle_momentum"),
+            "use_beta1": flag(values["use_beta1"], "use_beta1"),
             "_scale_fn_custom": custom,
         }
         checked_bounds("CyclicLR", getattr(self, "optimizer", None), values, checked, count,
@@ -123,7 +123,7 @@ class CyclicLR(LRScheduler):
     def _extra_values(self) -> dict[str, Any]:
         values = super()._extra_values()
         if self._scale_fn is not None:
-            values["_scale_fn_custom"] = _saved_attributes(self._scale_fn)
+            values["_scale_fn_custom"] = saved_attributes(self._scale_fn)
         return values
 
     @property

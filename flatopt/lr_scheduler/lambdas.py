@@ -14,7 +14,7 @@ from __future__ import annotations
 import types
 from typing import Any, Callable
 
-from ._checks import _check_optimizer, _describe, _group_lrs, _plain
+from ._checks import check_optimizer, describe, group_lrs, plain
 from .base import LRScheduler
 
 
@@ -34,11 +34,11 @@ def _lambdas(optimizer: Any, lr_lambda: Any) -> list[Callable[[int], Any]]:
     return functions
 
 
-def _saved_attributes(function: Callable) -> dict | None:
+def saved_attributes(function: Callable) -> dict | None:
     """What torch saves of one lr_lambda: nothing for a function, else its attributes."""
     if isinstance(function, types.FunctionType):
         return None
-    return _plain(vars(function).copy(), f"the attributes of lr_lambda {function!r}")
+    return plain(vars(function).copy(), f"the attributes of lr_lambda {function!r}")
 
 
 class _FunctionSchedule(LRScheduler):
@@ -47,30 +47,30 @@ class _FunctionSchedule(LRScheduler):
     extra_state = ("lr_lambdas",)
 
     def __init__(self, optimizer: Any, lr_lambda: Any, last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         self.lr_lambdas = _lambdas(optimizer, lr_lambda)
         for function in self.lr_lambdas:
-            _saved_attributes(function)  # a state that cannot be saved is refused now
+            saved_attributes(function)  # a state that cannot be saved is refused now
         super().__init__(optimizer, last_epoch)
 
     def _extra_values(self) -> dict[str, Any]:
-        return {"lr_lambdas": [_saved_attributes(f) for f in self.lr_lambdas]}
+        return {"lr_lambdas": [saved_attributes(f) for f in self.lr_lambdas]}
 
     def _checked_extra(self, values: dict[str, Any]) -> dict[str, Any]:
         saved = values["lr_lambdas"]
         if not isinstance(saved, list) or len(saved) != len(self.lr_lambdas):
             raise ValueError(f"lr_lambdas must be a list of {len(self.lr_lambdas)} entries "
-                             f"(None or a dict), got {_describe(saved)}")
+                             f"(None or a dict), got {describe(saved)}")
         checked = []
         for i, (attributes, function) in enumerate(zip(saved, self.lr_lambdas)):
-            live = _saved_attributes(function)
+            live = saved_attributes(function)
             if (attributes is None) != (live is None):
                 raise ValueError(
                     f"lr_lambdas[{i}] was saved from a "
                     f"{'function' if attributes is None else 'callable object'}, but this "
                     f"scheduler's is a {'function' if live is None else 'callable object'}: "
                     "build it with the functions the state was saved with")
-            checked.append(None if attributes is None else _plain(attributes,
+            checked.append(None if attributes is None else plain(attributes,
                                                                   f"lr_lambdas[{i}]"))
         return {"lr_lambdas": checked}
 
@@ -99,7 +99,7 @@ class MultiplicativeLR(_FunctionSchedule):
     def get_lr(self):
         self._warn_get_lr_outside_step()
         if self._is_initial:
-            return _group_lrs(self.optimizer)
+            return group_lrs(self.optimizer)
         return [group["lr"] * function(self.last_epoch)
                 for function, group in zip(self.lr_lambdas, self.optimizer.param_groups,
                                            strict=True)]

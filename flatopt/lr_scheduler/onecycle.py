@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._checks import (_check_last_epoch, _check_optimizer, _flag, _is_int,
-                      _per_group, _real, _reals, _require_initial_lr)
+from ._checks import (check_last_epoch, check_optimizer, flag, is_int,
+                      per_group, real, reals, require_initial_lr)
 from ._momentum import check_bounds, checked_bounds, uses_beta1, write_momentums
 from .base import LRScheduler
 
@@ -34,32 +34,32 @@ class OneCycleLR(LRScheduler):
                  max_momentum: float | list[float] = 0.95, div_factor: float = 25.0,
                  final_div_factor: float = 1e4, three_phase: bool = False,
                  last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         if total_steps is not None:
-            if not _is_int(total_steps) or total_steps <= 0:
+            if not is_int(total_steps) or total_steps <= 0:
                 raise ValueError(f"Expected positive integer total_steps, but got {total_steps}")
             total_steps = int(total_steps)
         elif epochs is not None and steps_per_epoch is not None:
-            if not _is_int(epochs) or epochs <= 0:
+            if not is_int(epochs) or epochs <= 0:
                 raise ValueError(f"Expected positive integer epochs, but got {epochs}")
-            if not _is_int(steps_per_epoch) or steps_per_epoch <= 0:
+            if not is_int(steps_per_epoch) or steps_per_epoch <= 0:
                 raise ValueError(
                     f"Expected positive integer steps_per_epoch, but got {steps_per_epoch}")
             total_steps = int(epochs) * int(steps_per_epoch)
         else:
             raise ValueError("You must define either total_steps OR (epochs AND steps_per_epoch)")
-        last_epoch = _check_last_epoch(last_epoch)
-        cycle_momentum = _flag(cycle_momentum, "cycle_momentum")
-        div_factor = _real(div_factor, "div_factor", low=0.0, low_open=True)
-        final_div_factor = _real(final_div_factor, "final_div_factor", low=0.0, low_open=True)
-        max_lrs = _per_group("max_lr", optimizer, max_lr)
+        last_epoch = check_last_epoch(last_epoch)
+        cycle_momentum = flag(cycle_momentum, "cycle_momentum")
+        div_factor = real(div_factor, "div_factor", low=0.0, low_open=True)
+        final_div_factor = real(final_div_factor, "final_div_factor", low=0.0, low_open=True)
+        max_lrs = per_group("max_lr", optimizer, max_lr)
         use_beta1 = False
         max_momentums: list | None = None
         base_momentums: list | None = None
         if cycle_momentum:
             use_beta1 = uses_beta1(optimizer)
-            max_momentums = _per_group("max_momentum", optimizer, max_momentum)
-            base_momentums = _per_group("base_momentum", optimizer, base_momentum)
+            max_momentums = per_group("max_momentum", optimizer, max_momentum)
+            base_momentums = per_group("base_momentum", optimizer, base_momentum)
         values = self._checked_extra({
             "total_steps": total_steps, "pct_start": pct_start,
             "anneal_strategy": anneal_strategy, "three_phase": three_phase,
@@ -70,7 +70,7 @@ class OneCycleLR(LRScheduler):
         if cycle_momentum:
             check_bounds("OneCycleLR", optimizer, values)
         if last_epoch != -1:  # torch's KeyError, before anything is written
-            _require_initial_lr(optimizer)
+            require_initial_lr(optimizer)
         self.__dict__.update(values)
         if last_epoch == -1:
             for idx, group in enumerate(optimizer.param_groups):
@@ -98,7 +98,7 @@ class OneCycleLR(LRScheduler):
 
     def _checked_extra(self, values):
         total_steps = values["total_steps"]
-        if not _is_int(total_steps) or total_steps <= 0:
+        if not is_int(total_steps) or total_steps <= 0:
             raise ValueError(f"Expected positive integer total_steps, but got {total_steps}")
         total_steps = int(total_steps)
         pct_start = values["pct_start"]
@@ -109,20 +109,20 @@ class OneCycleLR(LRScheduler):
         if anneal_strategy not in ("cos", "linear"):
             raise ValueError("anneal_strategy must be one of 'cos' or 'linear', instead got "
                              f"{anneal_strategy}")
-        three_phase = _flag(values["three_phase"], "three_phase")
+        three_phase = flag(values["three_phase"], "three_phase")
         count = len(self.optimizer.param_groups) if hasattr(self, "optimizer") else None
-        max_lrs = _reals(values["max_lrs"], "max_lrs", count, low=0.0)
+        max_lrs = reals(values["max_lrs"], "max_lrs", count, low=0.0)
         count = len(max_lrs)
         checked = {
             "total_steps": total_steps, "pct_start": pct_start,
             "anneal_strategy": str(anneal_strategy), "three_phase": three_phase,
-            "div_factor": _real(values["div_factor"], "div_factor", low=0.0, low_open=True),
-            "final_div_factor": _real(values["final_div_factor"], "final_div_factor",
+            "div_factor": real(values["div_factor"], "div_factor", low=0.0, low_open=True),
+            "final_div_factor": real(values["final_div_factor"], "final_div_factor",
                                       low=0.0, low_open=True),
             "max_lrs": max_lrs,
-            "min_lrs": _reals(values["min_lrs"], "min_lrs", count, low=0.0),
-            "cycle_momentum": _flag(values["cycle_momentum"], "cycle_momentum"),
-            "use_beta1": _flag(values["use_beta1"], "use_beta1"),
+            "min_lrs": reals(values["min_lrs"], "min_lrs", count, low=0.0),
+            "cycle_momentum": flag(values["cycle_momentum"], "cycle_momentum"),
+            "use_beta1": flag(values["use_beta1"], "use_beta1"),
         }
         phases = self._phases(total_steps, pct_start, three_phase)
         self._check_phase_lengths(phases, total_steps, pct_start)

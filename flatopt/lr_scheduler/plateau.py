@@ -7,9 +7,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ._checks import (EPOCH_DEPRECATION_WARNING, _any_reals, _check_optimizer,
-                      _describe, _group_lrs, _int, _is_real, _plain, _real,
-                      _reals)
+from ._checks import (EPOCH_DEPRECATION_WARNING, any_reals, check_optimizer,
+                      describe, group_lrs, integer, is_real, plain, real,
+                      reals)
 from .base import LRScheduler
 
 
@@ -25,11 +25,11 @@ class ReduceLROnPlateau(LRScheduler):
     def __init__(self, optimizer: Any, mode: str = "min", factor: float = 0.1,
                  patience: int = 10, threshold: float = 1e-4, threshold_mode: str = "rel",
                  cooldown: int = 0, min_lr: list[float] | float = 0, eps: float = 1e-8) -> None:
-        if not _is_real(factor):
-            raise TypeError(f"factor must be a real number, got {_describe(factor)}")
+        if not is_real(factor):
+            raise TypeError(f"factor must be a real number, got {describe(factor)}")
         if factor >= 1.0:
             raise ValueError("Factor should be < 1.0.")
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         count = len(optimizer.param_groups)
         if isinstance(min_lr, (list, tuple)):
             if len(min_lr) != count:
@@ -44,7 +44,7 @@ class ReduceLROnPlateau(LRScheduler):
         self.optimizer = optimizer
         self.__dict__.update(values)
         self.last_epoch = 0
-        self._last_lr = _group_lrs(optimizer)
+        self._last_lr = group_lrs(optimizer)
         self._reset()
 
     @staticmethod
@@ -54,21 +54,21 @@ class ReduceLROnPlateau(LRScheduler):
             raise ValueError(f"mode {mode} is unknown!")
         if threshold_mode not in ("rel", "abs"):
             raise ValueError(f"threshold mode {threshold_mode} is unknown!")
-        factor = _real(values["factor"], "factor", low=0.0)
+        factor = real(values["factor"], "factor", low=0.0)
         if factor >= 1.0:
             raise ValueError("Factor should be < 1.0.")
         default = values["default_min_lr"]
         if default is not None:
-            default = _real(default, "min_lr", low=0.0)
+            default = real(default, "min_lr", low=0.0)
         return {
             "factor": factor,
-            "min_lrs": _reals(values["min_lrs"], "min_lr", count if default is None else None,
+            "min_lrs": reals(values["min_lrs"], "min_lr", count if default is None else None,
                               low=0.0),
             "default_min_lr": default,
-            "patience": _int(values["patience"], "patience", low=0),
-            "cooldown": _int(values["cooldown"], "cooldown", low=0),
-            "eps": _real(values["eps"], "eps", low=0.0),
-            "mode": str(mode), "threshold": _real(values["threshold"], "threshold"),
+            "patience": integer(values["patience"], "patience", low=0),
+            "cooldown": integer(values["cooldown"], "cooldown", low=0),
+            "eps": real(values["eps"], "eps", low=0.0),
+            "mode": str(mode), "threshold": real(values["threshold"], "threshold"),
             "threshold_mode": str(threshold_mode),
         }
 
@@ -101,12 +101,12 @@ class ReduceLROnPlateau(LRScheduler):
         """Record ``metrics`` (a number, or anything ``float()`` takes but a string) and
         reduce the lrs if it has not improved for more than ``patience`` steps."""
         if isinstance(metrics, (str, bytes)):
-            raise TypeError(f"metrics must be a number, got {_describe(metrics)}")
+            raise TypeError(f"metrics must be a number, got {describe(metrics)}")
         current = float(metrics)
         if epoch is None:
             epoch = self.last_epoch + 1
         else:
-            epoch = _int(epoch, "epoch", low=0)
+            epoch = integer(epoch, "epoch", low=0)
             warnings.warn(EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
         self._check_min_lrs()
         self.last_epoch = epoch
@@ -122,7 +122,7 @@ class ReduceLROnPlateau(LRScheduler):
             self._reduce_lr(epoch)
             self.cooldown_counter = self.cooldown
             self.num_bad_epochs = 0
-        self._last_lr = _group_lrs(self.optimizer)
+        self._last_lr = group_lrs(self.optimizer)
 
     def _check_min_lrs(self) -> None:
         if len(self.optimizer.param_groups) != len(self.min_lrs) and self.default_min_lr is None:
@@ -152,19 +152,19 @@ class ReduceLROnPlateau(LRScheduler):
     def state_dict(self) -> dict[str, Any]:
         state = {"scheduler": type(self).__name__}
         state.update({key: getattr(self, key) for key in self._state_names})
-        return _plain(state, "ReduceLROnPlateau.state_dict()")
+        return plain(state, "ReduceLROnPlateau.state_dict()")
 
     def _checked_values(self, state):
         values = self._checked_config(state, None)
         best = state["best"]
-        if not _is_real(best) or math.isnan(best):
-            raise ValueError(f"best must be a number (infinite allowed), got {_describe(best)}")
+        if not is_real(best) or math.isnan(best):
+            raise ValueError(f"best must be a number (infinite allowed), got {describe(best)}")
         values.update({
-            "last_epoch": _int(state["last_epoch"], "last_epoch", low=0),
-            "_last_lr": _any_reals(state["_last_lr"], "_last_lr", None),
+            "last_epoch": integer(state["last_epoch"], "last_epoch", low=0),
+            "_last_lr": any_reals(state["_last_lr"], "_last_lr", None),
             "best": float(best),
-            "cooldown_counter": _int(state["cooldown_counter"], "cooldown_counter", low=0),
-            "num_bad_epochs": _int(state["num_bad_epochs"], "num_bad_epochs", low=0),
+            "cooldown_counter": integer(state["cooldown_counter"], "cooldown_counter", low=0),
+            "num_bad_epochs": integer(state["num_bad_epochs"], "num_bad_epochs", low=0),
         })
         count = len(self.optimizer.param_groups)
         if values["default_min_lr"] is None and len(values["min_lrs"]) != count:

@@ -9,8 +9,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from ._checks import (_check_last_epoch, _check_optimizer, _describe,
-                      _group_lrs, _int, _is_int, _is_real, _real)
+from ._checks import (check_last_epoch, check_optimizer, describe,
+                      group_lrs, integer, is_int, is_real, real)
 from .base import LRScheduler
 
 
@@ -21,18 +21,18 @@ class StepLR(LRScheduler):
 
     def __init__(self, optimizer: Any, step_size: int, gamma: float = 0.1,
                  last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         self.__dict__.update(self._checked_extra({"step_size": step_size, "gamma": gamma}))
         super().__init__(optimizer, last_epoch)
 
     def _checked_extra(self, values):
-        return {"step_size": _int(values["step_size"], "step_size", low=1),
-                "gamma": _real(values["gamma"], "gamma", low=0.0)}
+        return {"step_size": integer(values["step_size"], "step_size", low=1),
+                "gamma": real(values["gamma"], "gamma", low=0.0)}
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
         if (self.last_epoch == 0) or (self.last_epoch % self.step_size != 0):
-            return _group_lrs(self.optimizer)
+            return group_lrs(self.optimizer)
         return [group["lr"] * self.gamma for group in self.optimizer.param_groups]
 
     def _get_closed_form_lr(self):
@@ -48,10 +48,10 @@ class MultiStepLR(LRScheduler):
 
     def __init__(self, optimizer: Any, milestones: Any, gamma: float = 0.1,
                  last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         if isinstance(milestones, (str, bytes, Mapping)) or \
                 not hasattr(milestones, "__iter__"):
-            raise TypeError(f"milestones must be a list of integers, got {_describe(milestones)}")
+            raise TypeError(f"milestones must be a list of integers, got {describe(milestones)}")
         self.__dict__.update(self._checked_extra({"milestones": list(milestones),
                                                   "gamma": gamma}))
         super().__init__(optimizer, last_epoch)
@@ -59,10 +59,10 @@ class MultiStepLR(LRScheduler):
     def _checked_extra(self, values):
         milestones = values["milestones"]
         if not isinstance(milestones, (list, tuple)):
-            raise TypeError(f"milestones must be a list of integers, got {_describe(milestones)}")
-        checked = [_int(m, f"milestones[{i}]", low=0) for i, m in enumerate(milestones)]
+            raise TypeError(f"milestones must be a list of integers, got {describe(milestones)}")
+        checked = [integer(m, f"milestones[{i}]", low=0) for i, m in enumerate(milestones)]
         return {"milestones": Counter(checked),
-                "gamma": _real(values["gamma"], "gamma", low=0.0)}
+                "gamma": real(values["gamma"], "gamma", low=0.0)}
 
     def _extra_values(self):
         return {"milestones": sorted(self.milestones.elements()), "gamma": self.gamma}
@@ -70,7 +70,7 @@ class MultiStepLR(LRScheduler):
     def get_lr(self):
         self._warn_get_lr_outside_step()
         if self.last_epoch not in self.milestones:
-            return _group_lrs(self.optimizer)
+            return group_lrs(self.optimizer)
         return [group["lr"] * self.gamma ** self.milestones[self.last_epoch]
                 for group in self.optimizer.param_groups]
 
@@ -87,15 +87,15 @@ class ConstantLR(LRScheduler):
 
     def __init__(self, optimizer: Any, factor: float = 1.0 / 3, total_iters: int = 5,
                  last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         self.__dict__.update(self._checked_extra({"factor": factor,
                                                   "total_iters": total_iters}))
         super().__init__(optimizer, last_epoch)
 
     def _checked_extra(self, values):
         factor = values["factor"]
-        if not _is_real(factor):
-            raise TypeError(f"factor must be a real number, got {_describe(factor)}")
+        if not is_real(factor):
+            raise TypeError(f"factor must be a real number, got {describe(factor)}")
         if not (0 <= factor <= 1.0):
             raise ValueError("Constant multiplicative factor expected to be between 0 and 1.")
         if factor == 0:
@@ -103,14 +103,14 @@ class ConstantLR(LRScheduler):
                              "flatopt refuses 0 too: at total_iters the lr is divided by the "
                              "factor (torch raises ZeroDivisionError there)")
         return {"factor": float(factor),
-                "total_iters": _int(values["total_iters"], "total_iters", low=0)}
+                "total_iters": integer(values["total_iters"], "total_iters", low=0)}
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
         if self.last_epoch == 0:
             return [group["lr"] * self.factor for group in self.optimizer.param_groups]
         if self.last_epoch != self.total_iters:
-            return _group_lrs(self.optimizer)
+            return group_lrs(self.optimizer)
         return [group["lr"] * (1.0 / self.factor) for group in self.optimizer.param_groups]
 
     def _get_closed_form_lr(self):
@@ -127,7 +127,7 @@ class LinearLR(LRScheduler):
 
     def __init__(self, optimizer: Any, start_factor: float = 1.0 / 3, end_factor: float = 1.0,
                  total_iters: int = 5, last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         self.__dict__.update(self._checked_extra({
             "start_factor": start_factor, "end_factor": end_factor,
             "total_iters": total_iters}))
@@ -136,22 +136,22 @@ class LinearLR(LRScheduler):
     def _checked_extra(self, values):
         start, end = values["start_factor"], values["end_factor"]
         for name, value in (("start_factor", start), ("end_factor", end)):
-            if not _is_real(value):
-                raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+            if not is_real(value):
+                raise TypeError(f"{name} must be a real number, got {describe(value)}")
         if start > 1.0 or not start > 0:
             raise ValueError("Starting multiplicative factor expected to be greater than 0 "
                              "and less or equal to 1.")
         if end > 1.0 or not end >= 0:
             raise ValueError("Ending multiplicative factor expected to be between 0 and 1.")
         return {"start_factor": float(start), "end_factor": float(end),
-                "total_iters": _int(values["total_iters"], "total_iters", low=1)}
+                "total_iters": integer(values["total_iters"], "total_iters", low=1)}
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
         if self.last_epoch == 0:
             return [group["lr"] * self.start_factor for group in self.optimizer.param_groups]
         if self._is_initial or self.last_epoch > self.total_iters:
-            return _group_lrs(self.optimizer)
+            return group_lrs(self.optimizer)
         return [
             group["lr"]
             * (1.0 + (self.end_factor - self.start_factor)
@@ -173,17 +173,17 @@ class ExponentialLR(LRScheduler):
     extra_state = ("gamma",)
 
     def __init__(self, optimizer: Any, gamma: float, last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         self.__dict__.update(self._checked_extra({"gamma": gamma}))
         super().__init__(optimizer, last_epoch)
 
     def _checked_extra(self, values):
-        return {"gamma": _real(values["gamma"], "gamma", low=0.0)}
+        return {"gamma": real(values["gamma"], "gamma", low=0.0)}
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
         if self._is_initial:
-            return _group_lrs(self.optimizer)
+            return group_lrs(self.optimizer)
         return [group["lr"] * self.gamma for group in self.optimizer.param_groups]
 
     def _get_closed_form_lr(self):
@@ -197,18 +197,18 @@ class PolynomialLR(LRScheduler):
 
     def __init__(self, optimizer: Any, total_iters: int = 5, power: float = 1.0,
                  last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         self.__dict__.update(self._checked_extra({"total_iters": total_iters, "power": power}))
         super().__init__(optimizer, last_epoch)
 
     def _checked_extra(self, values):
-        return {"total_iters": _int(values["total_iters"], "total_iters", low=1),
-                "power": _real(values["power"], "power", low=0.0)}
+        return {"total_iters": integer(values["total_iters"], "total_iters", low=1),
+                "power": real(values["power"], "power", low=0.0)}
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
         if self._is_initial or self.last_epoch > self.total_iters:
-            return _group_lrs(self.optimizer)
+            return group_lrs(self.optimizer)
         decay_factor = ((1.0 - self.last_epoch / self.total_iters)
                         / (1.0 - (self.last_epoch - 1) / self.total_iters)) ** self.power
         return [group["lr"] * decay_factor for group in self.optimizer.param_groups]
@@ -227,18 +227,18 @@ class CosineAnnealingLR(LRScheduler):
 
     def __init__(self, optimizer: Any, T_max: int, eta_min: float = 0.0,
                  last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         self.__dict__.update(self._checked_extra({"T_max": T_max, "eta_min": eta_min}))
         super().__init__(optimizer, last_epoch)
 
     def _checked_extra(self, values):
-        return {"T_max": _int(values["T_max"], "T_max", low=1),
-                "eta_min": _real(values["eta_min"], "eta_min", low=0.0)}
+        return {"T_max": integer(values["T_max"], "T_max", low=1),
+                "eta_min": real(values["eta_min"], "eta_min", low=0.0)}
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
         if self._is_initial:
-            return _group_lrs(self.optimizer)
+            return group_lrs(self.optimizer)
         elif self._step_count == 1 and self.last_epoch > 0:
             return [self.eta_min + (base_lr - self.eta_min)
                     * (1 + math.cos((self.last_epoch) * math.pi / self.T_max)) / 2
@@ -269,15 +269,15 @@ class CosineAnnealingWarmRestarts(LRScheduler):
 
     def __init__(self, optimizer: Any, T_0: int, T_mult: int = 1, eta_min: float = 0.0,
                  last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
-        if not _is_int(T_0) or T_0 <= 0:
+        check_optimizer(optimizer)
+        if not is_int(T_0) or T_0 <= 0:
             raise ValueError(f"Expected positive integer T_0, but got {T_0}")
-        if not _is_int(T_mult) or T_mult < 1:
+        if not is_int(T_mult) or T_mult < 1:
             raise ValueError(f"Expected integer T_mult >= 1, but got {T_mult}")
-        if not _is_real(eta_min):
+        if not is_real(eta_min):
             raise ValueError(f"Expected float or int eta_min, but got {eta_min} of type "
                              f"{type(eta_min)}")
-        last_epoch = _check_last_epoch(last_epoch)
+        last_epoch = check_last_epoch(last_epoch)
         self.__dict__.update(self._checked_extra({
             "T_0": T_0, "T_i": T_0, "T_mult": T_mult, "eta_min": eta_min,
             "T_cur": last_epoch}))
@@ -285,13 +285,13 @@ class CosineAnnealingWarmRestarts(LRScheduler):
 
     def _checked_extra(self, values):
         T_cur = values["T_cur"]
-        if not _is_real(T_cur) or not math.isfinite(T_cur) or T_cur < -1:
+        if not is_real(T_cur) or not math.isfinite(T_cur) or T_cur < -1:
             raise ValueError(f"T_cur must be a finite number >= -1, got {T_cur!r}")
-        return {"T_0": _int(values["T_0"], "T_0", low=1),
-                "T_i": _int(values["T_i"], "T_i", low=1),
-                "T_mult": _int(values["T_mult"], "T_mult", low=1),
-                "eta_min": _real(values["eta_min"], "eta_min", low=0.0),
-                "T_cur": int(T_cur) if _is_int(T_cur) else float(T_cur)}
+        return {"T_0": integer(values["T_0"], "T_0", low=1),
+                "T_i": integer(values["T_i"], "T_i", low=1),
+                "T_mult": integer(values["T_mult"], "T_mult", low=1),
+                "eta_min": real(values["eta_min"], "eta_min", low=0.0),
+                "T_cur": int(T_cur) if is_int(T_cur) else float(T_cur)}
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
@@ -308,8 +308,8 @@ class CosineAnnealingWarmRestarts(LRScheduler):
     def step(self, epoch: float | None = None) -> None:
         """One step, or (as torch) jump to a real ``epoch`` >= 0."""
         if epoch is not None:
-            if not _is_real(epoch) or not math.isfinite(epoch):
-                raise TypeError(f"epoch must be a finite real number, got {_describe(epoch)}")
+            if not is_real(epoch) or not math.isfinite(epoch):
+                raise TypeError(f"epoch must be a finite real number, got {describe(epoch)}")
         self._check_group_count()
         saved = self._counters()
         try:

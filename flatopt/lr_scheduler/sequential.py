@@ -7,8 +7,8 @@ from bisect import bisect_right
 from typing import Any
 
 from ..errors import StateDictError
-from ._checks import (_any_reals, _check_last_epoch, _check_optimizer, _describe,
-                      _group_lrs, _int, _plain)
+from ._checks import (any_reals, check_last_epoch, check_optimizer, describe,
+                      group_lrs, integer, plain)
 from .base import LRScheduler
 from .plateau import ReduceLROnPlateau
 
@@ -16,7 +16,7 @@ from .plateau import ReduceLROnPlateau
 def _check_children(name: str, optimizer: Any, schedulers: Any) -> None:
     """torch's checks of a composite's children (its messages), and flatopt's own."""
     if not isinstance(schedulers, (list, tuple)):
-        raise TypeError(f"{name} takes a list of schedulers, got {_describe(schedulers)}")
+        raise TypeError(f"{name} takes a list of schedulers, got {describe(schedulers)}")
     if len(schedulers) < 1:
         raise ValueError(f"{name} expects at least one scheduler, but got no scheduler.")
     for idx, scheduler in enumerate(schedulers):
@@ -65,14 +65,14 @@ class _Composite(LRScheduler):
     def state_dict(self) -> dict[str, Any]:
         state = {"scheduler": type(self).__name__,
                  **{key: getattr(self, key) for key in self._own_state}}
-        state = _plain(state, f"{type(self).__name__}.state_dict()")
+        state = plain(state, f"{type(self).__name__}.state_dict()")
         state["_schedulers"] = [s.state_dict() for s in self._schedulers]
         return state
 
     def _staged_children(self, children: Any) -> list:
         if not isinstance(children, list) or len(children) != len(self._schedulers):
             raise ValueError(f"_schedulers must be a list of {len(self._schedulers)} state "
-                             f"dicts (one per scheduler), got {_describe(children)}"[:300])
+                             f"dicts (one per scheduler), got {describe(children)}"[:300])
         staged = []
         for idx, (scheduler, child) in enumerate(zip(self._schedulers, children)):
             try:
@@ -100,11 +100,11 @@ class SequentialLR(_Composite):
 
     def __init__(self, optimizer: Any, schedulers: list[LRScheduler], milestones: list[int],
                  last_epoch: int = -1) -> None:
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         name = type(self).__name__
         _check_children(name, optimizer, schedulers)
         if not isinstance(milestones, (list, tuple)):
-            raise TypeError(f"milestones must be a list of integers, got {_describe(milestones)}")
+            raise TypeError(f"milestones must be a list of integers, got {describe(milestones)}")
         if len(milestones) != len(schedulers) - 1:
             raise ValueError(
                 "Sequential Schedulers expects number of schedulers provided to be one more "
@@ -112,7 +112,7 @@ class SequentialLR(_Composite):
                 f"{len(schedulers)} and the number of milestones to be equal to "
                 f"{len(milestones)}")
         milestones = self._checked_milestones(milestones)
-        last_epoch = _check_last_epoch(last_epoch)
+        last_epoch = check_last_epoch(last_epoch)
         self._schedulers = list(schedulers)
         self._milestones = milestones
         self.last_epoch = last_epoch + 1
@@ -127,7 +127,7 @@ class SequentialLR(_Composite):
 
     @staticmethod
     def _checked_milestones(milestones: Any) -> list[int]:
-        checked = [_int(m, f"milestones[{i}]", low=1) for i, m in enumerate(milestones)]
+        checked = [integer(m, f"milestones[{i}]", low=1) for i, m in enumerate(milestones)]
         if any(b <= a for a, b in zip(checked, checked[1:])):
             raise ValueError(f"milestones must be strictly increasing, got {checked}")
         return checked
@@ -153,12 +153,12 @@ class SequentialLR(_Composite):
         milestones = state["_milestones"]
         if not isinstance(milestones, list) or len(milestones) != len(self._schedulers) - 1:
             raise ValueError(f"_milestones must be a list of {len(self._schedulers) - 1} "
-                             f"integers, got {_describe(milestones)}")
+                             f"integers, got {describe(milestones)}")
         staged = self._staged_children(state["_schedulers"])
         return {
-            "last_epoch": _int(state["last_epoch"], "last_epoch", low=0),
+            "last_epoch": integer(state["last_epoch"], "last_epoch", low=0),
             "_milestones": self._checked_milestones(milestones),
-            "_last_lr": _any_reals(state["_last_lr"], "_last_lr",
+            "_last_lr": any_reals(state["_last_lr"], "_last_lr",
                                    len(self.optimizer.param_groups)),
             "_staged": staged,
         }
@@ -182,19 +182,19 @@ class ChainedScheduler(_Composite):
             _check_children(name, optimizer, schedulers)  # raises torch's error
         if optimizer is None:
             optimizer = getattr(schedulers[0], "optimizer", None)
-        _check_optimizer(optimizer)
+        check_optimizer(optimizer)
         _check_children(name, optimizer, schedulers)
         self._schedulers = list(schedulers)
         self.optimizer = optimizer
-        self._last_lr = _group_lrs(optimizer)
+        self._last_lr = group_lrs(optimizer)
 
     def step(self) -> None:  # type: ignore[override]
         self._check_group_count()
         for scheduler in self._schedulers:
             scheduler.step()
-        self._last_lr = _group_lrs(self.optimizer)
+        self._last_lr = group_lrs(self.optimizer)
 
     def _checked_values(self, state):
-        return {"_last_lr": _any_reals(state["_last_lr"], "_last_lr",
+        return {"_last_lr": any_reals(state["_last_lr"], "_last_lr",
                                        len(self.optimizer.param_groups)),
                 "_staged": self._staged_children(state["_schedulers"])}
