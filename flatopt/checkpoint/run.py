@@ -88,7 +88,7 @@ def checked_optimizers(optimizers: Any, what: str) -> dict[str, Optimizer]:
             problems.append(problem)
         elif not isinstance(opt, Optimizer):
             problems.append(f"{name!r} is a {type(opt).__name__}, not a flatopt optimizer")
-        elif opt._sharding is not None:
+        elif opt.sharding is not None:
             problems.append(f"{name!r} is sharded over ranks: save a sharded optimizer on its "
                             "own (its checkpoint is a directory of its own)")
         elif id(opt) in seen:

@@ -78,7 +78,7 @@ def own_pieces(opt, rank: int, size: int) -> list[tuple]:
     parameters and of every state slot it holds. A replicated rule's state (every rank holds
     it whole) is cut evenly over the ranks, each slot over its own length."""
     pieces = []
-    for shard, buf in zip(opt._sharding.shards, opt.buffers):
+    for shard, buf in zip(opt.sharding.shards, opt.buffers):
         lo, hi = shard.reduce_lo, shard.reduce_hi
         pieces.append((buf, "params", lo, hi, buf.params[lo:hi]))
         for name in opt.schema.slots:
@@ -131,7 +131,7 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
             "sharded over ranks: save in the foreground (every rank writes its own file)")
     where = f"flatopt.save({str(path)[:200]!r})"
     with opt.lock:
-        opt._sharding._sync_shards()  # buffers added by add_param_group since the last step
+        opt.sharding._sync_shards()  # buffers added by add_param_group since the last step
 
         def prepare():
             directory = manifest.target_directory(path, create=False)
@@ -178,7 +178,7 @@ def load(source, opt, **options: Any):
     comm = opt.comm
     where = f"flatopt.load({str(source)[:200]!r})"
     with opt.lock:
-        opt._sharding._sync_shards()
+        opt.sharding._sync_shards()
         opened = []
 
         def plan():
@@ -216,7 +216,7 @@ def _load_ranges(ck, opt, planned, matched: dict, options: dict, where: str):
     """Each rank reads and verifies its ranges; once every rank has, the scheduler state is
     loaded, the parameters all-gathered and everything taken in."""
     plan, relaxed, settings = planned
-    sharding, schema = opt._sharding, ck.schema
+    sharding, schema = opt.sharding, ck.schema
 
     rank, size = opt.comm.Get_rank(), opt.comm.Get_size()
 
