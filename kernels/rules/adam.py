@@ -162,15 +162,14 @@ def adam_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
     decoupled = flags[F.decoupled]
     maximize = flags[F.maximize]
     lerp_from_end = flags[F.lerp_from_end]
-    agreeing = 0.0
-    elements = 0.0
+    agreeing = 0  # integers: an if-less sum that vectorizes (see caution.py)
+    elements = 0
     for i in range(start, stop, stride):
         gi, mi = adam_moment(p[i], g[i], m[i], lerp_coefficient, weight_decay,
                              has_weight_decay, decoupled, maximize, lerp_from_end)
-        if mi * gi > 0:
-            agreeing += 1.0
-        elements += 1.0
-    return agreeing, elements
+        agreeing += mi * gi > 0
+        elements += 1
+    return float(agreeing), float(elements)
 
 
 def adam_finalize(present, columns, scalars, flags, start, stop, stride, sums):

@@ -147,16 +147,15 @@ def adopt_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
     clip = flags[F.clip]
     maximize = flags[F.maximize]
     lerp_from_end = flags[F.lerp_from_end]
-    agreeing = 0.0
-    elements = 0.0
+    agreeing = 0  # integers: an if-less sum that vectorizes (see caution.py)
+    elements = 0
     for i in range(start, stop, stride):
         gi = adopt_gradient(p[i], g[i], weight_decay, has_weight_decay, decoupled, maximize)
         mi = adopt_moment(gi, m[i], v[i], clip_value, lerp_coefficient, eps, clip,
                           lerp_from_end)
-        if mi * gi > 0:
-            agreeing += 1.0
-        elements += 1.0
-    return agreeing, elements
+        agreeing += mi * gi > 0
+        elements += 1
+    return float(agreeing), float(elements)
 
 
 def adopt_finalize(present, columns, scalars, flags, start, stop, stride, sums):
