@@ -5,6 +5,8 @@ when set, and old checkpoints and state dicts (without ``caution``) still loadin
 
 from __future__ import annotations
 
+import dataclasses
+
 import h5py
 import numpy as np
 import pytest
@@ -236,6 +238,11 @@ def test_a_checkpoint_from_before_caution_loads_as_caution_false(name, tmp_path,
     with h5py.File(tmp_path / "new.h5") as f:
         assert f.attrs["schema_version"] == 2
         assert '"caution": false' in _hyperparameters(f)
+
+
+def test_a_hyperparameter_newer_than_its_schema_is_refused():
+    with pytest.raises(TypeError, match=r"\['caution'\] are of a later version"):
+        dataclasses.replace(flatopt.AdamW.schema, version=1)
 
 
 def test_a_state_dict_from_before_caution_loads():

@@ -76,8 +76,8 @@ class ADOPT(Optimizer):
     scaled by the inverse of their share of the parameter (at most 1000); ``exp_avg`` is
     stored unmasked; a second reading pass over the buffer. timm's
     ``corrected_weight_decay`` is accepted as False and refused as True (not built yet).
-    State: ``step``, ``exp_avg``
-    (m) and ``exp_avg_sq`` (v). The NumPy reference in ``tests/reference.py`` is the oracle.
+    State: ``step``, ``exp_avg`` (m) and ``exp_avg_sq`` (v). The NumPy reference in
+    ``tests/reference.py`` is the oracle.
     """
 
     schema = SCHEMA
