@@ -5,6 +5,7 @@ own parameters and state."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable
 
@@ -29,7 +30,7 @@ ELEMENTWISE = [name for name, registered in OPTIMIZERS.items()
 cost is its matrix products (``--optimizers muon`` runs it on the profiles' shapes as
 near-square matrices)."""
 TORCH_IMPLS = ("torch-forloop", "torch-foreach", "torch-fused")
-ALL_IMPLS = ("flatopt", "numpy-loop") + TORCH_IMPLS + ("roofline",)
+ALL_IMPLS = ("flatopt", "numpy-loop") + TORCH_IMPLS + ("roofline", "flatopt-caution")
 
 
 def schema_of(optimizer: str) -> flatopt.Schema:
@@ -41,6 +42,13 @@ def settings_of(optimizer: str) -> dict:
     benchmark values."""
     schema = schema_of(optimizer)
     return schema.defaults(**schema.benchmark)
+
+
+def torch_settings(cls, settings: dict) -> dict:
+    """The settings torch.optim's ``cls`` takes (flatopt-only ones, such as ``caution``, are
+    at their defaults in the benchmark's settings)."""
+    accepted = inspect.signature(cls).parameters
+    return {key: value for key, value in settings.items() if key in accepted}
 
 
 def bytes_per_element(optimizer: str, dtype) -> int:
@@ -98,6 +106,27 @@ class FlatoptImpl:
 
     def close(self) -> None:
         pass
+
+
+class FlatoptCautionImpl:
+    """flatopt with ``caution=True`` (timm's cautious mask: a second reading pass over the
+    buffer), for the optimizers that offer it; its own parameters and state, the case's
+    gradients copied into its gradient buffer. Asked for by name (``--impls``)."""
+
+    name = "flatopt-caution"
+
+    def __init__(self, case: Case):
+        cls = type(case.opt)
+        if "caution" not in cls.schema.hyperparameters:
+            raise RuntimeError(f"{cls.schema.name} has no caution option")
+        self.opt = cls(case.params_copy(), **{**case.settings, "caution": True})
+        for path, view in self.opt.grads.items():
+            view[...] = case.grads[path]
+        self.opt.grads.mark_present()
+        self.step = self.opt.step
+
+    def close(self) -> None:
+        self.opt = self.step = None
 
 
 def _sgd_loop(h, params, grads, state, t):
@@ -176,7 +205,7 @@ class TorchImpl:
             t = torch.from_numpy(view.copy()).requires_grad_(True)
             t.grad = torch.from_numpy(case.grads[path])
             self.params.append(t)
-        self.opt = cls(self.params, **case.settings, **flags)
+        self.opt = cls(self.params, **torch_settings(cls, case.settings), **flags)
         self.step = self._step
 
     @torch.no_grad() if torch is not None else (lambda f: f)
@@ -210,6 +239,8 @@ def make_impl(name: str, case: Case):
     """An implementation's runner; RuntimeError when it does not exist for this case."""
     if name == "flatopt":
         return FlatoptImpl(case)
+    if name == "flatopt-caution":
+        return FlatoptCautionImpl(case)
     if name == "numpy-loop":
         return NumpyLoopImpl(case)
     if name.startswith("torch-"):

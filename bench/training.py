@@ -18,7 +18,7 @@ import numpy as np
 
 import flatopt
 
-from .impls import Case, torch
+from .impls import Case, torch, torch_settings
 from .profiles import make_profiles
 
 PROFILES = make_profiles()
@@ -62,7 +62,8 @@ def torch_variants(case: Case) -> dict:
         t = torch.from_numpy(view.copy()).requires_grad_(True)
         t.grad = torch.from_numpy(case.grads[path])
         params.append(t)
-    opt = torch.optim.AdamW(params, **case.settings, fused=True)
+    opt = torch.optim.AdamW(params, **torch_settings(torch.optim.AdamW, case.settings),
+                            fused=True)
     averages = [p.detach().clone() for p in params]
 
     @torch.no_grad()

@@ -338,7 +338,7 @@ class CudaDevice:
         # From pageable memory the driver copies the staging array before returning (no
         # device wait), so the next step may refill it at once.
         d.packed.copy_to_device(d.staging, stream=stream)
-        if rule.reduce is not None:
+        if rule.reduces(plan.flags):
             d.sums.copy_to_device(d.zero_sums, stream=stream)
             self.kernels.reduce(d.arrays, d.scalars, d.columns, plan.flags, d.layout, d.sums,
                                 multiplier, scale, stream=stream, zero_sums=False)

@@ -448,7 +448,7 @@ class Optimizer:
         if rule.per_parameter is not None:
             self._update_per_parameter(buf, plan, multiplier, scale)
             return
-        if rule.reduce is not None:
+        if rule.reduces(plan.flags):
             kernels.reduce(arrays, plan.scalars, columns, plan.flags, buf, plan.sums,
                            multiplier, scale)
             kernels.finalize(buf.present, columns, plan.prepare_scalars, plan.flags,

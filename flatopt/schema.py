@@ -124,11 +124,15 @@ def describe_group(number: int | None, group: Mapping[str, Any] | None = None) -
 @dataclass(frozen=True)
 class Hyperparameter:
     """One hyperparameter: its default, the check that normalises it, and values that random
-    test configurations draw from (the defaults' neighbourhood where a user would go)."""
+    test configurations draw from (the defaults' neighbourhood where a user would go).
+
+    ``since``: the schema version that added it. Files of an older schema version lack it, and
+    their groups mean its default (which must keep the older behaviour)."""
 
     default: Any
     check: Callable[[Any], Any]
     examples: tuple = ()
+    since: int = 1
 
     @property
     def is_flag(self) -> bool:
@@ -251,6 +255,10 @@ class Schema:
             raise TypeError(f"schema {self.name!r}: shaped slots {sorted(self.shaped_slots)} "
                             "need a rule over whole parameters (Rule.per_parameter); the "
                             "element-wise walk assumes slots parallel to the parameters")
+        newer = [name for name, h in self.hyperparameters.items() if h.since > self.version]
+        if newer:
+            raise TypeError(f"schema {self.name!r} (version {self.version}): hyperparameters "
+                            f"{newer} are of a later version")
         object.__setattr__(self, "marker", markers[0] if markers else None)
 
     def stateful(self, columns: Mapping[str, Any]) -> Any:
@@ -269,6 +277,13 @@ class Schema:
     # ------------------------------------------------------------------ groups
     def defaults(self, **overrides: Any) -> dict[str, Any]:
         return {**{key: h.default for key, h in self.hyperparameters.items()}, **overrides}
+
+    def upgraded(self, values: Mapping[str, Any], version: int) -> dict[str, Any]:
+        """A saved group of schema ``version`` in this version's terms: the hyperparameters
+        added since, which it cannot hold, at their defaults."""
+        added = {key: h.default for key, h in self.hyperparameters.items()
+                 if h.since > version and key not in values}
+        return {**values, **added}
 
     def check_group(self, values: Mapping[str, Any], where: str, *,
                     extras: tuple[str, ...] = GROUP_EXTRAS, complete: bool = True,

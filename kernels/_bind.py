@@ -27,16 +27,23 @@ def bind(rule: Rule, decorate: Callable[[Callable], Callable],
          primitives: dict[str, Callable] | None = None) -> dict[str, Callable]:
     """The rule's functions compiled with ``decorate``, by name, calling each other compiled;
     ``primitives`` replace names the rule imports (``fma``, see ``kernels/arithmetic.py``)
-    with the backend's own."""
-    modules = {function.__module__ for function in rule.functions}
-    if len(modules) != 1:
-        raise TypeError(f"rule {rule.name!r}: span, prepare and helpers must live in one module, "
-                        f"found {sorted(modules)}")
-    namespace = {**rule.span.__globals__, **(primitives or {})}
+    with the backend's own. Each function reads its own module's other names (a helper
+    shared by several rules, ``kernels/rules/caution.py``, lives in a module of its own)."""
+    compiled: dict[str, Callable] = {}
+    namespaces: dict[str, dict] = {}
     for function in rule.functions:
-        namespace[function.__name__] = decorate(_rebuild(function, namespace,
-                                                         function.__qualname__))
-    return namespace
+        if function.__name__ in compiled:
+            raise TypeError(f"rule {rule.name!r}: two functions are named "
+                            f"{function.__name__!r}")
+        namespace = namespaces.get(function.__module__)
+        if namespace is None:
+            namespace = namespaces[function.__module__] = {**function.__globals__,
+                                                           **(primitives or {})}
+        compiled[function.__name__] = decorate(_rebuild(function, namespace,
+                                                        function.__qualname__))
+    for namespace in namespaces.values():  # compiled lazily: every call resolves by then
+        namespace.update(compiled)
+    return compiled
 
 
 def instantiate(template: Callable, qualname: str, **bound: Callable) -> Callable:

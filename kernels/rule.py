@@ -25,6 +25,13 @@ Rules whose update needs per-parameter totals (LAMB's trust ratio ||p|| / ||upda
 - ``finalize(present, columns, scalars, flags, start, stop, stride, sums)``: like prepare, with
   ``sums[k, j]`` the totals of parameter ``k``; it stores what ``span`` needs in columns.
 
+``Rule.reduce_flag`` names the flag that turns these two passes on (cautious updates, a mask's
+mean per parameter, are an option of Adam's rule: with the flag off its step is one pass,
+exactly as without the option); None runs them at every step.
+
+Helpers may come from a shared module of rule helpers (``kernels/rules/caution.py``): each
+function is compiled over its own module's names, with the rule's functions bound in.
+
 Rules that work on whole matrices (Muon's Newton-Schulz iteration, Adafactor's factored
 moments) give ``per_parameter``, a function ``(param, grad, state, settings, columns)`` called
 for each present parameter after ``prepare``, with views shaped like the parameter (a shaped
@@ -83,6 +90,8 @@ class Rule:
     finalize: Callable | None = None
     reductions: tuple[str, ...] = ()
     """Names of the per-parameter totals ``reduce`` returns, in order."""
+    reduce_flag: str | None = None
+    """The flag that turns ``reduce`` and ``finalize`` on (None: they always run)."""
     per_parameter: Callable | None = None
     fingerprint: str = field(init=False)
     """A digest of the rule's source: compiled kernels are cached under it, so editing a
@@ -92,6 +101,10 @@ class Rule:
         if (self.reduce is None) != (self.finalize is None) or \
                 (self.reduce is not None) != bool(self.reductions):
             raise TypeError(f"rule {self.name!r}: reduce, finalize and reductions go together")
+        if self.reduce_flag is not None and (self.reduce is None
+                                             or self.reduce_flag not in self.flags._fields):
+            raise TypeError(f"rule {self.name!r}: reduce_flag {self.reduce_flag!r} must be "
+                            "one of its flags, and the rule must have a reduce")
         digest = hashlib.sha256()
         for function in (*self.functions, *filter(None, [self.per_parameter])):
             digest.update(inspect.getsource(function).encode())
@@ -105,6 +118,13 @@ class Rule:
         """The functions a backend compiles."""
         return (self.span, self.prepare, *filter(None, [self.reduce, self.finalize]),
                 *self.helpers)
+
+    def reduces(self, flags: tuple) -> bool:
+        """Whether a step with these flags (a tuple laid out as ``Rule.flags``) runs the
+        ``reduce`` and ``finalize`` passes."""
+        if self.reduce is None:
+            return False
+        return self.reduce_flag is None or bool(flags[self.flags._fields.index(self.reduce_flag)])
 
     def column_dtype(self, name: str, param_dtype: np.dtype) -> np.dtype:
         kind = self.columns[name]

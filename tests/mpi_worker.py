@@ -46,6 +46,8 @@ def initial_params() -> dict:
 
 def groups_for(name: str, params: dict) -> list[dict]:
     settings = [rich_settings(name, 0), random_settings(name, np.random.default_rng(1))]
+    if "caution" in settings[0]:  # one cautious group (a reduce over the shards), one plain
+        settings[1]["caution"] = not settings[0]["caution"]
     return [{**settings[group], "label": f"g{group}",
              "params": {path: params[path] for path, _, _, g in SHAPES if g == group}}
             for group in range(2)]

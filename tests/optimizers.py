@@ -27,6 +27,30 @@ def random_settings(name: str, rng: np.random.Generator) -> dict:
     raise AssertionError(f"{name}: no valid configuration among the schema's examples")
 
 
+def torch_keys(name: str) -> set[str]:
+    """The hyperparameters torch.optim's class of ``name`` takes."""
+    import inspect
+
+    import torch
+    return set(inspect.signature(getattr(torch.optim, schema_of(name).torch_name)).parameters)
+
+
+def torch_settings(name: str, settings: dict) -> dict:
+    """``settings`` with the hyperparameters torch.optim's class lacks (timm's ``caution``) at
+    their defaults: a configuration torch runs too. Give torch :func:`torch_group` of it."""
+    keys = torch_keys(name)
+    schema = schema_of(name)
+    return {key: value if key in keys else schema.hyperparameters[key].default
+            for key, value in settings.items()}
+
+
+def torch_group(name: str, settings: dict) -> dict:
+    """``settings`` without the keys torch.optim's class does not take (torch would keep them
+    in its groups unread)."""
+    keys = torch_keys(name) | {"params", "label", "initial_lr"}
+    return {key: value for key, value in settings.items() if key in keys}
+
+
 def rich_settings(name: str, seed: int = 0) -> dict:
     """A valid configuration that uses every state slot (so every buffer gets exercised)."""
     schema = schema_of(name)

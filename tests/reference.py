@@ -84,11 +84,24 @@ def adam(state, p, g, hp, decoupled=False):
         state["max_exp_avg_sq"] = np.maximum(state["max_exp_avg_sq"], v)
         v = state["max_exp_avg_sq"]
     denom = np.sqrt(v) / t(bias_correction2_sqrt) + t(hp["eps"])
+    if hp["caution"]:
+        m = m * _caution_mask(m, g)
     return p + (t(-step_size) * m) / denom
 
 
 def adamw(state, p, g, hp):
     return adam(state, p, g, hp, decoupled=True)
+
+
+def _caution_mask(update, g):
+    """timm's cautious mask ("Cautious Optimizers", arXiv 2411.16085), as its optimizers write
+    it: ``mask = (update * grad > 0).to(grad.dtype); mask.div_(mask.mean().clamp_(min=1e-3))``
+    (the mean over the whole parameter, in its dtype)."""
+    t = g.dtype.type
+    mask = (update * g > 0).astype(g.dtype)
+    if mask.size == 0:
+        return mask
+    return mask / np.maximum(mask.mean(dtype=g.dtype), t(1e-3))
 
 
 def _lerp(start, end, weight):
@@ -222,7 +235,10 @@ def lion(state, p, g, hp):
     c = t(beta1) * m + t(1 - beta1) * g
     if wd != 0:
         p = p * t(1 - lr * wd)
-    p = p - t(lr) * _torch_sign(c)
+    update = _torch_sign(c)
+    if hp["caution"]:  # timm's Lion: the mask of sign(c) * g, applied to sign(c)
+        update = update * _caution_mask(update, g)
+    p = p - t(lr) * update
     state["exp_avg"] = t(beta2) * m + t(1 - beta2) * g
     return p
 
@@ -406,6 +422,8 @@ def adopt(state, p, g, hp):
         bound = t(float(state["step"] - 1) ** hp["clip_exp"])
         normed = np.clip(normed, -bound, bound)
     m = state["exp_avg"] = _lerp(state["exp_avg"], normed, t(1 - beta1))
+    if hp["caution"]:
+        m = m * _caution_mask(m, g)
     state["exp_avg_sq"] = state["exp_avg_sq"] * t(beta2) + t(1 - beta2) * g * g
     return p + t(-lr) * m
 

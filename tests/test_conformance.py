@@ -16,7 +16,7 @@ import pytest
 
 import flatopt
 from optimizers import NAMES as KINDS
-from optimizers import fit_shape, random_settings, schema_of
+from optimizers import fit_shape, random_settings, schema_of, torch_group, torch_settings
 from reference import ReferenceOptimizer
 
 DTYPES = [np.float32, np.float64]
@@ -25,7 +25,8 @@ STEPS = 12
 SHAPES = [(), (0,), (3, 0), (7,), (5, 3), (17, 33), (40_000,), (2, 3, 4)]
 
 
-def random_problem(seed: int, kind: str, dtype):
+def random_problem(seed: int, kind: str, dtype, torch: bool = False):
+    """``torch``: settings torch.optim runs too (see ``optimizers.torch_settings``)."""
     rng = np.random.default_rng([seed, zlib.crc32(kind.encode()), int(dtype == np.float64)])
     n_groups = int(rng.integers(1, 4))
     groups = []
@@ -36,7 +37,8 @@ def random_problem(seed: int, kind: str, dtype):
             shape = fit_shape(kind, SHAPES[int(rng.integers(len(SHAPES)))])
             params[f"layer{counter}.w"] = rng.standard_normal(shape).astype(dtype)
             counter += 1
-        groups.append((params, random_settings(kind, rng)))
+        settings = random_settings(kind, rng)
+        groups.append((params, torch_settings(kind, settings) if torch else settings))
     schedule = []
     paths = [path for params, _ in groups for path in params]
     shapes = {path: arr.shape for params, _ in groups for path, arr in params.items()}
@@ -98,6 +100,9 @@ TORCH_FAILS_ON_EMPTY = {
 
 def make_torch(kind, groups):
     torch = _torch()
+    name = schema_of(kind).torch_name
+    if name is None:
+        pytest.skip(f"{kind} has no torch.optim counterpart (its NumPy reference covers it)")
     tensors = {}
     torch_groups = []
     for params, hp in groups:
@@ -108,10 +113,7 @@ def make_torch(kind, groups):
             t = torch.tensor(arr.copy(), requires_grad=True)
             tensors[path] = t
             ts.append(t)
-        torch_groups.append({"params": ts, **hp})
-    name = schema_of(kind).torch_name
-    if name is None:
-        pytest.skip(f"{kind} has no torch.optim counterpart (its NumPy reference covers it)")
+        torch_groups.append({"params": ts, **torch_group(kind, hp)})
     return getattr(torch.optim, name)(torch_groups), tensors
 
 
@@ -159,7 +161,9 @@ def torch_default_dtype(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_torch_optim(kind, dtype, seed, torch_default_dtype):
-    groups, schedule = random_problem(seed, kind, dtype)
+    if schema_of(kind).torch_name is None:
+        pytest.skip(f"{kind} has no torch.optim counterpart (its NumPy reference covers it)")
+    groups, schedule = random_problem(seed, kind, dtype, torch=True)
     opt = make_flatopt(kind, groups)
     torch_opt, tensors = make_torch(kind, groups)
     # Eager state (Adagrad's): torch fills it from its constructor arguments, ignoring a
@@ -253,12 +257,13 @@ def test_steps_equal_torchs_bit_for_bit(kind, dtype, seed, torch_default_dtype):
     for number in range(2):
         params = {f"g{number}.p{i}": rng.standard_normal(shape).astype(dtype)
                   for i, shape in enumerate(shapes)}
-        groups.append((params, random_settings(kind, rng)))
+        groups.append((params, torch_settings(kind, random_settings(kind, rng))))
     opt = make_flatopt(kind, groups)
     tensors = {path: torch.tensor(arr.copy(), requires_grad=True)
                for params, _ in groups for path, arr in params.items()}
     torch_opt = getattr(torch.optim, kind)(
-        [{"params": [tensors[p] for p in params], **hp} for params, hp in groups],
+        [{"params": [tensors[p] for p in params], **torch_group(kind, hp)}
+         for params, hp in groups],
         **torch_options)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -9,7 +9,7 @@ import pytest
 
 import flatopt
 from flatopt import StateDictError
-from optimizers import NAMES, fit_shape, random_settings, schema_of
+from optimizers import NAMES, fit_shape, random_settings, schema_of, torch_group, torch_settings
 
 torch = pytest.importorskip("torch")
 
@@ -22,7 +22,8 @@ def torch_run(name, groups, rng, steps):
     tensors = {path: torch.tensor(value.copy(), requires_grad=True)
                for params, _ in groups for path, value in params.items()}
     torch_opt = getattr(torch.optim, schema_of(name).torch_name)(
-        [{"params": [tensors[p] for p in params], **hp} for params, hp in groups],
+        [{"params": [tensors[p] for p in params], **torch_group(name, hp)}
+         for params, hp in groups],
         foreach=False)
     return tensors, torch_opt
 
@@ -44,8 +45,10 @@ def test_a_torch_run_continues_in_flatopt(name):
     values = {path: rng.standard_normal(shape).astype(np.float32)
               for path, shape in shapes.items()}
     paths = list(values)
-    groups = [({p: values[p] for p in paths[:2]}, random_settings(name, rng)),
-              ({p: values[p] for p in paths[2:]}, random_settings(name, rng))]
+    groups = [({p: values[p] for p in paths[:2]},
+               torch_settings(name, random_settings(name, rng))),
+              ({p: values[p] for p in paths[2:]},
+               torch_settings(name, random_settings(name, rng)))]
     tensors, torch_opt = torch_run(name, groups, rng, 4)
 
     def grads_for_step():

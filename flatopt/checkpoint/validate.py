@@ -59,6 +59,7 @@ def _groups(ck: Contents) -> None:
             raise ck.corrupt(f"group {number} hyperparameters are not a dict of values")
         if raw["label"] is not None:
             values["label"] = raw["label"]
+        values = schema.upgraded(values, ck.header.get("schema_version", 1))
         normal, problems = schema.check_group(values, f"saved param group {number}")
         if problems:
             raise ck.corrupt("; ".join(problems))

@@ -418,7 +418,7 @@ class Sharding:
                                     for name in plan.used}, plan.settings,
                                    {name: column[k] for name, column in buf.columns.items()})
             return
-        if rule.reduce is not None:
+        if rule.reduces(plan.flags):
             segments, slots = shard.segments, shard.segment_slots
             segments.present[...] = buf.present[slots]
             partial = np.zeros((len(slots), plan.sums.shape[1]))

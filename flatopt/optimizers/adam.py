@@ -33,7 +33,9 @@ SCHEMA = Schema(
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
         "amsgrad": Hyperparameter(False, flag, (False, True)),
         "maximize": Hyperparameter(False, flag, (False, True)),
+        "caution": Hyperparameter(False, flag, (False, True), since=2),
     },
+    version=2,
     columns={"step": Column("int64", MAX_STEP, marker=True)},
     slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True),
            "max_exp_avg_sq": Slot(when=lambda s: s["amsgrad"], nonnegative=True)},
@@ -59,7 +61,13 @@ class Adam(Optimizer):
         m = m + (1 - beta1) * (g - m)
         v = beta2 * v + (1 - beta2) * g * g
         v_max = max(v_max, v)                        if amsgrad; then v_max is used for v
-        p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+        m' = m * (m * g > 0) / max(mean(m * g > 0), 1e-3)   if caution; m' = m otherwise
+        p = p - lr / (1 - beta1**t) * m' / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    ``caution`` (timm's, "Cautious Optimizers", arXiv 2411.16085): only the elements whose
+    new moment agrees in sign with the gradient move, scaled up by the inverse of their
+    share of the parameter (at most 1000x); ``exp_avg`` itself is stored unmasked. torch.optim
+    has no such option; it costs a second reading pass over the buffer.
 
     A missing gradient skips the parameter entirely (no step count, no decay); a zero
     gradient is a real step. Hyperparameters are read from ``param_groups`` at every step.
@@ -70,11 +78,11 @@ class Adam(Optimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float | None = None, amsgrad: bool = False, *,
-                 maximize: bool = False, **unknown: Any):
+                 maximize: bool = False, caution: bool = False, **unknown: Any):
         if weight_decay is None:
             weight_decay = self.schema.hyperparameters["weight_decay"].default
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad, maximize=maximize, **unknown)
+                         amsgrad=amsgrad, maximize=maximize, caution=caution, **unknown)
 
     def kernel_scalars(self, s: Mapping[str, Any], dtype: np.dtype) -> rule.Scalars:
         beta1, beta2 = s["betas"]
@@ -91,7 +99,8 @@ class Adam(Optimizer):
     def kernel_flags(self, s: Mapping[str, Any]) -> rule.Flags:
         return rule.Flags(has_weight_decay=s["weight_decay"] != 0,
                           decoupled=self.decoupled_weight_decay, amsgrad=s["amsgrad"],
-                          maximize=s["maximize"], lerp_from_end=lerp_from_end(s))
+                          maximize=s["maximize"], lerp_from_end=lerp_from_end(s),
+                          caution=s["caution"])
 
 
 @register

@@ -46,7 +46,7 @@ SCHEMA = Schema(
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
         "decoupled": Hyperparameter(False, flag, (False, True)),
         "corrected_weight_decay": Hyperparameter(False, not_yet, (False,)),
-        "caution": Hyperparameter(False, not_yet, (False,)),
+        "caution": Hyperparameter(False, flag, (False, True)),
         "maximize": Hyperparameter(False, flag, (False, True)),
     },
     columns={"step": Column("int64", MAX_STEP, marker=True)},
@@ -66,12 +66,18 @@ class ADOPT(Optimizer):
         t == 1:  v = g * g                       and nothing else: the first step seeds v
         t > 1:   p = p - lr * weight_decay * p   if weight_decay and decoupled
                  n = clamp(g / max(sqrt(v), eps), -(t-1)**clip_exp, (t-1)**clip_exp)
-                 m = lerp(m, n, 1 - beta1);  p = p - lr * m
+                 m = lerp(m, n, 1 - beta1)
+                 m' = m * (m * g > 0) / max(mean(m * g > 0), 1e-3)   if caution
+                 p = p - lr * m'                 (m' = m without caution)
                  v = beta2 * v + (1 - beta2) * g * g
 
-    ``clip_exp=None`` turns the clamp off. timm's ``caution`` and ``corrected_weight_decay``
-    are accepted as False and refused as True (not built yet). State: ``step``, ``exp_avg``
-    (m) and ``exp_avg_sq`` (v). The NumPy reference in ``tests/reference.py`` is the oracle.
+    ``clip_exp=None`` turns the clamp off. ``caution`` ("Cautious Optimizers", arXiv
+    2411.16085): only the elements whose new moment agrees in sign with the gradient move,
+    scaled by the inverse of their share of the parameter (at most 1000); ``exp_avg`` is
+    stored unmasked; a second reading pass over the buffer. timm's
+    ``corrected_weight_decay`` is accepted as False and refused as True (not built yet).
+    State: ``step``, ``exp_avg`` (m) and ``exp_avg_sq`` (v). The NumPy reference in
+    ``tests/reference.py`` is the oracle.
     """
 
     schema = SCHEMA
@@ -99,4 +105,4 @@ class ADOPT(Optimizer):
     def kernel_flags(self, s: Mapping[str, Any]) -> rule.Flags:
         return rule.Flags(has_weight_decay=s["weight_decay"] != 0, decoupled=s["decoupled"],
                           clip=s["clip_exp"] is not None, maximize=s["maximize"],
-                          lerp_from_end=lerp_from_end(s))
+                          lerp_from_end=lerp_from_end(s), caution=s["caution"])

@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 from ..arithmetic import fma
 from ..rule import Rule, positions
+from .caution import REDUCTIONS, caution_finalize
 
 
 class Scalars(NamedTuple):
@@ -28,21 +29,39 @@ class Flags(NamedTuple):
     amsgrad: bool
     maximize: bool
     lerp_from_end: bool
+    caution: bool
 
 
 class Columns(NamedTuple):
     step: int
     neg_step_size: float
     bias_correction2_sqrt: float
+    caution_scale: float
 
 
 S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
               positions(Columns))
 
 
+def adam_moment(p, g, m, lerp_coefficient, weight_decay, has_weight_decay, decoupled,
+                maximize, lerp_from_end):
+    """The gradient the moments see (``-g`` if maximize, plus Adam's L2 term) and the new
+    first moment ``lerp(m, g, 1 - beta1)``; returns ``(g, m)``."""
+    if maximize:
+        g = -g
+    if has_weight_decay and not decoupled:
+        g = fma(p, weight_decay, g)
+    if lerp_from_end:
+        m = fma(lerp_coefficient, g - m, g)
+    else:
+        m = fma(lerp_coefficient, g - m, m)
+    return g, m
+
+
 def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coefficient,
               beta2, one_minus_beta2, eps, weight_decay, decoupled_decay_factor,
-              has_weight_decay, decoupled, amsgrad, maximize, lerp_from_end):
+              has_weight_decay, decoupled, amsgrad, maximize, lerp_from_end, caution,
+              caution_scale):
     """One Adam/AdamW element update; returns ``(p, m, v, v_max)``.
 
     AdamW is this rule with ``decoupled=True``. With ``t`` the parameter's own step count::
@@ -54,7 +73,8 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coef
         v = beta2 * v + (1 - beta2) * g * g
         v_max = max(v_max, v)                          if amsgrad (raw, uncorrected v)
         denom = sqrt(v_max or v) / sqrt(1 - beta2**t) + eps
-        p = p - (lr / (1 - beta1**t)) * m / denom
+        u = m * (caution_scale if m * g > 0 else 0)    if caution (timm's, see caution.py)
+        p = p - (lr / (1 - beta1**t)) * (u or m) / denom
 
     The lerp is computed as torch's kernel does, from the nearer end: with ``w = 1 - beta1``,
     ``m + w * (g - m)`` when ``w < 0.5``, else ``g + (w - 1) * (g - m)`` (``lerp_from_end``);
@@ -65,17 +85,10 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coef
     step of ``v``'s ``addcmul`` are fused multiply-adds; the update is ``addcdiv``
     (``(neg_step_size * m) / denom``, then added).
     """
-    if maximize:
-        g = -g
-    if has_weight_decay:
-        if decoupled:
-            p = p * decoupled_decay_factor
-        else:
-            g = fma(p, weight_decay, g)
-    if lerp_from_end:
-        m = fma(lerp_coefficient, g - m, g)
-    else:
-        m = fma(lerp_coefficient, g - m, m)
+    if has_weight_decay and decoupled:
+        p = p * decoupled_decay_factor
+    g, m = adam_moment(p, g, m, lerp_coefficient, weight_decay, has_weight_decay, decoupled,
+                       maximize, lerp_from_end)
     v = fma(one_minus_beta2 * g, g, v * beta2)
     if amsgrad:
         # torch.maximum propagates NaN; "not (v_max >= v)" keeps that.
@@ -84,14 +97,39 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coef
         denom = math.sqrt(v_max) / bias_correction2_sqrt + eps
     else:
         denom = math.sqrt(v) / bias_correction2_sqrt + eps
-    p = p + (neg_step_size * m) / denom
+    u = m
+    if caution:
+        # timm multiplies by the mask: a masked m gives 0 (NaN where m is not finite); the
+        # zero is the scale's own type, so a float32 kernel stays float32
+        u = m * (caution_scale if m * g > 0 else caution_scale - caution_scale)
+    p = p + (neg_step_size * u) / denom
     return p, m, v, v_max
 
 
-def adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
+def adam_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
+                  one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
+                  decoupled, amsgrad, maximize, lerp_from_end, caution, start, stop, stride):
     p, g, m, v, v_max = arrays
+    # Separate loops: without amsgrad v_max is neither read nor written, which keeps the loop
+    # within LLVM's alias-check limit so that it vectorises.
+    if amsgrad:
+        for i in range(start, stop, stride):
+            p[i], m[i], v[i], v_max[i] = adam_rule(
+                p[i], g[i], m[i], v[i], v_max[i], step_size, bc2, lerp_coefficient, beta2,
+                one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
+                True, maximize, lerp_from_end, caution, caution_scale)
+    else:
+        for i in range(start, stop, stride):
+            p[i], m[i], v[i], _ = adam_rule(
+                p[i], g[i], m[i], v[i], eps, step_size, bc2, lerp_coefficient, beta2,
+                one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
+                False, maximize, lerp_from_end, caution, caution_scale)
+
+
+def adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
     step_size = columns[C.neg_step_size][k]
     bc2 = columns[C.bias_correction2_sqrt][k]
+    caution_scale = columns[C.caution_scale][k]
     lerp_coefficient = scalars[S.lerp_coefficient]
     beta2 = scalars[S.beta2]
     one_minus_beta2 = scalars[S.one_minus_beta2]
@@ -100,22 +138,42 @@ def adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
     decay_factor = scalars[S.decoupled_decay_factor]
     has_weight_decay = flags[F.has_weight_decay]
     decoupled = flags[F.decoupled]
+    amsgrad = flags[F.amsgrad]
     maximize = flags[F.maximize]
     lerp_from_end = flags[F.lerp_from_end]
-    # Separate loops: without amsgrad v_max is neither read nor written, which keeps the loop
-    # within LLVM's alias-check limit so that it vectorises.
-    if flags[F.amsgrad]:
-        for i in range(start, stop, stride):
-            p[i], m[i], v[i], v_max[i] = adam_rule(
-                p[i], g[i], m[i], v[i], v_max[i], step_size, bc2, lerp_coefficient, beta2,
-                one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-                True, maximize, lerp_from_end)
+    # caution as a constant in each call: the loops without it are the plain Adam loops
+    if flags[F.caution]:
+        adam_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
+                      one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
+                      decoupled, amsgrad, maximize, lerp_from_end, True, start, stop, stride)
     else:
-        for i in range(start, stop, stride):
-            p[i], m[i], v[i], _ = adam_rule(
-                p[i], g[i], m[i], v[i], eps, step_size, bc2, lerp_coefficient, beta2,
-                one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-                False, maximize, lerp_from_end)
+        adam_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
+                      one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
+                      decoupled, amsgrad, maximize, lerp_from_end, False, start, stop, stride)
+
+
+def adam_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
+    """For ``caution``: how many elements of the segment have ``m * g > 0``, with the ``g``
+    and the new ``m`` the span computes (nothing stored), and how many elements it has."""
+    p, g, m = arrays[0], arrays[1], arrays[2]
+    lerp_coefficient = scalars[S.lerp_coefficient]
+    weight_decay = scalars[S.weight_decay]
+    has_weight_decay = flags[F.has_weight_decay]
+    decoupled = flags[F.decoupled]
+    maximize = flags[F.maximize]
+    lerp_from_end = flags[F.lerp_from_end]
+    agreeing = 0  # integers: an if-less sum that vectorizes (see caution.py)
+    elements = 0
+    for i in range(start, stop, stride):
+        gi, mi = adam_moment(p[i], g[i], m[i], lerp_coefficient, weight_decay,
+                             has_weight_decay, decoupled, maximize, lerp_from_end)
+        agreeing += mi * gi > 0
+        elements += 1
+    return float(agreeing), float(elements)
+
+
+def adam_finalize(present, columns, scalars, flags, start, stop, stride, sums):
+    caution_finalize(present, columns[C.caution_scale], sums, start, stop, stride)
 
 
 def adam_prepare(present, columns, scalars, flags, start, stop, stride):
@@ -143,8 +201,11 @@ def adam_prepare(present, columns, scalars, flags, start, stop, stride):
             bias_correction2_sqrt[k] = correction
 
 
-RULE = Rule(name="adam", span=adam_span, prepare=adam_prepare, helpers=(adam_rule,),
+RULE = Rule(name="adam", span=adam_span, prepare=adam_prepare,
+            helpers=(adam_moment, adam_rule, adam_elements, caution_finalize),
             slots=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
             columns={"step": "int64", "neg_step_size": "param",
-                     "bias_correction2_sqrt": "param"},
-            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)
+                     "bias_correction2_sqrt": "param", "caution_scale": "param"},
+            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags,
+            reduce=adam_reduce, finalize=adam_finalize, reductions=REDUCTIONS,
+            reduce_flag="caution")

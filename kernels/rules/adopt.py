@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from ..arithmetic import fma
 from ..rule import Rule, positions
+from .caution import REDUCTIONS, caution_finalize
 
 
 class Scalars(NamedTuple):
@@ -29,21 +30,48 @@ class Flags(NamedTuple):
     clip: bool
     maximize: bool
     lerp_from_end: bool
+    caution: bool
 
 
 class Columns(NamedTuple):
     step: int
     first: int
     clip_value: float
+    caution_scale: float
 
 
 S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
               positions(Columns))
 
 
+def adopt_gradient(p, g, weight_decay, has_weight_decay, decoupled, maximize):
+    """The gradient the moments see: ``-g`` if maximize, plus the L2 term when not
+    decoupled."""
+    if maximize:
+        g = -g
+    if has_weight_decay and not decoupled:
+        g = fma(p, weight_decay, g)
+    return g
+
+
+def adopt_moment(g, m, v, clip_value, lerp_coefficient, eps, clip, lerp_from_end):
+    """The new first moment ``lerp(m, clamp(g / max(sqrt(v), eps), -c, c), 1 - beta1)``
+    (from the previous second moment)."""
+    root = math.sqrt(v)
+    n = g / (eps if root < eps else root)
+    if clip:
+        if n < -clip_value:
+            n = -clip_value
+        elif n > clip_value:
+            n = clip_value
+    if lerp_from_end:
+        return fma(lerp_coefficient, n - m, n)
+    return fma(lerp_coefficient, n - m, m)
+
+
 def adopt_rule(p, g, m, v, first, clip_value, neg_lr, lerp_coefficient, beta2,
                one_minus_beta2, eps, weight_decay, neg_lr_weight_decay, has_weight_decay,
-               decoupled, clip, maximize, lerp_from_end):
+               decoupled, clip, maximize, lerp_from_end, caution, caution_scale):
     """One ADOPT element update; returns ``(p, m, v)``. With ``t`` the parameter's own step
     count::
 
@@ -54,32 +82,25 @@ def adopt_rule(p, g, m, v, first, clip_value, neg_lr, lerp_coefficient, beta2,
                  n = g / max(sqrt(v), eps)
                  n = clamp(n, -c, c)             c = (t - 1) ** clip_exp, unless clip_exp None
                  m = lerp(m, n, 1 - beta1)       (torch's lerp, from the nearer end)
-                 p = p - lr * m
+                 u = m * (caution_scale if m * g > 0 else 0)   if caution (see caution.py)
+                 p = p - lr * (u or m)
                  v = beta2 * v + (1 - beta2) * g * g
 
     Rounded as timm's single-tensor path on torch's CPU kernels (``add`` with alpha, ``lerp``
     and ``addcmul``'s last step are fused multiply-adds); clamps keep NaN, as torch's do.
     """
-    if maximize:
-        g = -g
-    if has_weight_decay and not decoupled:
-        g = fma(p, weight_decay, g)
+    g = adopt_gradient(p, g, weight_decay, has_weight_decay, decoupled, maximize)
     if first:
         return p, m, fma(g, g, v)
     if has_weight_decay and decoupled:
         p = fma(p, neg_lr_weight_decay, p)
-    root = math.sqrt(v)
-    n = g / (eps if root < eps else root)
-    if clip:
-        if n < -clip_value:
-            n = -clip_value
-        elif n > clip_value:
-            n = clip_value
-    if lerp_from_end:
-        m = fma(lerp_coefficient, n - m, n)
-    else:
-        m = fma(lerp_coefficient, n - m, m)
-    p = fma(m, neg_lr, p)
+    m = adopt_moment(g, m, v, clip_value, lerp_coefficient, eps, clip, lerp_from_end)
+    u = m
+    if caution:
+        # timm multiplies by the mask: a masked m gives 0 (NaN where m is not finite); the
+        # zero is the scale's own type, so a float32 kernel stays float32
+        u = m * (caution_scale if m * g > 0 else caution_scale - caution_scale)
+    p = fma(u, neg_lr, p)
     v = fma(one_minus_beta2 * g, g, v * beta2)
     return p, m, v
 
@@ -88,6 +109,7 @@ def adopt_span(arrays, scalars, columns, flags, k, start, stop, stride):
     p, g, m, v = arrays
     first = columns[C.first][k] != 0
     clip_value = columns[C.clip_value][k]
+    caution_scale = columns[C.caution_scale][k]
     neg_lr = scalars[S.neg_lr]
     lerp_coefficient = scalars[S.lerp_coefficient]
     beta2 = scalars[S.beta2]
@@ -100,11 +122,44 @@ def adopt_span(arrays, scalars, columns, flags, k, start, stop, stride):
     clip = flags[F.clip]
     maximize = flags[F.maximize]
     lerp_from_end = flags[F.lerp_from_end]
+    caution = flags[F.caution]
     for i in range(start, stop, stride):
         p[i], m[i], v[i] = adopt_rule(p[i], g[i], m[i], v[i], first, clip_value, neg_lr,
                                       lerp_coefficient, beta2, one_minus_beta2, eps,
                                       weight_decay, neg_lr_weight_decay, has_weight_decay,
-                                      decoupled, clip, maximize, lerp_from_end)
+                                      decoupled, clip, maximize, lerp_from_end, caution,
+                                      caution_scale)
+
+
+def adopt_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
+    """For ``caution``: how many elements of the segment have ``m * g > 0``, with the ``g``
+    and the new ``m`` the span computes (nothing stored), and how many elements it has. A
+    first step moves nothing: it counts nothing."""
+    p, g, m, v = arrays
+    if columns[C.first][k] != 0:
+        return 0.0, 0.0
+    clip_value = columns[C.clip_value][k]
+    lerp_coefficient = scalars[S.lerp_coefficient]
+    eps = scalars[S.eps]
+    weight_decay = scalars[S.weight_decay]
+    has_weight_decay = flags[F.has_weight_decay]
+    decoupled = flags[F.decoupled]
+    clip = flags[F.clip]
+    maximize = flags[F.maximize]
+    lerp_from_end = flags[F.lerp_from_end]
+    agreeing = 0  # integers: an if-less sum that vectorizes (see caution.py)
+    elements = 0
+    for i in range(start, stop, stride):
+        gi = adopt_gradient(p[i], g[i], weight_decay, has_weight_decay, decoupled, maximize)
+        mi = adopt_moment(gi, m[i], v[i], clip_value, lerp_coefficient, eps, clip,
+                          lerp_from_end)
+        agreeing += mi * gi > 0
+        elements += 1
+    return float(agreeing), float(elements)
+
+
+def adopt_finalize(present, columns, scalars, flags, start, stop, stride, sums):
+    caution_finalize(present, columns[C.caution_scale], sums, start, stop, stride)
 
 
 def adopt_prepare(present, columns, scalars, flags, start, stop, stride):
@@ -123,7 +178,11 @@ def adopt_prepare(present, columns, scalars, flags, start, stop, stride):
                 clip_value[k] = float(steps[k] - 1) ** scalars[P.clip_exp]
 
 
-RULE = Rule(name="adopt", span=adopt_span, prepare=adopt_prepare, helpers=(adopt_rule,),
+RULE = Rule(name="adopt", span=adopt_span, prepare=adopt_prepare,
+            helpers=(adopt_gradient, adopt_moment, adopt_rule, caution_finalize),
             slots=("exp_avg", "exp_avg_sq"),
-            columns={"step": "int64", "first": "uint8", "clip_value": "param"},
-            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)
+            columns={"step": "int64", "first": "uint8", "clip_value": "param",
+                     "caution_scale": "param"},
+            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags,
+            reduce=adopt_reduce, finalize=adopt_finalize, reductions=REDUCTIONS,
+            reduce_flag="caution")

@@ -2,7 +2,9 @@
 
 from typing import NamedTuple
 
+from ..arithmetic import fma
 from ..rule import Rule, positions
+from .caution import REDUCTIONS, caution_finalize
 
 
 class Scalars(NamedTuple):
@@ -17,31 +19,52 @@ class Scalars(NamedTuple):
 class Flags(NamedTuple):
     has_weight_decay: bool
     maximize: bool
+    caution: bool
 
 
 class Columns(NamedTuple):
     step: int
+    caution_scale: float
 
 
 S, F, C = positions(Scalars), positions(Flags), positions(Columns)
 
 
+def lion_direction(g, m, beta1, one_minus_beta1, maximize):
+    """The gradient (``-g`` if maximize) and the direction ``c = beta1 * m + (1 - beta1) *
+    g``; returns ``(g, c)``."""
+    if maximize:
+        g = -g
+    return g, beta1 * m + one_minus_beta1 * g
+
+
+def lion_agrees(c, g):
+    """timm's cautious mask for Lion, ``sign(c) * g > 0`` (the sign, not ``c``: no underflow)."""
+    return ((c > 0) & (g > 0)) | ((c < 0) & (g < 0))  # no short circuit: no branches
+
+
 def lion_rule(p, g, m, neg_lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay_factor,
-              has_weight_decay, maximize):
+              has_weight_decay, maximize, caution, caution_scale):
     """One Lion element update; returns ``(p, m)``::
 
         g = -g                                       if maximize
         c = beta1 * m + (1 - beta1) * g
         p = p * (1 - lr * weight_decay)              if weight_decay != 0 (decoupled)
-        p = p - lr * sign(c)                         (sign(0) = 0, and 0 for NaN, as torch.sign)
+        u = sign(c)                                  (sign(0) = 0, and 0 for NaN, as torch.sign)
+        u = u * caution_scale if u * g > 0 else 0    if caution (timm's, see caution.py)
+        p = p - lr * u
         m = beta2 * m + (1 - beta2) * g
+
+    A kept cautious update is torch's ``add`` with alpha, a fused multiply-add.
     """
-    if maximize:
-        g = -g
-    c = beta1 * m + one_minus_beta1 * g
+    g, c = lion_direction(g, m, beta1, one_minus_beta1, maximize)
     if has_weight_decay:
         p = p * decay_factor
-    if c > 0:
+    if caution:
+        # a masked element adds (-lr) * 0: p is unchanged
+        if lion_agrees(c, g):
+            p = fma(caution_scale if c > 0 else -caution_scale, neg_lr, p)
+    elif c > 0:
         p = p + neg_lr
     elif c < 0:
         p = p - neg_lr
@@ -49,8 +72,17 @@ def lion_rule(p, g, m, neg_lr, beta1, one_minus_beta1, beta2, one_minus_beta2, d
     return p, m
 
 
-def lion_span(arrays, scalars, columns, flags, k, start, stop, stride):
+def lion_elements(arrays, neg_lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                  decay_factor, has_weight_decay, maximize, caution, caution_scale, start,
+                  stop, stride):
     p, g, m = arrays
+    for i in range(start, stop, stride):
+        p[i], m[i] = lion_rule(p[i], g[i], m[i], neg_lr, beta1, one_minus_beta1, beta2,
+                               one_minus_beta2, decay_factor, has_weight_decay, maximize,
+                               caution, caution_scale)
+
+
+def lion_span(arrays, scalars, columns, flags, k, start, stop, stride):
     neg_lr = scalars[S.neg_lr]
     beta1 = scalars[S.beta1]
     one_minus_beta1 = scalars[S.one_minus_beta1]
@@ -59,9 +91,36 @@ def lion_span(arrays, scalars, columns, flags, k, start, stop, stride):
     decay_factor = scalars[S.decay_factor]
     has_weight_decay = flags[F.has_weight_decay]
     maximize = flags[F.maximize]
+    caution_scale = columns[C.caution_scale][k]
+    # caution as a constant in each call: the loop without it is the plain Lion loop
+    if flags[F.caution]:
+        lion_elements(arrays, neg_lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                      decay_factor, has_weight_decay, maximize, True, caution_scale, start,
+                      stop, stride)
+    else:
+        lion_elements(arrays, neg_lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                      decay_factor, has_weight_decay, maximize, False, caution_scale, start,
+                      stop, stride)
+
+
+def lion_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
+    """For ``caution``: how many elements of the segment have ``sign(c) * g > 0`` (nothing
+    stored), and how many elements it has."""
+    g, m = arrays[1], arrays[2]
+    beta1 = scalars[S.beta1]
+    one_minus_beta1 = scalars[S.one_minus_beta1]
+    maximize = flags[F.maximize]
+    agreeing = 0  # integers: an if-less sum that vectorizes (see caution.py)
+    elements = 0
     for i in range(start, stop, stride):
-        p[i], m[i] = lion_rule(p[i], g[i], m[i], neg_lr, beta1, one_minus_beta1, beta2,
-                               one_minus_beta2, decay_factor, has_weight_decay, maximize)
+        gi, c = lion_direction(g[i], m[i], beta1, one_minus_beta1, maximize)
+        agreeing += lion_agrees(c, gi)
+        elements += 1
+    return float(agreeing), float(elements)
+
+
+def lion_finalize(present, columns, scalars, flags, start, stop, stride, sums):
+    caution_finalize(present, columns[C.caution_scale], sums, start, stop, stride)
 
 
 def lion_prepare(present, columns, scalars, flags, start, stop, stride):
@@ -73,5 +132,8 @@ def lion_prepare(present, columns, scalars, flags, start, stop, stride):
             steps[k] += 1
 
 
-RULE = Rule(name="lion", span=lion_span, prepare=lion_prepare, helpers=(lion_rule,),
-            slots=("exp_avg",), columns={"step": "int64"}, scalars=Scalars, flags=Flags)
+RULE = Rule(name="lion", span=lion_span, prepare=lion_prepare,
+            helpers=(lion_direction, lion_agrees, lion_rule, lion_elements, caution_finalize),
+            slots=("exp_avg",), columns={"step": "int64", "caution_scale": "param"},
+            scalars=Scalars, flags=Flags, reduce=lion_reduce, finalize=lion_finalize,
+            reductions=REDUCTIONS, reduce_flag="caution")
