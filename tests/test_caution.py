@@ -201,13 +201,13 @@ def _save_as_before_caution(path, opt, monkeypatch):
         return [{k: v for k, v in group.items() if k != "caution"} for group in old_settings()]
 
     monkeypatch.setattr(opt, "settings", settings)
-    original = writer_mod._Snapshot.__init__
+    original = writer_mod.Snapshot.__init__
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
         self.header.pop("schema_version", None)
 
-    monkeypatch.setattr(writer_mod._Snapshot, "__init__", init)
+    monkeypatch.setattr(writer_mod.Snapshot, "__init__", init)
     flatopt.save(path, opt)
     monkeypatch.undo()
     with h5py.File(path) as f:
