@@ -137,7 +137,8 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
                     regroup: bool, scheduler) -> None:
     """Hyperparameters per live group, against every saved group its parameters came from.
     Values the scheduler owns (``scheduler.owned_hyperparameters``, e.g. lr) are restored from
-    the file with the scheduler's state, not reported, unless ``hyperparameters="live"``."""
+    the file with the scheduler's state, not reported, unless ``hyperparameters="live"``; the
+    optimizer's per-group state (``Schema.group_state``) always is."""
     diffs = result.differences
     owned = set(getattr(scheduler, "owned_hyperparameters", ())) \
         if scheduler is not None and ck.scheduler_state is not None else set()
@@ -154,6 +155,7 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
             contributors[number].add(number)
     schema = opt.schema
     same_kind = ck.schema is schema
+    state = set(schema.group_state) if same_kind else set()
     for number, values in enumerate(opt.settings()):
         where = describe_group(number, values)
         live = {k: v for k, v in values.items() if k != "label"}
@@ -168,6 +170,14 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
                 s, l = saved.get(key), live.get(key)
                 if key in owned and key in saved and hyperparameters != "live":
                     chosen[key] = s  # restored with the scheduler that sets it
+                    continue
+                if key in state and key in saved:  # the optimizer's own counters: restored
+                    if key in chosen and chosen[key] != s:
+                        diffs.append(Difference(
+                            "hyperparameter", f"{where} {key}", chosen[key], s,
+                            note="state of the optimizer that differs between the saved "
+                                 "groups its parameters come from"))
+                    chosen[key] = s
                     continue
                 if s != l:
                     hyper = schema.hyperparameters.get(key)

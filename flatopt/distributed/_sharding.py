@@ -351,6 +351,7 @@ class Sharding:
 
         def check():
             settings = opt.settings()
+            opt.check_step(settings)
             if grads is not None:
                 opt._stage_gradients(grads)
             if grad_scale is not None:
@@ -391,6 +392,7 @@ class Sharding:
             kernels.prepare(buf.present, buf.kernel_columns, plan.prepare_scalars, plan.flags)
             self._update(shard, plan, arrays, buf.dtype.type(multiplier) if scale
                          else plan.one, scale)
+        opt.advance_groups(settings)
         now = time.perf_counter()
         self.timings["step"] += now - clock
         clock = now
@@ -403,6 +405,29 @@ class Sharding:
             warnings.warn(f"{type(opt).__name__}.step(): no gradient is marked present on any "
                           "rank, so nothing was updated (said once per optimizer)", stacklevel=3)
         return result
+
+    def map_state(self, rule, slots: tuple[str, ...], arguments) -> None:
+        """``Optimizer._map_state`` over this rank's range of each buffer (its parameters
+        that have state), then the parameters gathered onto every rank. Collective: the
+        buffers visited are the same on every rank (their state slots are allocated by the
+        same steps everywhere)."""
+        opt = self.opt
+        kernels = None
+        for shard in self.shards:
+            buf = shard.buffer
+            args = arguments(buf)
+            if args is None or any(name not in shard.state for name in slots):
+                continue
+            scalars, flags = args
+            present = np.asarray(opt.schema.stateful(buf.columns), np.uint8) & shard.overlaps
+            layout = _Layout(present, shard.offsets, shard.sizes, shard.chunk_first,
+                             shard.chunk_size, shard.length)
+            kernels = kernels or opt._backend.compile(rule)
+            kernels.step((shard.local(buf.params), shard.local(buf.grads),
+                          *(shard.state[name] for name in slots)),
+                         scalars, (), flags, layout, buf.dtype.type(1), False)
+            if not shard.replicated:
+                self.gather(shard, buf.params)
 
     def _update(self, shard: BufferShard, plan, arrays: tuple, multiplier, scale: bool):
         """Optimizer._update over this rank's range (see there)."""
