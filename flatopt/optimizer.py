@@ -15,13 +15,13 @@ import functools
 import threading
 import warnings
 from collections.abc import Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 
 from . import _device, _params, _restore, _state_dict, _stepping
 from ._stepping import StepResult
-from ._layout import FlatBuffer, ParamIndex, ParamInfo
+from ._layout import FlatBuffer, ParamIndex, ParamInfo, WalkLayout
 from ._restore import BufferState
 from ._validated import Validated
 from ._views import Gradients, ParamViews, gradient_problem
@@ -73,18 +73,6 @@ class _Plan:
         self.used = used
         self.arrays = None  # (params, grads, *slots), once the used slots are allocated
         self.sums = None  # per-parameter totals of a rule with a reduce pass
-
-
-class _StateLayout(NamedTuple):
-    """A buffer's layout as the backends' walks read it, with ``present`` marking the
-    parameters a tool rule visits (``Optimizer._map_state``)."""
-
-    present: np.ndarray
-    offsets: np.ndarray
-    sizes: np.ndarray
-    chunk_first: np.ndarray
-    chunk_size: int
-    length: int
 
 
 class Optimizer:
@@ -372,7 +360,7 @@ class Optimizer:
                 self._device.map_state(buf, rule, slots, scalars, flags, present)
                 continue
             kernels = kernels or self._backend.compile(rule)
-            layout = _StateLayout(present, buf.offsets, buf.sizes, buf.chunk_first,
+            layout = WalkLayout(present, buf.offsets, buf.sizes, buf.chunk_first,
                                   buf.chunk_size, buf.length)
             kernels.step((buf.params, buf.grads, *(buf.state[name] for name in slots)),
                          scalars, (), flags, layout, buf.dtype.type(1), False)

@@ -413,3 +413,23 @@ def test_cuda_train_and_eval_match_the_cpu(name, where):
         got = got if isinstance(got, np.ndarray) else got.copy_to_host()
         np.testing.assert_allclose(got, cpu.params[path], rtol=2e-5, atol=1e-6, err_msg=path)
     assert [g["train_mode"] for g in cuda.param_groups] == [False, False]
+
+
+def test_the_switch_kernel_stays_in_float32():
+    """train()/eval() on a float32 buffer: the switch kernel's arithmetic is float32 (its
+    weight arrives rounded to the dtype, as torch's lerp rounds it)."""
+    from flatopt.kernels import cpu
+    from flatopt.kernels.rules.schedulefree import SWITCH
+    opt = flatopt.ScheduleFreeSGD({"w": np.ones(100, np.float32)})
+    opt.step({"w": np.ones(100, np.float32)})
+    opt.eval()
+    used = cpu.compile_rule(SWITCH).step_kernel.serial
+    kernel = cpu.compile_rule(SWITCH, cache=False).step_kernel.serial
+    for signature in used.signatures:
+        kernel.compile(signature)
+    (ir,) = [text for sig, text in kernel.inspect_llvm().items()
+             if sig[1].dtype.name == "float32"]
+    functions = ir.split("\ndefine ")
+    code = "\n".join(line for f in functions[1:] if "7cpython" not in f.split("(")[0]
+                     for line in f.splitlines() if not line.startswith("declare"))
+    assert "llvm.fma.f32" in code and "fpext" not in code and "double" not in code

@@ -171,26 +171,19 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
                 if key in owned and key in saved and hyperparameters != "live":
                     chosen[key] = s  # restored with the scheduler that sets it
                     continue
-                if key in state and key in saved:  # the optimizer's own counters: restored
-                    if key in chosen and chosen[key] != s:
-                        diffs.append(Difference(
-                            "hyperparameter", f"{where} {key}", chosen[key], s,
-                            note="state of the optimizer that differs between the saved "
-                                 "groups its parameters come from"))
-                    chosen[key] = s
-                    continue
-                if s != l:
+                counter = key in state  # the optimizer's own state: restored, not compared
+                if s != l and not counter:
                     hyper = schema.hyperparameters.get(key)
                     diffs.append(Difference("flag" if hyper and hyper.is_flag
                                             else "hyperparameter", f"{where} {key}{label}", s, l,
                                             relaxed_by=HYPER,
                                             note=hint.lstrip("; ") if key == "lr" else ""))
-                if hyperparameters == "saved" and key in saved:
+                if (hyperparameters == "saved" or counter) and key in saved:
                     if key in chosen and chosen[key] != s:
                         diffs.append(Difference(
                             "hyperparameter", f"{where} {key}", chosen[key], s,
-                            note="its parameters come from saved groups that disagree; use "
-                                 "hyperparameters='live'"))
+                            note="its parameters come from saved groups that disagree" +
+                                 ("" if counter else "; use hyperparameters='live'")))
                     chosen[key] = s
         result.new_settings.append(chosen or None)
 

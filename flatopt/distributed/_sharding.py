@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 from numba import prange
 
 from .. import _stepping
-from .._layout import aligned_zeros, chunk_table
+from .._layout import WalkLayout, aligned_zeros, chunk_table
 from ..kernels import cpu
 from ..kernels.threads import threaded
 from ._common import (DistributedError, RankMismatchError, _canonical, _differences,
@@ -36,17 +36,6 @@ def _gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size
 
 
 # ------------------------------------------------------------------------ sharding
-class _Layout(NamedTuple):
-    """What the CPU backend's walks read of a buffer's layout."""
-
-    present: np.ndarray
-    offsets: np.ndarray
-    sizes: np.ndarray
-    chunk_first: np.ndarray
-    chunk_size: int
-    length: int
-
-
 class BufferShard:
     """One rank's part of one flat buffer: the element range ``[lo, hi)`` it steps (chunk
     aligned), its state for that range only, and the layout of the range that the CPU walk
@@ -128,7 +117,7 @@ class BufferShard:
                     slots.append(k)
                 k += 1
         self.segment_slots = np.array(slots, np.int64)
-        self.segments = _Layout(np.zeros(len(slots), np.uint8), np.array(starts, np.int64),
+        self.segments = WalkLayout(np.zeros(len(slots), np.uint8), np.array(starts, np.int64),
                                 np.array(sizes, np.int64),
                                 chunk_table(np.array(starts, np.int64),
                                             np.array(sizes, np.int64), self.length,
@@ -420,7 +409,7 @@ class Sharding:
                 continue
             scalars, flags = args
             present = np.asarray(opt.schema.stateful(buf.columns), np.uint8) & shard.overlaps
-            layout = _Layout(present, shard.offsets, shard.sizes, shard.chunk_first,
+            layout = WalkLayout(present, shard.offsets, shard.sizes, shard.chunk_first,
                              shard.chunk_size, shard.length)
             kernels = kernels or opt._backend.compile(rule)
             kernels.step((shard.local(buf.params), shard.local(buf.grads),

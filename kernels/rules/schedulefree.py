@@ -85,8 +85,8 @@ def schedulefree_rule(y, g, z, v, first, lerp_coefficient, y_lr, neg_lr, weight_
     return y, z, v
 
 
-def schedulefree_adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    y, g, z, v = arrays
+def schedulefree_walk(y, g, z, v, adaptive, scalars, columns, flags, k, start, stop, stride):
+    """The body over a span; without ``adaptive`` (SGD) ``v`` is neither read nor written."""
     first = columns[C.first][k] != 0
     lerp_coefficient = scalars[S.lerp_coefficient]
     lerp_from_end = scalars[S.lerp_from_end] != 0
@@ -99,27 +99,28 @@ def schedulefree_adam_span(arrays, scalars, columns, flags, k, start, stop, stri
     eps = scalars[S.eps]
     normalize = flags[F.normalize]
     has_weight_decay = flags[F.has_weight_decay]
-    for i in range(start, stop, stride):
-        y[i], z[i], v[i] = schedulefree_rule(
-            y[i], g[i], z[i], v[i], first, lerp_coefficient, y_lr, neg_lr, weight_decay,
-            beta2, one_minus_beta2, bias_correction2, eps, True, normalize, has_weight_decay,
-            lerp_from_end)
+    if adaptive:
+        for i in range(start, stop, stride):
+            y[i], z[i], v[i] = schedulefree_rule(
+                y[i], g[i], z[i], v[i], first, lerp_coefficient, y_lr, neg_lr, weight_decay,
+                beta2, one_minus_beta2, bias_correction2, eps, True, normalize,
+                has_weight_decay, lerp_from_end)
+    else:
+        for i in range(start, stop, stride):
+            y[i], z[i], _ = schedulefree_rule(
+                y[i], g[i], z[i], g[i], first, lerp_coefficient, y_lr, neg_lr, weight_decay,
+                beta2, one_minus_beta2, bias_correction2, eps, False, False,
+                has_weight_decay, lerp_from_end)
+
+
+def schedulefree_adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    y, g, z, v = arrays
+    schedulefree_walk(y, g, z, v, True, scalars, columns, flags, k, start, stop, stride)
 
 
 def schedulefree_sgd_span(arrays, scalars, columns, flags, k, start, stop, stride):
     y, g, z = arrays
-    first = columns[C.first][k] != 0
-    lerp_coefficient = scalars[S.lerp_coefficient]
-    lerp_from_end = scalars[S.lerp_from_end] != 0
-    y_lr = scalars[S.y_lr]
-    neg_lr = scalars[S.neg_lr]
-    weight_decay = scalars[S.weight_decay]
-    has_weight_decay = flags[F.has_weight_decay]
-    for i in range(start, stop, stride):
-        # no second moment: g stands in for v, which the body then neither reads nor writes
-        y[i], z[i], _ = schedulefree_rule(
-            y[i], g[i], z[i], g[i], first, lerp_coefficient, y_lr, neg_lr, weight_decay,
-            neg_lr, neg_lr, neg_lr, neg_lr, False, False, has_weight_decay, lerp_from_end)
+    schedulefree_walk(y, g, z, g, False, scalars, columns, flags, k, start, stop, stride)
 
 
 def schedulefree_prepare(present, columns, scalars, flags, start, stop, stride):
@@ -136,12 +137,12 @@ def schedulefree_prepare(present, columns, scalars, flags, start, stop, stride):
 _COLUMNS = {"initialized": "uint8", "first": "uint8"}
 
 RULE_ADAM = Rule(name="schedulefree_adam", span=schedulefree_adam_span,
-                 prepare=schedulefree_prepare, helpers=(schedulefree_rule,),
+                 prepare=schedulefree_prepare, helpers=(schedulefree_walk, schedulefree_rule),
                  slots=("z", "exp_avg_sq"), columns=_COLUMNS, scalars=Scalars, flags=Flags)
 """ScheduleFreeAdamW and ScheduleFreeRAdam."""
 
 RULE_SGD = Rule(name="schedulefree_sgd", span=schedulefree_sgd_span,
-                prepare=schedulefree_prepare, helpers=(schedulefree_rule,),
+                prepare=schedulefree_prepare, helpers=(schedulefree_walk, schedulefree_rule),
                 slots=("z",), columns=_COLUMNS, scalars=Scalars, flags=Flags)
 
 
