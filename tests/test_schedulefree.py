@@ -208,6 +208,16 @@ def test_a_group_added_later_steps_and_switches_with_the_rest():
     assert [g["train_mode"] for g in opt.param_groups] == [False, False]
 
 
+def test_an_averaging_weight_that_overflows_is_refused_before_anything_changes():
+    opt = flatopt.ScheduleFreeSGD([{"params": {"a": np.ones(3)}},
+                                   {"params": {"b": np.ones(3)}, "r": 2000.0}])
+    opt.step({"a": np.ones(3), "b": np.ones(3)})  # 1**2000 is fine; 2**2000 overflows
+    before = snapshot(opt)
+    with pytest.raises(flatopt.HyperparameterError, match=r"param group 1: .* lower r"):
+        opt.step({"a": np.ones(3), "b": np.ones(3)})
+    assert snapshot(opt) == before
+
+
 def test_a_skipped_step_advances_no_counter():
     opt = flatopt.ScheduleFreeSGD({"a": np.ones(3)})
     opt.step({"a": np.ones(3)})

@@ -17,7 +17,7 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-from ..errors import ModeError, raise_problems
+from ..errors import HyperparameterError, ModeError, raise_problems
 from ..kernels.rules import schedulefree as rule
 from ..optimizer import Optimizer
 from ..registry import register
@@ -177,10 +177,22 @@ class _ScheduleFree(Optimizer):
 
     # ------------------------------------------------------------------ counters
     def check_step(self, settings: list[dict[str, Any]]) -> None:
+        """Every group in train mode, and its numbers for this step computable (a huge ``r``
+        overflows ``(k + 1) ** r``): checked before anything changes, where the reference
+        would fail part way through its groups."""
         raise_problems([
             f"{describe_group(number, s)} is in eval mode (its parameters hold the average "
             "x); call opt.train() before stepping, and opt.eval() before evaluating or saving"
             for number, s in enumerate(settings) if not s["train_mode"]], ModeError)
+        problems = []
+        for number, s in enumerate(settings):
+            try:
+                self.schedule(s)
+            except (OverflowError, ZeroDivisionError) as exc:
+                problems.append(f"{describe_group(number, s)}: the averaging weight "
+                                f"(k + 1)**r * lr_max**weight_lr_power at k={s['k']} cannot be "
+                                f"computed ({exc}); lower r (r={s['r']!r})")
+        raise_problems(problems, HyperparameterError)
 
     def advance_groups(self, settings: list[dict[str, Any]]) -> None:
         """The reference's ``group['k'] = k + 1`` and the rest, for every group (a group
