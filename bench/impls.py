@@ -5,6 +5,7 @@ own parameters and state."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 from typing import Callable
@@ -30,7 +31,14 @@ ELEMENTWISE = [name for name, registered in OPTIMIZERS.items()
 cost is its matrix products (``--optimizers muon`` runs it on the profiles' shapes as
 near-square matrices)."""
 TORCH_IMPLS = ("torch-forloop", "torch-foreach", "torch-fused")
-ALL_IMPLS = ("flatopt", "numpy-loop") + TORCH_IMPLS + ("roofline", "flatopt-caution")
+REFERENCE_IMPLS = ("reference-forloop", "reference-foreach")
+ALL_IMPLS = ("flatopt", "numpy-loop") + TORCH_IMPLS + REFERENCE_IMPLS + ("roofline",
+                                                                         "flatopt-caution")
+REFERENCE_PACKAGES = {"ScheduleFreeSGD": ("schedulefree", "SGDScheduleFree"),
+                      "ScheduleFreeAdamW": ("schedulefree", "AdamWScheduleFree"),
+                      "ScheduleFreeRAdam": ("schedulefree", "RAdamScheduleFree")}
+"""Registry name -> (module, class) of the torch package flatopt follows where torch.optim
+has no counterpart: the ``reference-forloop`` / ``reference-foreach`` baselines."""
 
 
 def schema_of(optimizer: str) -> flatopt.Schema:
@@ -190,14 +198,21 @@ class NumpyLoopImpl:
 
 
 class TorchImpl:
-    """torch.optim with ``foreach=False`` (for-loop), ``foreach=True`` or ``fused=True``."""
+    """torch.optim with ``foreach=False`` (for-loop), ``foreach=True`` or ``fused=True``; with
+    ``source="reference"``, the optimizer's reference package (``REFERENCE_PACKAGES``)."""
 
-    def __init__(self, case: Case, mode: str):
-        self.name = f"torch-{mode}"
-        torch_name = schema_of(case.optimizer).torch_name
-        if torch_name is None:
+    def __init__(self, case: Case, mode: str, source: str = "torch"):
+        self.name = f"{source}-{mode}"
+        schema = schema_of(case.optimizer)
+        if source == "reference":
+            if case.optimizer not in {name.lower() for name in REFERENCE_PACKAGES}:
+                raise RuntimeError(f"no reference package for {OPTIMIZERS[case.optimizer]}")
+            module, name = REFERENCE_PACKAGES[OPTIMIZERS[case.optimizer]]
+            cls = getattr(importlib.import_module(module), name)
+        elif schema.torch_name is None:
             raise RuntimeError(f"torch.optim has no {OPTIMIZERS[case.optimizer]}")
-        cls = getattr(torch.optim, torch_name)
+        else:
+            cls = getattr(torch.optim, schema.torch_name)
         flags = {"forloop": dict(foreach=False), "foreach": dict(foreach=True),
                  "fused": dict(fused=True)}[mode]
         self.params = []
@@ -206,6 +221,8 @@ class TorchImpl:
             t.grad = torch.from_numpy(case.grads[path])
             self.params.append(t)
         self.opt = cls(self.params, **torch_settings(cls, case.settings), **flags)
+        if hasattr(self.opt, "train"):  # schedule-free: the reference starts in eval mode
+            self.opt.train()
         self.step = self._step
 
     @torch.no_grad() if torch is not None else (lambda f: f)
@@ -231,7 +248,7 @@ class RooflineImpl:
 def available_impls() -> list[str]:
     names = ["flatopt", "numpy-loop"]
     if torch is not None:
-        names += list(TORCH_IMPLS)
+        names += list(TORCH_IMPLS) + list(REFERENCE_IMPLS)
     return names + ["roofline"]
 
 
@@ -243,10 +260,11 @@ def make_impl(name: str, case: Case):
         return FlatoptCautionImpl(case)
     if name == "numpy-loop":
         return NumpyLoopImpl(case)
-    if name.startswith("torch-"):
+    if name.startswith(("torch-", "reference-")):
         if torch is None:
             raise RuntimeError("torch is not installed")
-        return TorchImpl(case, name.split("-", 1)[1])
+        source, mode = name.split("-", 1)
+        return TorchImpl(case, mode, source)
     if name == "roofline":
         return RooflineImpl(case)
     raise ValueError(f"unknown implementation {name!r}; known: {ALL_IMPLS}")

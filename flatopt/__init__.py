@@ -11,8 +11,8 @@ from ._views import Gradients, ParamViews
 from .checkpoint import CheckpointData, Difference, LoadResult, load, read, save
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                      CheckpointOptionError, DeviceError, FlatoptError,
-                     GradientError, GroupAssignmentError, HyperparameterError, ParamError,
-                     StateDictError, UnknownGradientError, UnknownPathError)
+                     GradientError, GroupAssignmentError, HyperparameterError, ModeError,
+                     ParamError, StateDictError, UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
 from .optimizers import (ADOPT, ASGD, SGD, ADOPTParamState, Adadelta, AdadeltaParamState, Adafactor,
@@ -20,7 +20,9 @@ from .optimizers import (ADOPT, ASGD, SGD, ADOPTParamState, Adadelta, AdadeltaPa
                          AdamaxParamState, AdamParamState, AdamW, ASGDParamState, LAMB,
                          LAMBParamState, Lion, LionParamState, Muon, MuonParamState, NAdam,
                          NAdamParamState, RAdam, RAdamParamState, RMSprop, RMSpropParamState,
-                         Rprop, RpropParamState, SGDParamState)
+                         Rprop, RpropParamState, ScheduleFreeAdamW, ScheduleFreeAdamWParamState,
+                         ScheduleFreeRAdam, ScheduleFreeRAdamParamState, ScheduleFreeSGD,
+                         ScheduleFreeSGDParamState, SGDParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
 from ._stepping import StepResult
 from .training import EMA, GradScaler, clip_grad_norm, scale_gradients
@@ -34,6 +36,7 @@ from ._version import __version__
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
     "NAdam", "ASGD", "Adagrad", "LAMB", "Muon", "Adafactor", "ADOPT",
+    "ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam",
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
@@ -43,9 +46,10 @@ __all__ = [
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",
     "NAdamParamState", "ASGDParamState", "AdagradParamState", "LAMBParamState",
     "MuonParamState", "AdafactorParamState", "ADOPTParamState",
+    "ScheduleFreeSGDParamState", "ScheduleFreeAdamWParamState", "ScheduleFreeRAdamParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
-    "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",
+    "GradientError", "ModeError", "StateDictError", "UnknownPathError", "UnknownGradientError",
     "save", "load", "read", "LoadResult", "CheckpointData", "Difference",
     "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt", "CheckpointOptionError",
     "__version__",

@@ -371,6 +371,17 @@ class CudaDevice:
             kernels.step((d.params, d.grads), d.no_scalars, (), (), d.layout,
                          buf.dtype.type(factor), True, stream=self.stream)
 
+    def map_state(self, buf: FlatBuffer, rule, slots, scalars, flags, present) -> None:
+        """``Optimizer._map_state`` for one buffer: ``rule``'s span over the parameters
+        ``present`` marks, on the device arrays, queued on the stream (the next step uploads
+        its own presence over ``present``'s)."""
+        d = self.buffers[buf.number]
+        d.layout.present.copy_to_device(present, stream=self.stream)
+        kernels = self.kernels_module.compile_rule(rule, exact=self.bit_exact)
+        kernels.step((d.params, d.grads, *(d.state[name] for name in slots)),
+                     self.cuda.to_device(scalars, stream=self.stream), (), flags, d.layout,
+                     buf.dtype.type(1), False, stream=self.stream)
+
     # ------------------------------------------------------------------- gradients in
     def _source(self, opt, info: ParamInfo, value: Any) -> tuple[Any, str | None]:
         """(the value as a device array or a host NumPy array, or a problem)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -106,6 +106,19 @@ def chunk_table(offsets: np.ndarray, sizes: np.ndarray, total: int,
     starts = np.arange(n_chunks, dtype=np.int64) * chunk
     ends = offsets + sizes
     return np.searchsorted(ends, starts, side="right").astype(np.int64)
+
+
+class WalkLayout(NamedTuple):
+    """What the backends' chunk walks read of a buffer's layout (``present`` marking the
+    parameters a walk visits): a shard's range (``flatopt.distributed``), or a buffer walked
+    with another presence (``Optimizer._map_state``)."""
+
+    present: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    chunk_first: np.ndarray
+    chunk_size: int
+    length: int
 
 
 class SlotLayout:

@@ -33,6 +33,11 @@ class UnknownGradientError(UnknownPathError, GradientError):
     """A gradient given or marked for a path that names no parameter."""
 
 
+class ModeError(FlatoptError, RuntimeError):
+    """A schedule-free optimizer was stepped in eval mode (its parameters hold the average
+    ``x``, not the training point): call ``opt.train()`` first."""
+
+
 class StateDictError(FlatoptError, ValueError):
     """An in-memory state dict does not fit the optimizer it is loaded into."""
 

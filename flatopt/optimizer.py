@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _device, _params, _restore, _state_dict, _stepping
 from ._stepping import StepResult
-from ._layout import FlatBuffer, ParamIndex, ParamInfo
+from ._layout import FlatBuffer, ParamIndex, ParamInfo, WalkLayout
 from ._restore import BufferState
 from ._validated import Validated
 from ._views import Gradients, ParamViews, gradient_problem
@@ -336,6 +336,41 @@ class Optimizer:
         """The rule's ``PrepareScalars`` for a group (float64)."""
         return self.schema.rule.prepare_scalars()
 
+    def check_step(self, settings: list[dict[str, Any]]) -> None:
+        """Raise if the optimizer cannot step with these group settings (a schedule-free
+        optimizer in eval mode); called before a step changes anything. Nothing by default."""
+
+    def advance_groups(self, settings: list[dict[str, Any]]) -> None:
+        """After a step that was taken (not skipped), write into ``param_groups`` the values
+        the step itself advances (``Hyperparameter.state``: schedule-free's counters), from
+        the ``settings`` it stepped with. Nothing by default."""
+
+    def _map_state(self, rule, slots: tuple[str, ...], arguments) -> None:
+        """Run a tool rule's span (``kernels/rules/schedulefree.py``'s ``SWITCH``) over every
+        parameter that has state, wherever the buffers live: its arrays are ``(params, grads,
+        *slots)``; ``arguments(buf)`` gives the buffer's ``(scalars, flags)`` (scalars an
+        array in the buffer's dtype), or None to leave it alone. A buffer whose ``slots`` are
+        not allocated has no state. Sharded: each rank its own range, then the parameters
+        are gathered (collective: every rank calls it)."""
+        if self._sharding is not None:
+            self._sharding.map_state(rule, slots, arguments)
+            return
+        kernels = None
+        for buf in self.buffers:
+            args = arguments(buf)
+            if args is None or any(name not in buf.state for name in slots):
+                continue
+            scalars, flags = args
+            present = np.asarray(self.schema.stateful(buf.columns), np.uint8)
+            if self._device is not None:
+                self._device.map_state(buf, rule, slots, scalars, flags, present)
+                continue
+            kernels = kernels or self._backend.compile(rule)
+            layout = WalkLayout(present, buf.offsets, buf.sizes, buf.chunk_first,
+                                  buf.chunk_size, buf.length)
+            kernels.step((buf.params, buf.grads, *(buf.state[name] for name in slots)),
+                         scalars, (), flags, layout, buf.dtype.type(1), False)
+
     def _plan(self, buf: FlatBuffer, settings: dict) -> _Plan:
         """The kernel arguments for ``settings`` (a new plan each time they change: a
         scheduler's new ``lr`` costs this once per buffer and step, a few microseconds)."""
@@ -404,6 +439,7 @@ class Optimizer:
                                        grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
                                        error_if_nonfinite=error_if_nonfinite)
         settings = self.settings()
+        self.check_step(settings)
         if grads is not None:
             self._stage_gradients(grads)
         multiplier, result = _stepping.gradient_multiplier(
@@ -428,6 +464,7 @@ class Optimizer:
                 stepped = True
                 self._update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
                              else plan.one, scale)
+        self.advance_groups(settings)
         if not stepped and not self._warned_no_gradient:
             self._warned_no_gradient = True
             warnings.warn(f"{type(self).__name__}.step(): no gradient is marked present, so "

@@ -133,6 +133,11 @@ class Hyperparameter:
     check: Callable[[Any], Any]
     examples: tuple = ()
     since: int = 1
+    state: bool = False
+    """A value the optimizer itself advances at every step (schedule-free's per-group step
+    count ``k``, ``weight_sum``, ``train_mode``): kept in the group dict and saved with the
+    hyperparameters as torch keeps it, but restored by every load (a checkpoint, a state dict,
+    ``hyperparameters="live"`` too) rather than compared as a setting."""
 
     @property
     def is_flag(self) -> bool:
@@ -332,6 +337,11 @@ class Schema:
         if not problems and not missing:
             problems += [f"{where}: {message}" for message in self.cross_check(normalised)]
         return normalised, problems
+
+    @property
+    def group_state(self) -> tuple[str, ...]:
+        """The hyperparameters that are per-group state (``Hyperparameter.state``)."""
+        return tuple(name for name, hyper in self.hyperparameters.items() if hyper.state)
 
     def settings_of(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Only the hyperparameters of a normalised group (no label, no initial_lr)."""

@@ -504,6 +504,64 @@ def check_resave(directory: str) -> None:
     report(True, "saved again")
 
 
+SCHEDULE_FREE = ("ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam")
+
+
+def check_schedulefree(directory: str) -> None:
+    """Schedule-free train()/eval() sharded: each rank moves its own range of the parameters
+    that have state (its shard of z), then the parameters are gathered: after steps with
+    switches between them every rank holds one process's bits; a sharded save in eval mode,
+    loaded into a fresh sharded optimizer, steps on exactly."""
+    params = initial_params()
+    for name in SCHEDULE_FREE:
+        try:
+            groups = groups_for(name, params)
+            opt = build(name, groups, comm=COMM)
+            reference = build(name, groups)  # on every rank: each compares its own bits
+            problems = []
+
+            def compare(what, sharded):
+                for path in reference.index.paths:
+                    if not same_bits(sharded.params[path], reference.params[path]):
+                        problems.append(f"{what}: parameter {path} differs")
+                for number, (a, b) in enumerate(zip(sharded.param_groups,
+                                                    reference.param_groups)):
+                    if {k: a[k] for k in b if k != "params"} != \
+                            {k: b[k] for k in b if k != "params"}:
+                        problems.append(f"{what}: group {number} values differ")
+            for step in range(4):
+                opt.step(local_gradients(opt, step, RANK))
+                reference.step(mean_gradients(reference, step, SIZE))
+                if step in (1, 3):
+                    opt.eval()
+                    reference.eval()
+                    compare(f"eval after step {step}", opt)
+                if step == 1:
+                    opt.train()
+                    reference.train()
+                    compare("train after step 1", opt)
+            path = os.path.join(directory, f"{name}.h5")
+            flatopt.save(path, opt)
+            resumed = build(name, groups, comm=COMM)
+            flatopt.load(path, resumed)
+            compare("loaded in eval mode", resumed)
+            for step in range(4, 6):
+                for sharded in (opt, resumed):
+                    sharded.train()
+                    sharded.step(local_gradients(sharded, step, RANK))
+                reference.train()
+                reference.step(mean_gradients(reference, step, SIZE))
+            compare("stepped on", opt)
+            compare("stepped on after the load", resumed)
+            whole = distributed.consolidated(resumed, root=0)  # collective
+            if RANK == 0:
+                problems += state_differences(whole.state_dict(), reference.state_dict())
+            report(not problems, f"schedule-free {name} at {SIZE} ranks" +
+                   "".join(f"\n    {p}" for p in problems[:8]))
+        except Exception:
+            report(False, f"schedule-free {name}: {traceback.format_exc()}")
+
+
 if __name__ == "__main__":
     from mpi4py import MPI
     COMM = MPI.COMM_WORLD
@@ -524,6 +582,7 @@ if __name__ == "__main__":
          "scheduler": lambda: check_scheduler_undo(directory),
          "resume": lambda: check_resume(directory),
          "resume_file": lambda: check_resume(directory, ".file.h5"),
-         "partial": lambda: check_partial_load(directory)}[mode]()
+         "partial": lambda: check_partial_load(directory),
+         "schedulefree": lambda: check_schedulefree(directory)}[mode]()
     COMM.Barrier()
     sys.exit(1 if FAILURES else 0)

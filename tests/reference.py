@@ -34,7 +34,10 @@ class ReferenceOptimizer:
         return {k: v for params, _ in self.groups for k, v in params.items()}
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
+        begin = GROUP_STEP.get(self.kind)
         for params, hp in self.groups:
+            if begin is not None:  # per-group counters, advanced whatever is present
+                begin(hp)
             for path, p in params.items():
                 g = grads.get(path)
                 if g is None:
@@ -428,12 +431,69 @@ def adopt(state, p, g, hp):
     return p + t(-lr) * m
 
 
+def _schedulefree_group(hp):
+    """The schedule-free group's numbers for this step (``hp["_step"]``), and its counters
+    advanced, as the reference's ``step`` forms them in Python."""
+    k = hp["k"]
+    if "silent_sgd_phase" in hp:  # RAdam: the rectification is the warm-up
+        beta2 = hp["betas"][1]
+        t = k + 1
+        beta2_t = beta2 ** t
+        bias_correction2 = 1 - beta2_t
+        rho_inf = 2 / (1 - beta2) - 1
+        rho_t = rho_inf - 2 * t * beta2_t / bias_correction2
+        normalize = rho_t > 4.0
+        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+                ) ** 0.5 if normalize else float(not hp["silent_sgd_phase"])
+        lr = hp["lr"] * rect
+    else:
+        lr = hp["lr"] * ((k + 1) / hp["warmup_steps"] if k < hp["warmup_steps"] else 1.0)
+        normalize = "betas" in hp
+        bias_correction2 = 1 - hp["betas"][1] ** (k + 1) if normalize else 1.0
+    hp["lr_max"] = max(lr, hp["lr_max"])
+    weight = ((k + 1) ** hp["r"]) * (hp["lr_max"] ** hp["weight_lr_power"])
+    hp["weight_sum"] = hp["weight_sum"] + weight
+    ckp1 = weight / hp["weight_sum"] if hp["weight_sum"] else 0.0
+    hp["scheduled_lr"] = lr
+    hp["k"] = k + 1
+    beta1 = hp["betas"][0] if "betas" in hp else hp["momentum"]
+    hp["_step"] = (lr, ckp1, lr * (beta1 * (1 - ckp1) - 1), normalize, bias_correction2)
+
+
+def schedulefree(state, p, g, hp):
+    """facebookresearch's schedulefree, single-tensor path (SGD, AdamW, RAdam)."""
+    t = p.dtype.type
+    lr, ckp1, y_lr, normalize, bias_correction2 = hp["_step"]
+    if not state:
+        state["z"] = p.copy()
+        if "betas" in hp:
+            state["exp_avg_sq"] = np.zeros_like(p)
+    g = g.copy()
+    if "betas" in hp:
+        beta2 = hp["betas"][1]
+        v = state["exp_avg_sq"] = state["exp_avg_sq"] * t(beta2) + t(1 - beta2) * g * g
+        if normalize:
+            g = g / (np.sqrt(v / t(bias_correction2)) + t(hp["eps"]))
+    if hp["weight_decay"] != 0:
+        g = g + t(hp["weight_decay"]) * p
+    p = _lerp(p, state["z"], t(ckp1)) + t(y_lr) * g
+    state["z"] = state["z"] + t(-lr) * g
+    return p
+
+
 RULES = {"SGD": sgd, "Adam": adam, "AdamW": adamw, "Adamax": adamax, "RAdam": radam,
          "Adadelta": adadelta, "RMSprop": rmsprop, "Rprop": rprop, "Lion": lion,
          "NAdam": nadam, "ASGD": asgd, "Adagrad": adagrad, "LAMB": lamb, "Muon": muon,
-         "Adafactor": adafactor, "ADOPT": adopt}
+         "Adafactor": adafactor, "ADOPT": adopt, "ScheduleFreeSGD": schedulefree,
+         "ScheduleFreeAdamW": schedulefree, "ScheduleFreeRAdam": schedulefree}
 """Registry name -> reference rule ``(state, p, g, hyperparameters) -> new p``; ``state`` is
 the parameter's dict, filled by the rule (empty until the parameter has state)."""
+
+GROUP_STEP = {name: _schedulefree_group
+              for name in ("ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam")}
+"""Registry name -> ``(hyperparameters) -> None``, run once per group at every step before
+its parameters (whichever have gradients): optimizers with per-group counters keep them in
+the group's hyperparameters, as their reference does."""
 
 INITIAL_STATE = {"Adagrad": adagrad_initial}
 """Registry name -> ``(p, hyperparameters) -> state`` for optimizers whose state exists from

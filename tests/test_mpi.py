@@ -100,6 +100,16 @@ def test_mpi_job_bit_identical_and_errors_on_every_rank(size):
         assert ok.get(check) == everyone, check
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_schedulefree_train_and_eval_sharded(tmp_path, size):
+    """train()/eval() on a sharded schedule-free optimizer (each rank its range, then the
+    gather), and a sharded checkpoint saved in eval mode: one process's bits."""
+    import mpi_worker
+    ok = checks_by_rank(run_job(size, "schedulefree", "--dir", str(tmp_path)), size)
+    for name in mpi_worker.SCHEDULE_FREE:
+        assert ok.get(f"schedule-free {name} at {size} ranks") == set(range(size)), name
+
+
 def test_world_size_one_is_a_plain_optimizer():
     ok = checks_by_rank(run_job(1, "single"), 1)
     assert ok.get("world size 1 is plain (Adam)") == {0}

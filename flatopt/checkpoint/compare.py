@@ -95,7 +95,8 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
                     regroup: bool, scheduler) -> None:
     """Hyperparameters per live group, against every saved group its parameters came from.
     Values the scheduler owns (``scheduler.owned_hyperparameters``, e.g. lr) are restored from
-    the file with the scheduler's state, not reported, unless ``hyperparameters="live"``."""
+    the file with the scheduler's state, not reported, unless ``hyperparameters="live"``; the
+    optimizer's per-group state (``Schema.group_state``) always is."""
     diffs = result.differences
     owned = set(getattr(scheduler, "owned_hyperparameters", ())) \
         if scheduler is not None and ck.scheduler_state is not None else set()
@@ -112,6 +113,7 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
             contributors[number].add(number)
     schema = opt.schema
     same_kind = ck.schema is schema
+    state = set(schema.group_state) if same_kind else set()
     for number, values in enumerate(opt.settings()):
         where = describe_group(number, values)
         live = {k: v for k, v in values.items() if k != "label"}
@@ -127,18 +129,19 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
                 if key in owned and key in saved and hyperparameters != "live":
                     chosen[key] = s  # restored with the scheduler that sets it
                     continue
-                if s != l:
+                counter = key in state  # the optimizer's own state: restored, not compared
+                if s != l and not counter:
                     hyper = schema.hyperparameters.get(key)
                     diffs.append(Difference("flag" if hyper and hyper.is_flag
                                             else "hyperparameter", f"{where} {key}{label}", s, l,
                                             relaxed_by=HYPER,
                                             note=hint.lstrip("; ") if key == "lr" else ""))
-                if hyperparameters == "saved" and key in saved:
+                if (hyperparameters == "saved" or counter) and key in saved:
                     if key in chosen and chosen[key] != s:
                         diffs.append(Difference(
                             "hyperparameter", f"{where} {key}", chosen[key], s,
-                            note="its parameters come from saved groups that disagree; use "
-                                 "hyperparameters='live'"))
+                            note="its parameters come from saved groups that disagree" +
+                                 ("" if counter else "; use hyperparameters='live'")))
                     chosen[key] = s
         result.new_settings.append(chosen or None)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 from numba import prange
 
 from .. import _stepping
-from .._layout import aligned_zeros, chunk_table
+from .._layout import WalkLayout, aligned_zeros, chunk_table
 from ..kernels import cpu
 from ..kernels.threads import threaded
 from ._common import (DistributedError, RankMismatchError, _canonical, _differences,
@@ -36,17 +36,6 @@ def _gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size
 
 
 # ------------------------------------------------------------------------ sharding
-class _Layout(NamedTuple):
-    """What the CPU backend's walks read of a buffer's layout."""
-
-    present: np.ndarray
-    offsets: np.ndarray
-    sizes: np.ndarray
-    chunk_first: np.ndarray
-    chunk_size: int
-    length: int
-
-
 class BufferShard:
     """One rank's part of one flat buffer: the element range ``[lo, hi)`` it steps (chunk
     aligned), its state for that range only, and the layout of the range that the CPU walk
@@ -128,7 +117,7 @@ class BufferShard:
                     slots.append(k)
                 k += 1
         self.segment_slots = np.array(slots, np.int64)
-        self.segments = _Layout(np.zeros(len(slots), np.uint8), np.array(starts, np.int64),
+        self.segments = WalkLayout(np.zeros(len(slots), np.uint8), np.array(starts, np.int64),
                                 np.array(sizes, np.int64),
                                 chunk_table(np.array(starts, np.int64),
                                             np.array(sizes, np.int64), self.length,
@@ -351,6 +340,7 @@ class Sharding:
 
         def check():
             settings = opt.settings()
+            opt.check_step(settings)
             if grads is not None:
                 opt._stage_gradients(grads)
             if grad_scale is not None:
@@ -391,6 +381,7 @@ class Sharding:
             kernels.prepare(buf.present, buf.kernel_columns, plan.prepare_scalars, plan.flags)
             self._update(shard, plan, arrays, buf.dtype.type(multiplier) if scale
                          else plan.one, scale)
+        opt.advance_groups(settings)
         now = time.perf_counter()
         self.timings["step"] += now - clock
         clock = now
@@ -403,6 +394,29 @@ class Sharding:
             warnings.warn(f"{type(opt).__name__}.step(): no gradient is marked present on any "
                           "rank, so nothing was updated (said once per optimizer)", stacklevel=3)
         return result
+
+    def map_state(self, rule, slots: tuple[str, ...], arguments) -> None:
+        """``Optimizer._map_state`` over this rank's range of each buffer (its parameters
+        that have state), then the parameters gathered onto every rank. Collective: the
+        buffers visited are the same on every rank (their state slots are allocated by the
+        same steps everywhere)."""
+        opt = self.opt
+        kernels = None
+        for shard in self.shards:
+            buf = shard.buffer
+            args = arguments(buf)
+            if args is None or any(name not in shard.state for name in slots):
+                continue
+            scalars, flags = args
+            present = np.asarray(opt.schema.stateful(buf.columns), np.uint8) & shard.overlaps
+            layout = WalkLayout(present, shard.offsets, shard.sizes, shard.chunk_first,
+                             shard.chunk_size, shard.length)
+            kernels = kernels or opt._backend.compile(rule)
+            kernels.step((shard.local(buf.params), shard.local(buf.grads),
+                          *(shard.state[name] for name in slots)),
+                         scalars, (), flags, layout, buf.dtype.type(1), False)
+            if not shard.replicated:
+                self.gather(shard, buf.params)
 
     def _update(self, shard: BufferShard, plan, arrays: tuple, multiplier, scale: bool):
         """Optimizer._update over this rank's range (see there)."""

@@ -14,6 +14,9 @@ from .nadam import NAdam, NAdamParamState
 from .radam import RAdam, RAdamParamState
 from .rmsprop import RMSprop, RMSpropParamState
 from .rprop import Rprop, RpropParamState
+from .schedulefree import (ScheduleFreeAdamW, ScheduleFreeAdamWParamState, ScheduleFreeRAdam,
+                           ScheduleFreeRAdamParamState, ScheduleFreeSGD,
+                           ScheduleFreeSGDParamState)
 from .sgd import SGD, SGDParamState
 
 __all__ = ["SGD", "SGDParamState", "Adam", "AdamW", "AdamParamState",
@@ -22,4 +25,6 @@ __all__ = ["SGD", "SGDParamState", "Adam", "AdamW", "AdamParamState",
            "Rprop", "RpropParamState", "Lion", "LionParamState",
            "NAdam", "NAdamParamState", "ASGD", "ASGDParamState",
            "Adagrad", "AdagradParamState", "LAMB", "LAMBParamState", "Muon", "MuonParamState",
-           "Adafactor", "AdafactorParamState", "ADOPT", "ADOPTParamState"]
+           "Adafactor", "AdafactorParamState", "ADOPT", "ADOPTParamState",
+           "ScheduleFreeSGD", "ScheduleFreeSGDParamState", "ScheduleFreeAdamW",
+           "ScheduleFreeAdamWParamState", "ScheduleFreeRAdam", "ScheduleFreeRAdamParamState"]
