@@ -20,7 +20,8 @@ from .optimizers import (ADOPT, ASGD, SGD, ADOPTParamState, Adadelta, AdadeltaPa
                          AdamaxParamState, AdamParamState, AdamW, ASGDParamState, LAMB,
                          LAMBParamState, Lion, LionParamState, Muon, MuonParamState, NAdam,
                          NAdamParamState, RAdam, RAdamParamState, RMSprop, RMSpropParamState,
-                         Rprop, RpropParamState, SGDParamState)
+                         Rprop, RpropParamState, SGDParamState, Prodigy, ProdigyParamState,
+                         AdEMAMix, AdEMAMixParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
 from ._stepping import StepResult
 from .training import EMA, GradScaler, clip_grad_norm, scale_gradients
@@ -33,7 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
-    "NAdam", "ASGD", "Adagrad", "LAMB", "Muon", "Adafactor", "ADOPT",
+    "NAdam", "ASGD", "Adagrad", "LAMB", "Muon", "Adafactor", "ADOPT", "Prodigy", "AdEMAMix",
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
@@ -42,7 +43,8 @@ __all__ = [
     "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",
     "AdadeltaParamState", "RMSpropParamState", "RpropParamState", "LionParamState",
     "NAdamParamState", "ASGDParamState", "AdagradParamState", "LAMBParamState",
-    "MuonParamState", "AdafactorParamState", "ADOPTParamState",
+    "MuonParamState", "AdafactorParamState", "ADOPTParamState", "ProdigyParamState",
+    "AdEMAMixParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "StateDictError", "UnknownPathError", "UnknownGradientError",

@@ -62,13 +62,18 @@ def parse(opt, state_dict: Any, hyperparameters: str):
     settings = None
     if hyperparameters == "saved":
         settings = _saved_settings(opt, saved_groups, problems)
+    elif opt.schema.group_state:  # "live" keeps the settings, but group state is state
+        settings = _saved_settings(opt, saved_groups, problems, opt.schema.group_state)
     problems += _restore.restore_problems(opt, state, settings, None, None)
     raise_problems(problems, StateDictError)
     return state, settings
 
 
-def _saved_settings(opt, saved_groups: Any, problems: list[str]) -> list[dict | None]:
-    """Each live group's values from the saved group holding exactly its parameters."""
+def _saved_settings(opt, saved_groups: Any, problems: list[str],
+                    only: tuple[str, ...] | None = None) -> list[dict | None]:
+    """Each live group's values from the saved group holding exactly its parameters; with
+    ``only``, just those keys (group state), and a group no saved group matches keeps its
+    own."""
     if not isinstance(saved_groups, (list, tuple)) or not all(
             isinstance(group, Mapping) and isinstance(group.get("params"), (list, tuple))
             and all(isinstance(path, str) for path in group["params"])
@@ -81,6 +86,9 @@ def _saved_settings(opt, saved_groups: Any, problems: list[str]) -> list[dict | 
     settings: list[dict | None] = []
     for number, paths in enumerate(opt._group_paths):
         match = by_paths.get(frozenset(paths))
+        if match is None and only is not None:
+            settings.append(None)
+            continue
         if match is None:
             where = describe_group(number, opt.param_groups[number])
             problems.append(f"{where}: no saved group holds exactly its parameters; the "
@@ -88,7 +96,9 @@ def _saved_settings(opt, saved_groups: Any, problems: list[str]) -> list[dict | 
                             "this optimizer's hyperparameters and load state by path")
             settings.append(None)
             continue
-        merged = {**opt.param_groups[number], **match[1]}
+        saved = match[1] if only is None else {key: match[1][key] for key in only
+                                               if key in match[1]}
+        merged = {**opt.param_groups[number], **saved}
         values, more = opt.schema.check_group(
             merged, f"saved {describe_group(match[0], match[1])}")
         problems += more

@@ -129,6 +129,11 @@ class Hyperparameter:
     default: Any
     check: Callable[[Any], Any]
     examples: tuple = ()
+    state: bool = False
+    """Group state, not a setting: a value the optimizer itself updates as it steps
+    (Prodigy's ``d``, AdEMAMix's group ``step``), kept in the group dict as torch keeps it.
+    State dicts and checkpoints restore it with the parameters' state whatever their
+    ``hyperparameters=`` option says, and never report it as a difference."""
 
     @property
     def is_flag(self) -> bool:
@@ -317,6 +322,11 @@ class Schema:
         if not problems and not missing:
             problems += [f"{where}: {message}" for message in self.cross_check(normalised)]
         return normalised, problems
+
+    @property
+    def group_state(self) -> tuple[str, ...]:
+        """The hyperparameters that are group state (``Hyperparameter.state``)."""
+        return tuple(key for key, hyper in self.hyperparameters.items() if hyper.state)
 
     def settings_of(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Only the hyperparameters of a normalised group (no label, no initial_lr)."""

@@ -25,6 +25,12 @@ Rules whose update needs per-parameter totals (LAMB's trust ratio ||p|| / ||upda
 - ``finalize(present, columns, scalars, flags, start, stop, stride, sums)``: like prepare, with
   ``sums[k, j]`` the totals of parameter ``k``; it stores what ``span`` needs in columns.
 
+Rules whose update needs totals over *every* parameter of every group (Prodigy's d estimate)
+set ``global_reductions``: the per-parameter totals of ``reduce`` are added up per group (in
+slot order, buffer by buffer) and handed to the optimizer's ``combine``, which turns them into
+the scalars of the step pass (and new group state); such a rule has no ``finalize``, and its
+scalars come from ``combine`` at every step, for the reduce pass too.
+
 Rules that work on whole matrices (Muon's Newton-Schulz iteration, Adafactor's factored
 moments) give ``per_parameter``, a function ``(param, grad, state, settings, columns)`` called
 for each present parameter after ``prepare``, with views shaped like the parameter (a shaped
@@ -83,21 +89,27 @@ class Rule:
     finalize: Callable | None = None
     reductions: tuple[str, ...] = ()
     """Names of the per-parameter totals ``reduce`` returns, in order."""
+    global_reductions: bool = False
+    """The totals are combined over every buffer by ``Optimizer.combine`` (no finalize)."""
     per_parameter: Callable | None = None
     fingerprint: str = field(init=False)
     """A digest of the rule's source: compiled kernels are cached under it, so editing a
     rule can never load a stale kernel from Numba's on-disk cache."""
 
     def __post_init__(self) -> None:
-        if (self.reduce is None) != (self.finalize is None) or \
+        needs_finalize = self.reduce is not None and not self.global_reductions
+        if needs_finalize != (self.finalize is not None) or \
                 (self.reduce is not None) != bool(self.reductions):
-            raise TypeError(f"rule {self.name!r}: reduce, finalize and reductions go together")
+            raise TypeError(f"rule {self.name!r}: reduce, finalize and reductions go together "
+                            "(a rule with global_reductions has no finalize)")
         digest = hashlib.sha256()
         for function in (*self.functions, *filter(None, [self.per_parameter])):
             digest.update(inspect.getsource(function).encode())
         for layout in (self.scalars, self.prepare_scalars, self.flags):
             digest.update(repr(layout._fields).encode())
         digest.update(repr((self.slots, sorted(self.columns.items()))).encode())
+        if self.global_reductions:  # (only then: other rules keep their cached kernels)
+            digest.update(b"global_reductions")
         object.__setattr__(self, "fingerprint", digest.hexdigest()[:16])
 
     @property

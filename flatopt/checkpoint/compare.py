@@ -137,7 +137,8 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
                     regroup: bool, scheduler) -> None:
     """Hyperparameters per live group, against every saved group its parameters came from.
     Values the scheduler owns (``scheduler.owned_hyperparameters``, e.g. lr) are restored from
-    the file with the scheduler's state, not reported, unless ``hyperparameters="live"``."""
+    the file with the scheduler's state, not reported, unless ``hyperparameters="live"``;
+    group state (``Hyperparameter.state``) is restored from the file, never reported."""
     diffs = result.differences
     owned = set(getattr(scheduler, "owned_hyperparameters", ())) \
         if scheduler is not None and ck.scheduler_state is not None else set()
@@ -166,6 +167,9 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
                 if not same_kind and key not in schema.hyperparameters:
                     continue
                 s, l = saved.get(key), live.get(key)
+                if key in schema.group_state and key in saved:
+                    chosen.setdefault(key, s)  # group state (Prodigy's d) is state: restored
+                    continue
                 if key in owned and key in saved and hyperparameters != "live":
                     chosen[key] = s  # restored with the scheduler that sets it
                     continue
