@@ -81,8 +81,8 @@ def edit_index(data: bytes, rng: random.Random) -> bytes:
         elif column == "shape":
             values[row, rng.randrange(values.shape[1])] = rng.choice(INT_VALUES)
         else:
-            values[row] = rng.choice(INT_VALUES) if column != "momentum_initialized" \
-                else rng.choice([0, 1, 2, 255])
+            values[row] = rng.choice(INT_VALUES) if ds.dtype != np.uint8 \
+                else rng.choice([0, 1, 2, 255])  # a marker column (SGD's, AdEMAMix's)
         if rng.random() < 0.2:  # also a wrong row count
             values = values[:-1]
         del index[column]

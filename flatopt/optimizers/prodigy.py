@@ -8,7 +8,6 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-from ..errors import HyperparameterError
 from ..kernels.rules import prodigy as rule
 from ..optimizer import Optimizer
 from ..registry import register
@@ -152,7 +151,8 @@ class Prodigy(Optimizer):
     moments, sums and step, which is the reference wherever the reference runs (a group with
     lr 0 still takes the second pass with the largest lr's ``dlr``, as there). The
     reference adds the coupled decay into ``p.grad`` in place; flatopt leaves the gradient
-    buffer as it was. ``slice_p`` other than 1 and ``fsdp_in_use=True`` are refused by name.
+    buffer as it was. Its constructor refuses lr=0, which here is a group whose parameters
+    do not move (as a group of its own with lr 0 in the reference). ``slice_p`` other than 1 and ``fsdp_in_use=True`` are refused by name.
     State: ``step`` (advanced in the second pass), ``exp_avg`` (kept, at zero, when beta1 is
     0), ``exp_avg_sq``, ``s`` and ``p0`` (the full parameter even when it is all zeros).
     """
@@ -165,9 +165,6 @@ class Prodigy(Optimizer):
                  safeguard_warmup: bool = False, d0: float = 1e-6, d_coef: float = 1.0,
                  growth_rate: float = float("inf"), fsdp_in_use: bool = False,
                  slice_p: int = 1, **unknown: Any):
-        if isinstance(lr, numbers.Real) and not isinstance(lr, bool) and lr == 0:
-            raise HyperparameterError("Prodigy(): lr=0 is invalid: lr scales d (leave it at "
-                                      "1); a group of its own may set lr 0 to freeze it")
         values = dict(lr=lr, betas=betas, beta3=beta3, eps=eps, weight_decay=weight_decay,
                       decouple=decouple, use_bias_correction=use_bias_correction,
                       safeguard_warmup=safeguard_warmup, d0=d0, d_coef=d_coef,
@@ -175,7 +172,7 @@ class Prodigy(Optimizer):
         # the reference's defaults: d and d_max start at the constructor's d0 in every group
         if isinstance(d0, numbers.Real) and not isinstance(d0, bool):
             values.update(d=d0, d_max=d0)
-        super().__init__(params, **values, **unknown)
+        super().__init__(params, **{**values, **unknown})
 
     # the combination over every group, twice per step (see Optimizer.combine)
     def combine(self, settings, totals):
