@@ -509,6 +509,9 @@ if __name__ == "__main__":
     arguments = sys.argv[1:]
     directory = arguments.pop(arguments.index("--dir") + 1) if "--dir" in arguments else ""
     arguments = [a for a in arguments if a != "--dir"]
+    if "--only" in arguments:  # identity for these optimizers only (a focused job)
+        NAMES = arguments[arguments.index("--only") + 1:]
+        arguments = arguments[:arguments.index("--only")]
     for mode in arguments:
         if mode.startswith("kill"):
             check_killed_save(directory, int(mode[len("kill"):]))

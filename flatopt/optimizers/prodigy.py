@@ -205,6 +205,7 @@ class Prodigy(Optimizer):
         new_d = min(d_max, new_d * first["growth_rate"])
         for buf in self.buffers:  # the second pass's own count, for every stepped parameter
             buf.columns["step"][buf.present != 0] += 1
+        new_d, d_max, d_numerator = float(new_d), float(d_max), float(d_numerator)
         changes = [{"d": new_d, "d_max": d_max, "d_numerator": d_numerator, "k": s["k"] + 1}
                    for s in settings]
         return [self._scalars(s, first, beta3, d, new_d, dlr, bias_correction, True)
