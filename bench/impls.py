@@ -29,7 +29,11 @@ ELEMENTWISE = [name for name, registered in OPTIMIZERS.items()
 cost is its matrix products (``--optimizers muon`` runs it on the profiles' shapes as
 near-square matrices)."""
 TORCH_IMPLS = ("torch-forloop", "torch-foreach", "torch-fused")
-ALL_IMPLS = ("flatopt", "numpy-loop") + TORCH_IMPLS + ("roofline",)
+ALL_IMPLS = ("flatopt", "numpy-loop") + TORCH_IMPLS + ("reference", "roofline")
+REFERENCES = {"Prodigy": ("prodigyopt", "Prodigy"),
+              "AdEMAMix": ("bitsandbytes.optim.ademamix", "_ReferenceAdEMAMix")}
+"""Registry name -> (module, class): the torch optimizer outside torch.optim whose semantics
+flatopt's follows (the ``reference`` implementation; its package must be installed)."""
 
 
 def schema_of(optimizer: str) -> flatopt.Schema:
@@ -164,19 +168,28 @@ class TorchImpl:
     """torch.optim with ``foreach=False`` (for-loop), ``foreach=True`` or ``fused=True``."""
 
     def __init__(self, case: Case, mode: str):
-        self.name = f"torch-{mode}"
-        torch_name = schema_of(case.optimizer).torch_name
-        if torch_name is None:
-            raise RuntimeError(f"torch.optim has no {OPTIMIZERS[case.optimizer]}")
-        cls = getattr(torch.optim, torch_name)
-        flags = {"forloop": dict(foreach=False), "foreach": dict(foreach=True),
-                 "fused": dict(fused=True)}[mode]
+        self.name = f"torch-{mode}" if mode != "reference" else mode
+        if mode == "reference":  # a package's own torch optimizer (REFERENCES)
+            where = REFERENCES.get(OPTIMIZERS[case.optimizer])
+            if where is None:
+                raise RuntimeError(f"no reference package for {OPTIMIZERS[case.optimizer]}")
+            import importlib
+            cls, flags = getattr(importlib.import_module(where[0]), where[1]), {}
+        else:
+            torch_name = schema_of(case.optimizer).torch_name
+            if torch_name is None:
+                raise RuntimeError(f"torch.optim has no {OPTIMIZERS[case.optimizer]}")
+            cls = getattr(torch.optim, torch_name)
+            flags = {"forloop": dict(foreach=False), "foreach": dict(foreach=True),
+                     "fused": dict(fused=True)}[mode]
         self.params = []
         for path, view in case.opt.params.items():
             t = torch.from_numpy(view.copy()).requires_grad_(True)
             t.grad = torch.from_numpy(case.grads[path])
             self.params.append(t)
-        self.opt = cls(self.params, **case.settings, **flags)
+        settings = {key: value for key, value in case.settings.items()
+                    if key not in schema_of(case.optimizer).group_state}
+        self.opt = cls(self.params, **settings, **flags)
         self.step = self._step
 
     @torch.no_grad() if torch is not None else (lambda f: f)
@@ -202,7 +215,7 @@ class RooflineImpl:
 def available_impls() -> list[str]:
     names = ["flatopt", "numpy-loop"]
     if torch is not None:
-        names += list(TORCH_IMPLS)
+        names += list(TORCH_IMPLS) + ["reference"]
     return names + ["roofline"]
 
 
@@ -212,10 +225,10 @@ def make_impl(name: str, case: Case):
         return FlatoptImpl(case)
     if name == "numpy-loop":
         return NumpyLoopImpl(case)
-    if name.startswith("torch-"):
+    if name.startswith("torch-") or name == "reference":
         if torch is None:
             raise RuntimeError("torch is not installed")
-        return TorchImpl(case, name.split("-", 1)[1])
+        return TorchImpl(case, name.split("-", 1)[-1])
     if name == "roofline":
         return RooflineImpl(case)
     raise ValueError(f"unknown implementation {name!r}; known: {ALL_IMPLS}")
