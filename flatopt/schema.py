@@ -80,9 +80,16 @@ def flag(value: Any) -> bool:
 
 def betas(value: Any) -> tuple[float, float]:
     """A pair (beta1, beta2), each in [0, 1)."""
-    if not isinstance(value, (tuple, list, np.ndarray)) or len(value) != 2:
-        raise Invalid(f"must be a pair (beta1, beta2), got {value!r}")
-    pair = []
+    return beta_tuple(value, 2)
+
+
+def beta_tuple(value: Any, count: int) -> tuple[float, ...]:
+    """``count`` betas (beta1, beta2, ...), each in [0, 1)."""
+    names = ", ".join(f"beta{position + 1}" for position in range(count))
+    if not isinstance(value, (tuple, list, np.ndarray)) or len(value) != count:
+        raise Invalid(f"must be a {'pair' if count == 2 else 'triple'} ({names}), "
+                      f"got {value!r}")
+    numbers_ = []
     for position, beta in enumerate(value):
         try:
             number = real(beta)
@@ -90,8 +97,8 @@ def betas(value: Any) -> tuple[float, float]:
             raise Invalid(f"beta{position + 1} {exc}") from None
         if not 0.0 <= number < 1.0:
             raise Invalid(f"beta{position + 1} must be in [0, 1), got {beta!r}")
-        pair.append(number)
-    return (pair[0], pair[1])
+        numbers_.append(number)
+    return tuple(numbers_)
 
 
 def text(value: Any, what: str) -> str:

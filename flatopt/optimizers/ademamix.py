@@ -11,7 +11,8 @@ import numpy as np
 from ..kernels.rules import ademamix as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, non_negative, real
+from ..schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, beta_tuple,
+                      non_negative)
 
 
 class AdEMAMixParamState(NamedTuple):
@@ -25,18 +26,7 @@ class AdEMAMixParamState(NamedTuple):
 
 def three_betas(value: Any) -> tuple[float, float, float]:
     """(beta1, beta2, beta3), each in [0, 1)."""
-    if not isinstance(value, (tuple, list, np.ndarray)) or len(value) != 3:
-        raise Invalid(f"must be a triple (beta1, beta2, beta3), got {value!r}")
-    triple = []
-    for position, beta in enumerate(value):
-        try:
-            number = real(beta)
-        except Invalid as exc:
-            raise Invalid(f"beta{position + 1} {exc}") from None
-        if not 0.0 <= number < 1.0:
-            raise Invalid(f"beta{position + 1} must be in [0, 1), got {beta!r}")
-        triple.append(number)
-    return (triple[0], triple[1], triple[2])
+    return beta_tuple(value, 3)
 
 
 def optional_period(value: Any) -> int | None:
