@@ -36,9 +36,12 @@ ALL_IMPLS = ("flatopt", "numpy-loop") + TORCH_IMPLS + REFERENCE_IMPLS + ("roofli
                                                                          "flatopt-caution")
 REFERENCE_PACKAGES = {"ScheduleFreeSGD": ("schedulefree", "SGDScheduleFree"),
                       "ScheduleFreeAdamW": ("schedulefree", "AdamWScheduleFree"),
-                      "ScheduleFreeRAdam": ("schedulefree", "RAdamScheduleFree")}
+                      "ScheduleFreeRAdam": ("schedulefree", "RAdamScheduleFree"),
+                      "Prodigy": ("prodigyopt", "Prodigy"),
+                      "AdEMAMix": ("bitsandbytes.optim.ademamix", "_ReferenceAdEMAMix")}
 """Registry name -> (module, class) of the torch package flatopt follows where torch.optim
-has no counterpart: the ``reference-forloop`` / ``reference-foreach`` baselines."""
+has no counterpart: the ``reference-forloop`` / ``reference-foreach`` baselines (a package
+without a ``foreach`` argument has only its for-loop)."""
 
 
 def schema_of(optimizer: str) -> flatopt.Schema:
@@ -215,6 +218,10 @@ class TorchImpl:
             cls = getattr(torch.optim, schema.torch_name)
         flags = {"forloop": dict(foreach=False), "foreach": dict(foreach=True),
                  "fused": dict(fused=True)}[mode]
+        if source == "reference" and "foreach" not in inspect.signature(cls).parameters:
+            if mode != "forloop":
+                raise RuntimeError(f"{name} has no foreach path")
+            flags = {}
         self.params = []
         for path, view in case.opt.params.items():
             t = torch.from_numpy(view.copy()).requires_grad_(True)

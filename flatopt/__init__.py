@@ -22,7 +22,8 @@ from .optimizers import (ADOPT, ASGD, SGD, ADOPTParamState, Adadelta, AdadeltaPa
                          NAdamParamState, RAdam, RAdamParamState, RMSprop, RMSpropParamState,
                          Rprop, RpropParamState, ScheduleFreeAdamW, ScheduleFreeAdamWParamState,
                          ScheduleFreeRAdam, ScheduleFreeRAdamParamState, ScheduleFreeSGD,
-                         ScheduleFreeSGDParamState, SGDParamState)
+                         ScheduleFreeSGDParamState, SGDParamState, Prodigy, ProdigyParamState,
+                         AdEMAMix, AdEMAMixParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
 from ._stepping import StepResult
 from .training import EMA, GradScaler, clip_grad_norm, scale_gradients
@@ -36,7 +37,7 @@ from ._version import __version__
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
     "NAdam", "ASGD", "Adagrad", "LAMB", "Muon", "Adafactor", "ADOPT",
-    "ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam",
+    "ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam", "Prodigy", "AdEMAMix",
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
@@ -47,6 +48,7 @@ __all__ = [
     "NAdamParamState", "ASGDParamState", "AdagradParamState", "LAMBParamState",
     "MuonParamState", "AdafactorParamState", "ADOPTParamState",
     "ScheduleFreeSGDParamState", "ScheduleFreeAdamWParamState", "ScheduleFreeRAdamParamState",
+    "ProdigyParamState", "AdEMAMixParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "ModeError", "StateDictError", "UnknownPathError", "UnknownGradientError",

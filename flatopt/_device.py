@@ -331,13 +331,8 @@ class CudaDevice:
             opt._update_per_parameter(buf, plan, multiplier, scale)
             self._push(buf, present, ("params", "grads", *plan.used))
             return
-        d = self._bind(buf, plan, rule)
+        d = self._upload(buf, plan, rule)
         stream = self.stream
-        for staged, value in zip(d.staged, (buf.present, *buf.kernel_columns)):
-            staged[...] = value
-        # From pageable memory the driver copies the staging array before returning (no
-        # device wait), so the next step may refill it at once.
-        d.packed.copy_to_device(d.staging, stream=stream)
         if rule.reduces(plan.flags):
             d.sums.copy_to_device(d.zero_sums, stream=stream)
             self.kernels.reduce(d.arrays, d.scalars, d.columns, plan.flags, d.layout, d.sums,
@@ -347,6 +342,40 @@ class CudaDevice:
             scale = False  # the reduce pass scaled the gradients
         self.kernels.step(d.arrays, d.scalars, d.columns, plan.flags, d.layout, multiplier,
                           scale, stream=stream)
+
+    def _upload(self, buf: FlatBuffer, plan, rule) -> DeviceBuffer:
+        """The plan's device arguments, with this step's presence and columns uploaded."""
+        d = self._bind(buf, plan, rule)
+        for staged, value in zip(d.staged, (buf.present, *buf.kernel_columns)):
+            staged[...] = value
+        # From pageable memory the driver copies the staging array before returning (no
+        # device wait), so the next step may refill it at once.
+        d.packed.copy_to_device(d.staging, stream=self.stream)
+        return d
+
+    def reduce_pass(self, opt, buf: FlatBuffer, plan, multiplier, scale: bool) -> None:
+        """A rule with global reductions: the reduce pass queued, with this step's
+        presence, columns and scalars (``combine`` rewrites them at every step)."""
+        d = self._upload(buf, plan, opt.schema.rule)
+        d.scalars.copy_to_device(plan.scalars, stream=self.stream)
+        d.sums.copy_to_device(d.zero_sums, stream=self.stream)
+        self.kernels.reduce(d.arrays, d.scalars, d.columns, plan.flags, d.layout, d.sums,
+                            multiplier, scale, stream=self.stream, zero_sums=False)
+
+    def read_sums(self, staged: list) -> None:
+        """The per-parameter totals of the queued reduce passes into each ``plan.sums``:
+        one wait for the queued work, not one per buffer."""
+        for buf, plan, _ in staged:
+            self.buffers[buf.number].sums.copy_to_host(plan.sums, stream=self.stream)
+        self.stream.synchronize()
+
+    def step_pass(self, opt, buf: FlatBuffer, plan) -> None:
+        """A rule with global reductions: the step pass queued with the scalars ``combine``
+        gave it (the reduce pass scaled the gradients)."""
+        d = self.buffers[buf.number]
+        d.scalars.copy_to_device(plan.scalars, stream=self.stream)
+        self.kernels.step(d.arrays, d.scalars, d.columns, plan.flags, d.layout, plan.one,
+                          False, stream=self.stream)
 
     def reduce_present(self, opt, mode: int, power: float) -> tuple[float, int]:
         """``_stepping.reduce_present`` on the device: one launch per buffer into one

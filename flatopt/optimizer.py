@@ -340,10 +340,11 @@ class Optimizer:
         """Raise if the optimizer cannot step with these group settings (a schedule-free
         optimizer in eval mode); called before a step changes anything. Nothing by default."""
 
-    def advance_groups(self, settings: list[dict[str, Any]]) -> None:
-        """After a step that was taken (not skipped), write into ``param_groups`` the values
-        the step itself advances (``Hyperparameter.state``: schedule-free's counters), from
-        the ``settings`` it stepped with. Nothing by default."""
+    def after_step(self, settings: list[dict[str, Any]]) -> None:
+        """After a step that was taken (not skipped), write into ``param_groups`` the group
+        state (``Hyperparameter.state``) the step advanced, from the ``settings`` it stepped
+        with: schedule-free's counters. Nothing by default; :meth:`before_step` is the hook
+        for group state the kernels read."""
 
     def _map_state(self, rule, slots: tuple[str, ...], arguments) -> None:
         """Run a tool rule's span (``kernels/rules/schedulefree.py``'s ``SWITCH``) over every
@@ -375,7 +376,9 @@ class Optimizer:
         """The kernel arguments for ``settings`` (a new plan each time they change: a
         scheduler's new ``lr`` costs this once per buffer and step, a few microseconds)."""
         rule = self.schema.rule
-        scalars = self.kernel_scalars(settings, buf.dtype)
+        # with global reductions, combine() writes the scalars at every step
+        scalars = (rule.scalars(*[0.0] * len(rule.scalars._fields)) if rule.global_reductions
+                   else self.kernel_scalars(settings, buf.dtype))
         prepare = self.prepare_scalars(settings)
         flags = self.kernel_flags(settings)
         for value, layout in ((scalars, rule.scalars), (prepare, rule.prepare_scalars),
@@ -447,9 +450,12 @@ class Optimizer:
             skip_nonfinite=skip_nonfinite, error_if_nonfinite=error_if_nonfinite)
         if result.skipped:
             return result
+        settings = self._advance(settings)
         scale = multiplier != 1.0
         kernels = self._kernels
+        together = self.schema.rule.global_reductions
         stepped = False
+        staged = []
         for buf in self.buffers:
             plan = self._plans[buf.number]
             if plan is None or plan.settings is not settings[buf.group]:
@@ -462,9 +468,19 @@ class Optimizer:
             if kernels.prepare(buf.present, buf.kernel_columns, plan.prepare_scalars,
                                plan.flags):
                 stepped = True
-                self._update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
-                             else plan.one, scale)
-        self.advance_groups(settings)
+                if together:
+                    staged.append((buf, plan, arrays))
+                else:
+                    self._update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
+                                 else plan.one, scale)
+        if staged:
+            self._update_together(
+                settings, staged,
+                lambda buf, plan, arrays: self._reduce_pass(
+                    buf, plan, arrays, buf.dtype.type(multiplier) if scale else plan.one,
+                    scale),
+                self._step_pass)
+        self.after_step(settings)
         if not stepped and not self._warned_no_gradient:
             self._warned_no_gradient = True
             warnings.warn(f"{type(self).__name__}.step(): no gradient is marked present, so "
@@ -492,6 +508,92 @@ class Optimizer:
                              plan.sums)
             scale = False  # the reduce pass scaled the gradients
         kernels.step(arrays, plan.scalars, columns, plan.flags, buf, multiplier, scale)
+
+    def _reduce_pass(self, buf: FlatBuffer, plan: _Plan, arrays: tuple, multiplier,
+                     scale: bool) -> None:
+        """The reduce pass of a rule with global reductions: per-parameter totals into
+        ``plan.sums`` (on CUDA queued; ``_update_together`` reads them back)."""
+        if self._device is not None:
+            self._device.reduce_pass(self, buf, plan, multiplier, scale)
+        else:
+            self._kernels.reduce(arrays, plan.scalars, buf.kernel_columns, plan.flags, buf,
+                                 plan.sums, multiplier, scale)
+
+    def _step_pass(self, buf: FlatBuffer, plan: _Plan, arrays: tuple) -> None:
+        """The step pass of a rule with global reductions (its reduce pass scaled the
+        gradients)."""
+        if self._device is not None:
+            self._device.step_pass(self, buf, plan)
+        else:
+            self._kernels.step(arrays, plan.scalars, buf.kernel_columns, plan.flags, buf,
+                               plan.one, False)
+
+    # ----------------------------------------------------------------- group state
+    def before_step(self, settings: list[dict[str, Any]]) -> list[dict | None] | None:
+        """New group state (``Hyperparameter(state=True)`` values) at the start of a step
+        that goes ahead, before any kernel runs (the kernels read it): per group a dict of
+        new values (or None), or None for no change. AdEMAMix counts its groups' steps here;
+        :meth:`after_step` writes state the step itself advanced."""
+        return None
+
+    def combine(self, settings: list[dict[str, Any]], totals: np.ndarray | None):
+        """A rule with global reductions (``Rule.global_reductions``, Prodigy): called twice
+        per step. ``totals`` None: before the reduce pass, returns ``(scalars, None)``; then
+        with ``totals[group, j]``, reduction ``j`` over every present parameter of the group,
+        returns ``(scalars, changes)``: ``scalars`` per group the rule's ``Scalars`` for
+        the pass that follows, ``changes`` per group new group-state values (or None)."""
+        raise NotImplementedError(f"{type(self).__name__}: a rule with global reductions "
+                                  "needs the optimizer's combine()")
+
+    def _set_group_state(self, changes: list[dict | None]) -> None:
+        for group, change in zip(self.param_groups, changes):
+            if change:
+                group.update(change)
+
+    def _advance(self, settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``before_step``'s changes written into the groups; the settings that include
+        them."""
+        changes = self.before_step(settings)
+        if changes is None:
+            return settings
+        self._set_group_state(changes)
+        return self.settings()
+
+    def _update_together(self, settings: list[dict[str, Any]], staged: list, reduce,
+                         step) -> None:
+        """One step of a rule with global reductions over the ``staged`` (buffer, plan, x)
+        items (prepared buffers; ``x`` is the caller's: arrays, or a rank's shard):
+        ``combine`` gives the reduce pass's scalars; ``reduce(*item)`` fills each
+        ``plan.sums``; the totals per group are the sums of those rows, buffer by buffer (the
+        per-parameter totals do not depend on the thread count or world size, nor then
+        does anything added from them); ``combine`` turns them into the step pass's scalars and
+        new group state; then ``step(*item)`` for every buffer. Single-process, CUDA and
+        ZeRO-1 steps all come through here with their own passes."""
+        rule = self.schema.rule
+        self._write_scalars(staged, self.combine(settings, None)[0])
+        for item in staged:
+            reduce(*item)
+        if self._device is not None:
+            self._device.read_sums(staged)
+        totals = np.zeros((len(settings), len(rule.reductions)))
+        for buf, plan, _ in staged:  # rows of absent parameters are zero
+            totals[buf.group] += plan.sums.sum(axis=0)
+        scalars, changes = self.combine(settings, totals)
+        self._write_scalars(staged, scalars)
+        if changes is not None:
+            self._set_group_state(changes)
+        for item in staged:
+            step(*item)
+
+    def _write_scalars(self, staged: list, scalars: list) -> None:
+        layout = self.schema.rule.scalars
+        for buf, plan, _ in staged:
+            value = scalars[buf.group]
+            if type(value) is not layout:
+                raise TypeError(f"{type(self).__name__}.combine gave a {type(value).__name__} "
+                                f"where rule {self.schema.rule.name!r} takes its "
+                                f"{layout.__name__}")
+            plan.scalars[...] = value
 
     def _update_per_parameter(self, buf: FlatBuffer, plan: _Plan, multiplier, scale: bool):
         """A rule over whole matrices: its NumPy function per present parameter, on the

@@ -80,9 +80,16 @@ def flag(value: Any) -> bool:
 
 def betas(value: Any) -> tuple[float, float]:
     """A pair (beta1, beta2), each in [0, 1)."""
-    if not isinstance(value, (tuple, list, np.ndarray)) or len(value) != 2:
-        raise Invalid(f"must be a pair (beta1, beta2), got {value!r}")
-    pair = []
+    return beta_tuple(value, 2)
+
+
+def beta_tuple(value: Any, count: int) -> tuple[float, ...]:
+    """``count`` betas (beta1, beta2, ...), each in [0, 1)."""
+    names = ", ".join(f"beta{position + 1}" for position in range(count))
+    if not isinstance(value, (tuple, list, np.ndarray)) or len(value) != count:
+        raise Invalid(f"must be a {'pair' if count == 2 else 'triple'} ({names}), "
+                      f"got {value!r}")
+    numbers_ = []
     for position, beta in enumerate(value):
         try:
             number = real(beta)
@@ -90,8 +97,8 @@ def betas(value: Any) -> tuple[float, float]:
             raise Invalid(f"beta{position + 1} {exc}") from None
         if not 0.0 <= number < 1.0:
             raise Invalid(f"beta{position + 1} must be in [0, 1), got {beta!r}")
-        pair.append(number)
-    return (pair[0], pair[1])
+        numbers_.append(number)
+    return tuple(numbers_)
 
 
 def text(value: Any, what: str) -> str:
@@ -134,10 +141,12 @@ class Hyperparameter:
     examples: tuple = ()
     since: int = 1
     state: bool = False
-    """A value the optimizer itself advances at every step (schedule-free's per-group step
-    count ``k``, ``weight_sum``, ``train_mode``): kept in the group dict and saved with the
-    hyperparameters as torch keeps it, but restored by every load (a checkpoint, a state dict,
-    ``hyperparameters="live"`` too) rather than compared as a setting."""
+    """Group state, not a setting: a value the optimizer itself updates as it steps
+    (schedule-free's per-group step count ``k``, ``weight_sum``, ``train_mode``; Prodigy's
+    ``d``; AdEMAMix's group ``step``), kept in the group dict as torch keeps it and saved with
+    the hyperparameters. State dicts and checkpoints restore it with the parameters' state
+    whatever their ``hyperparameters=`` option says (``"live"`` too), and never report it as a
+    difference."""
 
     @property
     def is_flag(self) -> bool:

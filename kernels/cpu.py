@@ -278,8 +278,10 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
             reduce = Threaded(_reduce_walk, f"reduce_{key}", cache=cache, error_model="numpy",
                               fastmath={"reassoc"},
                               bound={"reduce": functions[rule.reduce.__name__]})
-            finalize = njit(cache=cache)(instantiate(
-                _finalize_walk, f"finalize_{key}", finalize=functions[rule.finalize.__name__]))
+            if rule.finalize is not None:  # none with global reductions
+                finalize = njit(cache=cache)(instantiate(
+                    _finalize_walk, f"finalize_{key}",
+                    finalize=functions[rule.finalize.__name__]))
         compiled = _compiled[key, cache] = CompiledRule(prepare, step, reduce, finalize)
     return compiled
 

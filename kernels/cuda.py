@@ -189,8 +189,9 @@ def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
         if rule.reduce is not None:
             reduce = cuda.jit(instantiate(_reduce_walk, f"reduce_{key}",
                                           reduce=functions[rule.reduce.__name__]))
-            finalize = cuda.jit(instantiate(_finalize_walk, f"finalize_{key}",
-                                            finalize=functions[rule.finalize.__name__]))
+            if rule.finalize is not None:  # none with global reductions
+                finalize = cuda.jit(instantiate(_finalize_walk, f"finalize_{key}",
+                                                finalize=functions[rule.finalize.__name__]))
         compiled = _compiled[key] = CompiledRule(prepare, step, reduce, finalize)
     return compiled
 

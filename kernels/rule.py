@@ -31,6 +31,11 @@ exactly as without the option); None runs them at every step.
 
 Helpers may come from a shared module of rule helpers (``kernels/rules/caution.py``): each
 function is compiled over its own module's names, with the rule's functions bound in.
+Rules whose update needs totals over *every* parameter of every group (Prodigy's d estimate)
+set ``global_reductions``: the per-parameter totals of ``reduce`` are added up per group (in
+slot order, buffer by buffer) and handed to the optimizer's ``combine``, which turns them into
+the scalars of the step pass (and new group state); such a rule has no ``finalize``, and its
+scalars come from ``combine`` at every step, for the reduce pass too.
 
 Rules that work on whole matrices (Muon's Newton-Schulz iteration, Adafactor's factored
 moments) give ``per_parameter``, a function ``(param, grad, state, settings, columns)`` called
@@ -92,15 +97,19 @@ class Rule:
     """Names of the per-parameter totals ``reduce`` returns, in order."""
     reduce_flag: str | None = None
     """The flag that turns ``reduce`` and ``finalize`` on (None: they always run)."""
+    global_reductions: bool = False
+    """The totals are combined over every buffer by ``Optimizer.combine`` (no finalize)."""
     per_parameter: Callable | None = None
     fingerprint: str = field(init=False)
     """A digest of the rule's source: compiled kernels are cached under it, so editing a
     rule can never load a stale kernel from Numba's on-disk cache."""
 
     def __post_init__(self) -> None:
-        if (self.reduce is None) != (self.finalize is None) or \
+        needs_finalize = self.reduce is not None and not self.global_reductions
+        if needs_finalize != (self.finalize is not None) or \
                 (self.reduce is not None) != bool(self.reductions):
-            raise TypeError(f"rule {self.name!r}: reduce, finalize and reductions go together")
+            raise TypeError(f"rule {self.name!r}: reduce, finalize and reductions go together "
+                            "(a rule with global_reductions has no finalize)")
         if self.reduce_flag is not None and (self.reduce is None
                                              or self.reduce_flag not in self.flags._fields):
             raise TypeError(f"rule {self.name!r}: reduce_flag {self.reduce_flag!r} must be "
@@ -111,6 +120,8 @@ class Rule:
         for layout in (self.scalars, self.prepare_scalars, self.flags):
             digest.update(repr(layout._fields).encode())
         digest.update(repr((self.slots, sorted(self.columns.items()))).encode())
+        if self.global_reductions:  # (only then: other rules keep their cached kernels)
+            digest.update(b"global_reductions")
         object.__setattr__(self, "fingerprint", digest.hexdigest()[:16])
 
     @property

@@ -21,6 +21,7 @@ from optimizers import NAMES, build, random_settings, rich_settings  # noqa: E40
 # set when run under mpiexec (importing this module, as test_mpi.py does, starts no MPI)
 COMM, RANK, SIZE = None, 0, 1
 FAILURES: list[str] = []
+ONLY: list[str] = []  # --only NAME...: check_identity's optimizers (default: every one)
 
 
 def report(ok: bool, what: str) -> None:
@@ -112,7 +113,7 @@ def check_identity() -> None:
     """Every registered optimizer: parameters and state after several steps equal one
     process's bits on the rank-order mean gradient; optimizer memory per rank ~ 1/P."""
     params = initial_params()
-    for name in NAMES:
+    for name in ONLY or NAMES:
         try:
             groups = groups_for(name, params)
             opt = build(name, groups, comm=COMM)
@@ -569,6 +570,9 @@ if __name__ == "__main__":
     arguments = sys.argv[1:]
     directory = arguments.pop(arguments.index("--dir") + 1) if "--dir" in arguments else ""
     arguments = [a for a in arguments if a != "--dir"]
+    if "--only" in arguments:  # identity for these optimizers only (a focused job)
+        ONLY[:] = arguments[arguments.index("--only") + 1:]
+        arguments = arguments[:arguments.index("--only")]
     for mode in arguments:
         if mode.startswith("kill"):
             check_killed_save(directory, int(mode[len("kill"):]))

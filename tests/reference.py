@@ -16,11 +16,11 @@ class ReferenceOptimizer:
     name with a rule in ``RULES``."""
 
     def __init__(self, kind: str, groups):
-        if kind not in RULES:
+        if kind not in RULES and kind not in STEPS:
             raise LookupError(f"no NumPy reference for {kind!r}: add its update rule to "
                               "tests/reference.py (RULES)")
         self.kind = kind
-        self.rule = RULES[kind]
+        self.rule = RULES.get(kind)
         self.groups = [({k: v.copy() for k, v in params.items()}, dict(hp)) for params, hp in groups]
         self.state: dict[str, dict] = {}
         initial = INITIAL_STATE.get(kind)
@@ -34,6 +34,10 @@ class ReferenceOptimizer:
         return {k: v for params, _ in self.groups for k, v in params.items()}
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
+        whole = STEPS.get(self.kind)
+        if whole is not None:  # a rule over every group at once
+            whole(self, grads)
+            return
         begin = GROUP_STEP.get(self.kind)
         for params, hp in self.groups:
             if begin is not None:  # per-group counters, advanced whatever is present
@@ -480,6 +484,112 @@ def schedulefree(state, p, g, hp):
     state["z"] = state["z"] + t(-lr) * g
     return p
 
+
+def prodigy_step(ref, grads):
+    """prodigyopt's Prodigy.step, over every group: two passes around the d estimate. A
+    group's lr that is neither the largest nor 0 (which prodigyopt refuses) scales that
+    group's dlr, as flatopt documents."""
+    first = ref.groups[0][1]
+    beta1, beta2 = first["betas"]
+    beta3 = first["beta3"] if first["beta3"] is not None else float(np.sqrt(beta2))
+    k, d, d_max = first["k"], first["d"], first["d_max"]
+    lr = max(hp["lr"] for _, hp in ref.groups)
+    bc = (((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1))
+          if first["use_bias_correction"] else 1)
+    dlr = d * lr * bc
+
+    def group_dlr(hp):
+        return d * hp["lr"] * bc if hp["lr"] > 0 else dlr
+
+    numerator, denominator = 0.0, 0.0
+    stepped = {}
+    for params, hp in ref.groups:
+        wd = hp["weight_decay"]
+        for path, p in params.items():
+            g = grads.get(path)
+            if g is None:
+                continue
+            t = p.dtype.type
+            if wd != 0 and not first["decouple"]:
+                g = g + t(wd) * p
+            stepped[path] = g
+            state = ref.state.setdefault(path, {})
+            if not state:
+                state.update(step=0, exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p),
+                             s=np.zeros_like(p), p0=p.copy())
+            if hp["lr"] > 0:
+                scale = d / hp["d0"]
+                numerator += scale * group_dlr(hp) * float(np.dot(
+                    g.astype(np.float64).ravel(), (state["p0"] - p).astype(np.float64).ravel()))
+                if beta1 > 0:
+                    state["exp_avg"] = state["exp_avg"] * t(beta1) + t(d * (1 - beta1)) * g
+                state["exp_avg_sq"] = (state["exp_avg_sq"] * t(beta2)
+                                       + t(d * d * (1 - beta2)) * g * g)
+                weight = scale * (d if hp["safeguard_warmup"] else group_dlr(hp))
+                state["s"] = state["s"] * t(beta3) + t(weight) * g
+                denominator += float(np.abs(state["s"]).astype(np.float64).sum())
+    if denominator == 0:
+        return
+    d_numerator = first["d_numerator"] * beta3 + numerator
+    d_hat = first["d_coef"] * d_numerator / denominator
+    new_d = max(d, d_hat) if d == ref.groups[-1][1]["d0"] else d
+    d_max = max(d_max, d_hat)
+    new_d = min(d_max, new_d * first["growth_rate"])
+    for params, hp in ref.groups:
+        wd = hp["weight_decay"]
+        for path, p in params.items():
+            if path not in stepped:
+                continue
+            t = p.dtype.type
+            state = ref.state[path]
+            state["step"] += 1
+            denom = np.sqrt(state["exp_avg_sq"]) + t(new_d * hp["eps"])
+            if wd != 0 and first["decouple"]:
+                p = p + t(-wd * group_dlr(hp)) * p
+            if beta1 > 0:
+                p = p + t(-group_dlr(hp)) * state["exp_avg"] / denom
+            else:
+                p = p + t(-group_dlr(hp) * new_d) * stepped[path] / denom
+            params[path] = p
+    for _, hp in ref.groups:
+        hp.update(d=new_d, d_max=d_max, d_numerator=d_numerator, k=hp["k"] + 1)
+
+
+def ademamix_step(ref, grads):
+    """bitsandbytes' _ReferenceAdEMAMix.step: every group's step count advances, gradient or
+    not; alpha and beta3 scheduled once per parameter (see flatopt.AdEMAMix)."""
+    import math
+    for params, hp in ref.groups:
+        hp["step"] = hp.get("step", 0) + 1
+        step = hp["step"]
+        beta1, beta2, beta3 = hp["betas"]
+        alpha = hp["alpha"]
+        if hp["t_alpha"] is not None:
+            alpha = min(step * alpha / hp["t_alpha"], alpha)
+        if hp["t_beta3"] is not None:
+            ln1, ln3 = math.log(beta1), math.log(beta3)
+            scale = step / hp["t_beta3"]
+            beta3 = min(math.exp((ln1 * ln3) / (((1 - scale) * ln3) + (scale * ln1))), beta3)
+        for path, p in params.items():
+            g = grads.get(path)
+            if g is None:
+                continue
+            t = p.dtype.type
+            state = ref.state.setdefault(path, {})
+            if not state:
+                state.update(m1=np.zeros_like(p), m2=np.zeros_like(p), nu=np.zeros_like(p))
+            m1 = state["m1"] = state["m1"] * t(beta1) + t(1 - beta1) * g
+            m2 = state["m2"] = state["m2"] * t(beta3) + t(1 - beta3) * g
+            nu = state["nu"] = state["nu"] * t(beta2) + t(1 - beta2) * g * g
+            denom = np.sqrt(nu) / t((1 - beta2 ** step) ** 0.5) + t(hp["eps"])
+            update = (m1 / t(1 - beta1 ** step) + t(alpha) * m2) / denom
+            update = update + t(hp["weight_decay"]) * p
+            params[path] = p + t(-hp["lr"]) * update
+
+
+STEPS = {"Prodigy": prodigy_step, "AdEMAMix": ademamix_step}
+"""Registry name -> ``(reference optimizer, grads)``: a step made over every group at once
+(a global d estimate; group step counts)."""
 
 RULES = {"SGD": sgd, "Adam": adam, "AdamW": adamw, "Adamax": adamax, "RAdam": radam,
          "Adadelta": adadelta, "RMSprop": rmsprop, "Rprop": rprop, "Lion": lion,

@@ -96,7 +96,8 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
     """Hyperparameters per live group, against every saved group its parameters came from.
     Values the scheduler owns (``scheduler.owned_hyperparameters``, e.g. lr) are restored from
     the file with the scheduler's state, not reported, unless ``hyperparameters="live"``; the
-    optimizer's per-group state (``Schema.group_state``) always is."""
+    optimizer's per-group state (``Hyperparameter.state``) is always restored from the file,
+    never reported."""
     diffs = result.differences
     owned = set(getattr(scheduler, "owned_hyperparameters", ())) \
         if scheduler is not None and ck.scheduler_state is not None else set()

@@ -370,8 +370,10 @@ class Sharding:
         clock = now
         if result.skipped:
             return result
+        settings = opt._advance(settings)
         scale = multiplier != 1.0
         kernels = opt._kernels
+        staged = []
         for shard in active:
             buf = shard.buffer
             plan = opt._plans[buf.number]
@@ -379,9 +381,20 @@ class Sharding:
                 plan = opt._plan(buf, settings[buf.group])
             arrays = self._arrays(shard, plan)
             kernels.prepare(buf.present, buf.kernel_columns, plan.prepare_scalars, plan.flags)
-            self._update(shard, plan, arrays, buf.dtype.type(multiplier) if scale
-                         else plan.one, scale)
-        opt.advance_groups(settings)
+            if opt.schema.rule.global_reductions:
+                staged.append((buf, plan, (shard, arrays)))
+            else:
+                self._update(shard, plan, arrays, buf.dtype.type(multiplier) if scale
+                             else plan.one, scale)
+        if staged:  # every rank combines the same gathered totals: the same d everywhere
+            opt._update_together(
+                settings, staged,
+                lambda buf, plan, item: self._reduce(
+                    item[0], plan, item[1], buf.dtype.type(multiplier) if scale else plan.one,
+                    scale),
+                lambda buf, plan, item: kernels.step(item[1], plan.scalars, buf.kernel_columns,
+                                                     plan.flags, item[0], plan.one, False))
+        opt.after_step(settings)
         now = time.perf_counter()
         self.timings["step"] += now - clock
         clock = now
@@ -418,6 +431,23 @@ class Sharding:
             if not shard.replicated:
                 self.gather(shard, buf.params)
 
+    def _reduce(self, shard: BufferShard, plan, arrays: tuple, multiplier, scale: bool):
+        """The rule's reduce pass over this rank's range, each segment's partial totals
+        gathered from every rank and added per parameter in chunk order, rank by rank: the
+        order one process adds them in, so ``plan.sums`` holds one process's bits."""
+        opt, buf = self.opt, shard.buffer
+        np.bitwise_and(buf.present, shard.overlaps, out=shard.present)
+        segments, slots = shard.segments, shard.segment_slots
+        segments.present[...] = buf.present[slots]
+        partial = np.zeros((len(slots), plan.sums.shape[1]))
+        opt._kernels.reduce(arrays, plan.scalars,
+                            tuple(column[slots] for column in buf.kernel_columns), plan.flags,
+                            segments, partial, multiplier, scale)
+        plan.sums[...] = 0.0
+        for rank_slots, rank_partial in self.comm.allgather((slots, partial)):
+            for k, values in zip(rank_slots, rank_partial):  # chunk order, rank by rank
+                plan.sums[k] += values
+
     def _update(self, shard: BufferShard, plan, arrays: tuple, multiplier, scale: bool):
         """Optimizer._update over this rank's range (see there)."""
         opt, buf = self.opt, shard.buffer
@@ -433,16 +463,7 @@ class Sharding:
                                    {name: column[k] for name, column in buf.columns.items()})
             return
         if rule.reduces(plan.flags):
-            segments, slots = shard.segments, shard.segment_slots
-            segments.present[...] = buf.present[slots]
-            partial = np.zeros((len(slots), plan.sums.shape[1]))
-            kernels.reduce(arrays, plan.scalars,
-                           tuple(column[slots] for column in buf.kernel_columns), plan.flags,
-                           segments, partial, multiplier, scale)
-            plan.sums[...] = 0.0
-            for rank_slots, rank_partial in self.comm.allgather((slots, partial)):
-                for k, values in zip(rank_slots, rank_partial):  # chunk order, rank by rank
-                    plan.sums[k] += values
+            self._reduce(shard, plan, arrays, multiplier, scale)
             kernels.finalize(buf.present, buf.kernel_columns, plan.prepare_scalars, plan.flags,
                              plan.sums)
             scale = False  # the reduce pass scaled the gradients

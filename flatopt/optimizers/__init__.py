@@ -4,6 +4,7 @@ from .adafactor import Adafactor, AdafactorParamState
 from .adadelta import Adadelta, AdadeltaParamState
 from .adagrad import Adagrad, AdagradParamState
 from .adam import Adam, AdamParamState, AdamW
+from .ademamix import AdEMAMix, AdEMAMixParamState
 from .adamax import Adamax, AdamaxParamState
 from .adopt import ADOPT, ADOPTParamState
 from .asgd import ASGD, ASGDParamState
@@ -11,6 +12,7 @@ from .lamb import LAMB, LAMBParamState
 from .lion import Lion, LionParamState
 from .muon import Muon, MuonParamState
 from .nadam import NAdam, NAdamParamState
+from .prodigy import Prodigy, ProdigyParamState
 from .radam import RAdam, RAdamParamState
 from .rmsprop import RMSprop, RMSpropParamState
 from .rprop import Rprop, RpropParamState
@@ -27,4 +29,5 @@ __all__ = ["SGD", "SGDParamState", "Adam", "AdamW", "AdamParamState",
            "Adagrad", "AdagradParamState", "LAMB", "LAMBParamState", "Muon", "MuonParamState",
            "Adafactor", "AdafactorParamState", "ADOPT", "ADOPTParamState",
            "ScheduleFreeSGD", "ScheduleFreeSGDParamState", "ScheduleFreeAdamW",
-           "ScheduleFreeAdamWParamState", "ScheduleFreeRAdam", "ScheduleFreeRAdamParamState"]
+           "ScheduleFreeAdamWParamState", "ScheduleFreeRAdam", "ScheduleFreeRAdamParamState",
+           "Prodigy", "ProdigyParamState", "AdEMAMix", "AdEMAMixParamState"]

@@ -194,7 +194,7 @@ class _ScheduleFree(Optimizer):
                                 f"computed ({exc}); lower r (r={s['r']!r})")
         raise_problems(problems, HyperparameterError)
 
-    def advance_groups(self, settings: list[dict[str, Any]]) -> None:
+    def after_step(self, settings: list[dict[str, Any]]) -> None:
         """The reference's ``group['k'] = k + 1`` and the rest, for every group (a group
         without any gradient counts the step too)."""
         for group, s in zip(self.param_groups, settings):
