@@ -51,6 +51,10 @@ def named_paths() -> list[str]:
                     token = "flatopt/" + token   # named inside the package, as its modules are
                 elif first not in {"flatopt", "kernels", "tests", "bench", ".ci"}:
                     continue
+                last = token.rstrip("/").rsplit("/", 1)[-1]
+                if "." in last and last.rsplit(".", 1)[1] not in {"py", "md", "toml", "json",
+                                                                  "h5", "txt", "cfg"}:
+                    token = token[:token.rindex(".")] + ".py"   # a module's attribute
                 paths.append(token.rstrip("/"))
     return sorted(set(paths))
 
