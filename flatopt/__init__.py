@@ -26,6 +26,7 @@ from .optimizers import (ADOPT, ASGD, SGD, ADOPTParamState, Adadelta, AdadeltaPa
                          AdEMAMix, AdEMAMixParamState)
 from .schema import Column, Hyperparameter, Schema, Slot
 from ._stepping import StepResult
+from .lookahead import Lookahead
 from .training import EMA, GradScaler, clip_grad_norm, scale_gradients
 from .kernels.threads import get_policy as get_parallel_policy
 from .kernels.threads import set_policy as set_parallel_policy
@@ -40,7 +41,7 @@ __all__ = [
     "ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam", "Prodigy", "AdEMAMix",
     "Optimizer",
     "group_by_pattern", "lr_scheduler",
-    "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA",
+    "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA", "Lookahead",
     "set_parallel_policy", "get_parallel_policy",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
     "SGDParamState", "AdamParamState", "AdamaxParamState", "RAdamParamState",

@@ -33,3 +33,14 @@ def lerp_into(average, value, weight, from_end):
             average[i] = value[i] + weight * (value[i] - average[i])
         else:
             average[i] = average[i] + weight * (value[i] - average[i])
+
+
+@threaded(cache=True, error_model="numpy")
+def lookahead_into(slow, fast, starts, stops, alpha):
+    """timm's Lookahead sync over the pieces ``[starts[j], stops[j])`` of a flat buffer (each
+    piece at most a chunk long, so threads get even work): ``slow += alpha (fast - slow)``
+    (torch's ``add_(fast - slow, alpha=alpha)``), then ``fast = slow``."""
+    for j in prange(starts.size):
+        for i in range(starts[j], stops[j]):
+            slow[i] = slow[i] + alpha * (fast[i] - slow[i])
+            fast[i] = slow[i]

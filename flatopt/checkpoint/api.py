@@ -8,6 +8,7 @@ import os
 from typing import Any, Mapping
 
 from ..errors import CheckpointMismatch, CheckpointOptionError
+from ..lookahead import Lookahead
 from ..optimizer import Optimizer
 from . import loader, offline, run, sharded, writer
 from .format import check_flags
@@ -18,7 +19,8 @@ from .writer import SaveHandle
 
 def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any = None,
          metadata: Any = None, arrays: Mapping[str, Any] | None = None, ema: Any = None,
-         scaler: Any = None, background: bool = False) -> "str | SaveHandle":
+         scaler: Any = None, lookahead: Any = None,
+         background: bool = False) -> "str | SaveHandle":
     """Save an optimizer, or a dict ``{name: optimizer}`` of several, to ``path``.
 
     One optimizer: see :func:`flatopt.checkpoint.writer.save` (a file; a directory for an
@@ -27,28 +29,35 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
     directory ``path`` holds one file per optimizer and a commit file written last, so the run
     is saved whole or not at all (see :mod:`flatopt.checkpoint.run`); ``ema=`` takes an EMA,
     a list of EMAs (each stored with the optimizer it averages) or a dict by name;
-    ``metadata``, ``arrays`` and ``scaler`` are the run's. Returns the absolute path.
+    ``metadata``, ``arrays`` and ``scaler`` are the run's. A :class:`~flatopt.Lookahead` is
+    saved with its optimizer (``save(path, la)``, or ``lookahead=la`` beside the optimizer; in
+    a run, as the member itself). Returns the absolute path.
     """
+    opt, lookahead = unwrapped(opt, lookahead)
     if isinstance(opt, Mapping):
         if scheduler is not None:
             raise CheckpointOptionError("with several optimizers, pass schedulers={name: "
                                         "scheduler} (scheduler= is for one optimizer)")
+        if lookahead is not None:
+            raise CheckpointOptionError("with several optimizers, give each Lookahead as its "
+                                        "member ({name: lookahead}), not lookahead=")
         return run.save(path, opt, schedulers=schedulers, metadata=metadata, arrays=arrays,
                         ema=ema, scaler=scaler, background=background)
     if schedulers is not None:
         raise CheckpointOptionError("schedulers= is for a dict of optimizers; with one, pass "
                                     "scheduler=")
     if _sharded(opt):   # comm= over several ranks: collective
-        _no_training_state(ema, scaler, "save")
+        _no_training_state(ema, scaler, "save")   # (a Lookahead refuses sharded optimizers)
         return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
                             background=background)
     return writer.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
-                       ema=ema, scaler=scaler, background=background)
+                       ema=ema, scaler=scaler, lookahead=lookahead, background=background)
 
 
 def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str | None = None,
          regroup: bool = False, scheduler: Any = None, schedulers: Any = None, ema: Any = None,
-         scaler: Any = None, staging: int | None = None) -> "LoadResult | dict[str, LoadResult]":
+         scaler: Any = None, lookahead: Any = None,
+         staging: int | None = None) -> "LoadResult | dict[str, LoadResult]":
     """Load a checkpoint into an optimizer, or a run's into a dict ``{name: optimizer}``.
 
     One optimizer: see :func:`flatopt.checkpoint.loader.load`. Several: every optimizer given
@@ -57,12 +66,16 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
     scheduler, EMA and scaler back). Returns ``{name: LoadResult}``; the run's metadata and
     arrays are in its first optimizer's result.
     """
+    opt, lookahead = unwrapped(opt, lookahead)
     options = dict(strict=strict, rename=rename, hyperparameters=hyperparameters,
                    regroup=regroup, ema=ema, scaler=scaler, staging=staging)
     if isinstance(opt, Mapping):
         if scheduler is not None:
             raise CheckpointOptionError("with several optimizers, pass schedulers={name: "
                                         "scheduler} (scheduler= is for one optimizer)")
+        if lookahead is not None:
+            raise CheckpointOptionError("with several optimizers, give each Lookahead as its "
+                                        "member ({name: lookahead}), not lookahead=")
         return run.load(source, opt, schedulers=schedulers, **options)
     if schedulers is not None:
         raise CheckpointOptionError("schedulers= is for a dict of optimizers; with one, pass "
@@ -79,7 +92,16 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
         return sharded.load(source, opt, strict=strict, rename=rename,
                             hyperparameters=hyperparameters, regroup=regroup,
                             scheduler=scheduler, staging=staging)
-    return loader.load(source, opt, scheduler=scheduler, **options)
+    return loader.load(source, opt, scheduler=scheduler, lookahead=lookahead, **options)
+
+
+def unwrapped(opt, lookahead):
+    """(the optimizer, its Lookahead or None) for ``opt`` given as a Lookahead or not."""
+    if isinstance(opt, Lookahead):
+        if lookahead is not None and lookahead is not opt:
+            raise CheckpointOptionError("lookahead= names another Lookahead than the one given")
+        return opt.optimizer, opt
+    return opt, lookahead
 
 
 def _sharded(opt) -> bool:

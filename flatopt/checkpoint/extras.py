@@ -1,6 +1,6 @@
 """flatopt's own training state saved with an optimizer: an :class:`~flatopt.EMA` of its
-parameters and a :class:`~flatopt.GradScaler` (``save(..., ema=, scaler=)``,
-``load(..., ema=, scaler=)``).
+parameters, a :class:`~flatopt.GradScaler` and a :class:`~flatopt.Lookahead` over it
+(``save(..., ema=, scaler=, lookahead=)``, ``load(..., ema=, scaler=, lookahead=)``).
 
 Both are stored as extra arrays under the reserved top-level keys (format version 4)::
 
@@ -8,6 +8,9 @@ Both are stored as extra arrays under the reserved top-level keys (format versio
     flatopt:ema/decay, warmup, num_updates          0-d arrays
     flatopt:scaler/enabled, scale, growth_factor, backoff_factor, growth_interval,
                    _growth_tracker                  0-d arrays
+    flatopt:lookahead/<group>/<dtype>   the slow weights, packed as the parameter buffer
+    flatopt:lookahead/started           bool, one per index row: its slow weights began
+    flatopt:lookahead/alpha, k          0-d; steps: int64, one per param group
 
 so they are checksummed, verified and committed with everything else in the file. A load
 maps the averages by path, as it maps parameters (``rename``, ``regroup`` and partial loads
@@ -26,18 +29,19 @@ from .format import NEST, OWN_PREFIX
 
 EMA_KEY = OWN_PREFIX + "ema"
 SCALER_KEY = OWN_PREFIX + "scaler"
+LOOKAHEAD_KEY = OWN_PREFIX + "lookahead"
 EMA_SETTINGS = ("decay", "warmup", "num_updates")
 SCALER_SETTINGS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
                    "_growth_tracker")
 
 
-def _buffer_key(group: int, dtype: str) -> str:
-    return NEST.join((EMA_KEY, str(group), dtype))
+def _buffer_key(group: int, dtype: str, key: str = EMA_KEY) -> str:
+    return NEST.join((key, str(group), dtype))
 
 
-def own_arrays(opt, ema: Any, scaler: Any) -> dict[str, np.ndarray]:
-    """The arrays that store ``ema`` (an EMA of ``opt``) and ``scaler``; CheckpointError for
-    anything else (nothing is written)."""
+def own_arrays(opt, ema: Any, scaler: Any, lookahead: Any = None) -> dict[str, np.ndarray]:
+    """The arrays that store ``ema`` (an EMA of ``opt``), ``scaler`` and ``lookahead`` (a
+    Lookahead over ``opt``); CheckpointError for anything else (nothing is written)."""
     out: dict[str, np.ndarray] = {}
     if ema is not None:
         if getattr(ema, "opt", None) is not opt or not callable(getattr(ema, "state_dict",
@@ -62,6 +66,23 @@ def own_arrays(opt, ema: Any, scaler: Any) -> dict[str, np.ndarray]:
         out[NEST.join((SCALER_KEY, "enabled"))] = np.asarray(bool(scaler.is_enabled()))
         for key in SCALER_SETTINGS if state else ():
             out[NEST.join((SCALER_KEY, key))] = np.asarray(state[key])
+    if lookahead is not None:
+        if getattr(lookahead, "optimizer", None) is not opt:
+            raise CheckpointError(f"lookahead= takes a flatopt.Lookahead over the optimizer "
+                                  f"being saved, got {type(lookahead).__name__}")
+        state = lookahead.state_dict()
+        out[NEST.join((LOOKAHEAD_KEY, "alpha"))] = np.asarray(state["alpha"], np.float64)
+        out[NEST.join((LOOKAHEAD_KEY, "k"))] = np.asarray(state["k"], np.int64)
+        out[NEST.join((LOOKAHEAD_KEY, "steps"))] = np.asarray(state["steps"], np.int64)
+        out[NEST.join((LOOKAHEAD_KEY, "started"))] = np.array(
+            [info.path in state["slow"] for info in opt.index], bool)
+        for buf in opt.buffers:
+            packed = np.zeros(buf.length, buf.dtype)
+            for path in buf.paths:
+                if path in state["slow"]:
+                    info = opt.index[path]
+                    packed[info.offset:info.offset + info.size] = state["slow"][path].ravel()
+            out[_buffer_key(buf.group, buf.dtype.name, LOOKAHEAD_KEY)] = packed
     return out
 
 
@@ -84,15 +105,40 @@ def ema_state(ck, own: Mapping, ema, matches) -> dict:
     state = {key: _scalar(own, NEST.join((EMA_KEY, key))) for key in EMA_SETTINGS}
     averages = {path: None for path in ema.params}
     for info, saved in matches:
-        packed = own.get(_buffer_key(saved.group, saved.dtype))
-        if packed is None or packed.ndim != 1 or packed.size < saved.offset + saved.size:
-            raise StateDictError(f"the EMA averages of group {saved.group} ({saved.dtype}) are "
-                                 f"missing or too short for {saved.path!r}")
-        averages[info.path] = packed[saved.offset:saved.offset + saved.size].reshape(info.shape)
+        averages[info.path] = _saved_slice(own, EMA_KEY, saved, info, "EMA averages")
     live = ema.state_dict()["averages"] if any(v is None for v in averages.values()) else {}
     state["averages"] = {path: live[path] if value is None else value
                          for path, value in averages.items()}
     return state
+
+
+def _saved_slice(own: Mapping, key: str, saved, info, what: str) -> np.ndarray:
+    packed = own.get(_buffer_key(saved.group, saved.dtype, key))
+    if packed is None or packed.ndim != 1 or packed.size < saved.offset + saved.size:
+        raise StateDictError(f"the {what} of group {saved.group} ({saved.dtype}) are missing "
+                             f"or too short for {saved.path!r}")
+    return packed[saved.offset:saved.offset + saved.size].reshape(info.shape)
+
+
+def lookahead_state(own: Mapping, lookahead, matches) -> dict:
+    """The Lookahead state dict the file gives ``lookahead``: slow weights by live path for
+    the matched parameters whose slow weights had begun."""
+    steps = own.get(NEST.join((LOOKAHEAD_KEY, "steps")))
+    started = own.get(NEST.join((LOOKAHEAD_KEY, "started")))
+    if not isinstance(steps, np.ndarray) or steps.ndim != 1 or steps.dtype.kind not in "iu":
+        raise StateDictError("Lookahead steps are missing or not integers")
+    if not isinstance(started, np.ndarray) or started.ndim != 1 or started.dtype != bool:
+        raise StateDictError("Lookahead 'started' flags are missing or not booleans")
+    slow = {}
+    for info, saved in matches:
+        if saved.row >= started.size:
+            raise StateDictError(f"Lookahead 'started' flags stop before {saved.path!r}")
+        if started[saved.row]:
+            slow[info.path] = _saved_slice(own, LOOKAHEAD_KEY, saved, info,
+                                           "Lookahead slow weights").copy()
+    return {"alpha": _scalar(own, NEST.join((LOOKAHEAD_KEY, "alpha"))),
+            "k": _scalar(own, NEST.join((LOOKAHEAD_KEY, "k"))),
+            "steps": [int(s) for s in steps], "slow": slow}
 
 
 def scaler_state(own: Mapping) -> dict:
@@ -102,7 +148,8 @@ def scaler_state(own: Mapping) -> dict:
 
 
 def wanted_states(ck, own: Mapping, matches, *, strict: bool, ema: Any = None,
-                  scaler: Any = None, scheduler: Any = None) -> list[tuple]:
+                  scaler: Any = None, scheduler: Any = None,
+                  lookahead: Any = None) -> list[tuple]:
     """What a load takes from the file ``ck`` besides the optimizer: (what, object, state)
     for the scheduler, EMA and scaler, each state read and checked now (``matches``: the
     load's (live info, saved parameter) pairs). Raises CheckpointMismatch for one the file
@@ -111,18 +158,22 @@ def wanted_states(ck, own: Mapping, matches, *, strict: bool, ema: Any = None,
     wanted = []
     if scheduler is not None and ck.scheduler_state is not None:
         wanted.append((f"checkpoint {ck.name}: scheduler", scheduler, ck.scheduler_state))
-    for name, target, key in (("EMA", ema, EMA_KEY), ("GradScaler", scaler, SCALER_KEY)):
+    for name, target, key, option in (("EMA", ema, EMA_KEY, "ema="),
+                                      ("GradScaler", scaler, SCALER_KEY, "scaler="),
+                                      ("Lookahead", lookahead, LOOKAHEAD_KEY, "lookahead=")):
         if target is None:
             continue
         if not any(k.startswith(key + NEST) for k in own):
             if strict:
                 raise CheckpointMismatch(
                     f"checkpoint {ck.name} holds no {name} state (it was saved without "
-                    f"{'ema=' if target is ema else 'scaler='}); pass strict=False to keep "
+                    f"{option}); pass strict=False to keep "
                     f"the live {name}'s state; nothing was changed", path=ck.name)
             continue
         try:
-            state = ema_state(ck, own, ema, matches) if target is ema else scaler_state(own)
+            state = (ema_state(ck, own, ema, matches) if target is ema else
+                     scaler_state(own) if target is scaler else
+                     lookahead_state(own, lookahead, matches))
         except StateDictError as exc:
             raise ck.corrupt(f"its {name} state: {exc}") from exc
         wanted.append((f"checkpoint {ck.name}: {name}", target, state))

@@ -267,7 +267,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
          rename: Mapping[str, str] | Callable[[str], str | None] | None = None,
          hyperparameters: str | None = None, regroup: bool = False,
          scheduler: Any = None, ema: Any = None, scaler: Any = None,
-         staging: int | None = None) -> LoadResult:
+         lookahead: Any = None, staging: int | None = None) -> LoadResult:
     """Load a checkpoint into ``opt`` in place, matched by path, never by position.
 
     The whole file is verified (structure, sizes, digests, every buffer's checksums and
@@ -311,7 +311,8 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     with opt.lock, open_checkpoint(source) as ck, files.pool() as workers:
         prepared = Prepared.of(ck, opt, workers, strict=strict, rename=rename,
                                hyperparameters=hyperparameters, regroup=regroup,
-                               scheduler=scheduler, ema=ema, scaler=scaler)
+                               scheduler=scheduler, ema=ema, scaler=scaler,
+                               lookahead=lookahead)
         prepared.apply(staging, lambda: extras.load_states(prepared.wanted, ck.name))
         return prepared.result()
 
@@ -332,13 +333,15 @@ class Prepared:
 
     @classmethod
     def of(cls, ck: Contents, opt: Optimizer, workers, *, strict: bool, rename,
-           hyperparameters, regroup: bool, scheduler, ema=None, scaler=None) -> "Prepared":
+           hyperparameters, regroup: bool, scheduler, ema=None, scaler=None,
+           lookahead=None) -> "Prepared":
         plan, relaxed, settings = checked_plan(ck, opt, strict=strict, rename=rename,
                                                hyperparameters=hyperparameters,
                                                regroup=regroup, scheduler=scheduler)
         arrays = guarded(ck, lambda: ck.read_arrays())
         wanted = extras.wanted_states(ck, extras.split(arrays)[1], plan.matches, strict=strict,
-                                      ema=ema, scaler=scaler, scheduler=scheduler)
+                                      ema=ema, scaler=scaler, scheduler=scheduler,
+                                      lookahead=lookahead)
         state, params, buffers = _restore_arguments(ck, opt, plan, workers)
         try:
             pending = opt.prepare_restore(state, settings=settings, params=params,

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 import h5py
 
 from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointOptionError
+from ..lookahead import Lookahead
 from ..optimizer import Optimizer
 from . import extras, files
 from .format import check_flags
@@ -71,6 +72,16 @@ def _name_problem(name: Any) -> str | None:
     if not isinstance(name, str) or not name or "\x00" in name or len(name) > 1024:
         return f"optimizer names are non-empty strings without NUL (at most 1024), got {name!r}"
     return None
+
+
+def members_of(optimizers: Any) -> tuple[Any, dict]:
+    """``{name: optimizer}`` with each Lookahead replaced by its optimizer, and the
+    Lookaheads by name (saved and loaded with their optimizers)."""
+    if not isinstance(optimizers, Mapping):
+        return optimizers, {}
+    lookaheads = {name: o for name, o in optimizers.items() if isinstance(o, Lookahead)}
+    return {name: lookaheads[name].optimizer if name in lookaheads else o
+            for name, o in optimizers.items()}, lookaheads
 
 
 def checked_optimizers(optimizers: Any, what: str) -> dict[str, Optimizer]:
@@ -147,6 +158,7 @@ def save(path, optimizers: Mapping, *, schedulers=None, metadata=None, arrays=No
          scaler=None, background: bool = False) -> str:
     """See ``flatopt.save``: several optimizers in one directory, committed at once."""
     check_flags(background=background)
+    optimizers, lookaheads = members_of(optimizers)
     optimizers = checked_optimizers(optimizers, "save()")
     if background:
         raise CheckpointOptionError("save() of several optimizers has no background=True yet: "
@@ -165,6 +177,7 @@ def save(path, optimizers: Mapping, *, schedulers=None, metadata=None, arrays=No
                 snapshots.append(Snapshot(
                     opt, metadata if k == 0 else None, schedulers.get(name),
                     arrays if k == 0 else None, ema=emas.get(name),
+                    lookahead=lookaheads.get(name),
                     scaler=scaler if k == 0 else None))
             except CheckpointError as exc:
                 raise named(exc, name)
@@ -292,6 +305,7 @@ def load(source, optimizers: Mapping, *, strict: bool = True, rename=None,
          staging: int | None = None) -> dict:
     """See ``flatopt.load``: every optimizer of the run at ``source`` in one commit; returns
     ``{name: LoadResult}`` (the first one's holds the run's metadata and arrays)."""
+    optimizers, lookaheads = members_of(optimizers)
     optimizers = checked_optimizers(optimizers, "load()")
     for opt in optimizers.values():
         check_options(opt, rename, hyperparameters, staging)
@@ -320,6 +334,7 @@ def load(source, optimizers: Mapping, *, strict: bool = True, rename=None,
                     members[name], opt, workers, strict=strict, rename=rename,
                     hyperparameters=hyperparameters, regroup=regroup,
                     scheduler=schedulers.get(name), ema=emas.get(name),
+                    lookahead=lookaheads.get(name),
                     scaler=scaler if first else None))
             except CheckpointError as exc:
                 raise named(exc, name)

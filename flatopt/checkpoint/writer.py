@@ -101,7 +101,8 @@ class Snapshot:
     thread, with :meth:`value_problems`)."""
 
     def __init__(self, opt: Optimizer, metadata: Any, scheduler: Any, arrays: Any = None, *,
-                 ema: Any = None, scaler: Any = None, memory: dict | None = None,
+                 ema: Any = None, scaler: Any = None, lookahead: Any = None,
+                 memory: dict | None = None,
                  check: bool = True, buffers: bool = True):
         self.schema = opt.schema
         self.fragments: dict[tuple[int, str], tuple[int, list]] | None = None
@@ -110,7 +111,7 @@ class Snapshot:
         of the data (see ``manifest``)."""
         self.groups = _groups(opt)
         self.columns = _index_columns(opt)
-        self.arrays = checked_arrays(arrays, own_arrays(opt, ema, scaler))
+        self.arrays = checked_arrays(arrays, own_arrays(opt, ema, scaler, lookahead))
         version = (NESTED_FORMAT_VERSION if any(NEST in name for name in self.arrays) else
                    SHAPED_FORMAT_VERSION if self.schema.shaped_slots else PLAIN_FORMAT_VERSION)
         self.header = {"format": FORMAT, "format_version": version,
@@ -358,7 +359,7 @@ def _snapshot_error(final: str, exc: OSError) -> CheckpointError:
 
 def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
          metadata: Any = None, arrays: dict[str, Any] | None = None,
-         ema: Any = None, scaler: Any = None,
+         ema: Any = None, scaler: Any = None, lookahead: Any = None,
          background: bool = False) -> "str | SaveHandle":
     """Save ``opt`` (parameters, state, hyperparameters, index) to the HDF5 file ``path``.
 
@@ -397,10 +398,11 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
         saver.wait_previous()  # saves of one optimizer commit in the order they were asked for
     if background:
         return saver.save(final, opt, metadata=metadata, scheduler=scheduler, arrays=arrays,
-                          ema=ema, scaler=scaler)
+                          ema=ema, scaler=scaler, lookahead=lookahead)
     with opt.lock:  # no step can change the buffers while they are written
         try:
-            snapshot = Snapshot(opt, metadata, scheduler, arrays, ema=ema, scaler=scaler)
+            snapshot = Snapshot(opt, metadata, scheduler, arrays, ema=ema, scaler=scaler,
+                                lookahead=lookahead)
         except OSError as exc:
             raise _snapshot_error(final, exc) from exc
         files.replace_atomically(final, snapshot.write)
@@ -485,7 +487,8 @@ class _Saver:
                 try:
                     snapshot = Snapshot(opt, what["metadata"], what["scheduler"],
                                          what["arrays"], ema=what["ema"],
-                                         scaler=what["scaler"], memory=self.memory,
+                                         scaler=what["scaler"],
+                                         lookahead=what["lookahead"], memory=self.memory,
                                          check=False)
                 except OSError as exc:
                     raise _snapshot_error(final, exc) from exc
