@@ -34,18 +34,9 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
     a run, as the member itself). Returns the absolute path.
     """
     opt, lookahead = unwrapped(opt, lookahead)
-    if isinstance(opt, Mapping):
-        if scheduler is not None:
-            raise CheckpointOptionError("with several optimizers, pass schedulers={name: "
-                                        "scheduler} (scheduler= is for one optimizer)")
-        if lookahead is not None:
-            raise CheckpointOptionError("with several optimizers, give each Lookahead as its "
-                                        "member ({name: lookahead}), not lookahead=")
+    if _several(opt, scheduler, schedulers, lookahead):
         return run.save(path, opt, schedulers=schedulers, metadata=metadata, arrays=arrays,
                         ema=ema, scaler=scaler, background=background)
-    if schedulers is not None:
-        raise CheckpointOptionError("schedulers= is for a dict of optimizers; with one, pass "
-                                    "scheduler=")
     if _sharded(opt):   # comm= over several ranks: collective
         _no_training_state(ema, scaler, "save")   # (a Lookahead refuses sharded optimizers)
         return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
@@ -69,17 +60,8 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
     opt, lookahead = unwrapped(opt, lookahead)
     options = dict(strict=strict, rename=rename, hyperparameters=hyperparameters,
                    regroup=regroup, ema=ema, scaler=scaler, staging=staging)
-    if isinstance(opt, Mapping):
-        if scheduler is not None:
-            raise CheckpointOptionError("with several optimizers, pass schedulers={name: "
-                                        "scheduler} (scheduler= is for one optimizer)")
-        if lookahead is not None:
-            raise CheckpointOptionError("with several optimizers, give each Lookahead as its "
-                                        "member ({name: lookahead}), not lookahead=")
+    if _several(opt, scheduler, schedulers, lookahead):
         return run.load(source, opt, schedulers=schedulers, **options)
-    if schedulers is not None:
-        raise CheckpointOptionError("schedulers= is for a dict of optimizers; with one, pass "
-                                    "scheduler=")
     if run.is_run(source):
         names = [entry["name"] for entry in run.read_run(source)["members"]]
         raise CheckpointMismatch(f"checkpoint {source} is a run of the optimizers {names[:20]}: "
@@ -93,6 +75,23 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
                             hyperparameters=hyperparameters, regroup=regroup,
                             scheduler=scheduler, staging=staging)
     return loader.load(source, opt, scheduler=scheduler, lookahead=lookahead, **options)
+
+
+def _several(opt, scheduler, schedulers, lookahead) -> bool:
+    """Whether ``opt`` is a dict of several optimizers (a run), its options checked: a run
+    takes ``schedulers=`` and Lookaheads as members, one optimizer ``scheduler=``."""
+    if not isinstance(opt, Mapping):
+        if schedulers is not None:
+            raise CheckpointOptionError("schedulers= is for a dict of optimizers; with one, "
+                                        "pass scheduler=")
+        return False
+    if scheduler is not None:
+        raise CheckpointOptionError("with several optimizers, pass schedulers={name: "
+                                    "scheduler} (scheduler= is for one optimizer)")
+    if lookahead is not None:
+        raise CheckpointOptionError("with several optimizers, give each Lookahead as its "
+                                    "member ({name: lookahead}), not lookahead=")
+    return True
 
 
 def unwrapped(opt, lookahead):
