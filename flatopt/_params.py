@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._layout import SUPPORTED_DTYPES
+from .errors import HyperparameterError
 from .schema import Invalid, text
 
 try:  # numpy >= 2
@@ -103,3 +104,19 @@ def tied_problems(arrays: list[tuple[str, np.ndarray]]) -> list[str]:
                     "once, under one path, and add up its gradient contributions before step()")
         open_intervals.append((high, path, array))
     return problems
+
+
+def torch_implementation_arguments(name: str, arguments: dict) -> None:
+    """torch's implementation switches: ``foreach`` and ``fused`` are accepted and ignored
+    (flatopt's step is always one fused kernel per buffer), so torch code ports unchanged;
+    ``capturable`` and ``differentiable`` have no meaning here and are refused when set."""
+    for key in ("foreach", "fused"):
+        value = arguments.pop(key, None)
+        if value is not None and not isinstance(value, bool):
+            raise HyperparameterError(f"{name}: {key} must be None, True or False, got {value!r}")
+    for key, why in (("capturable", "there are no CUDA graphs to capture"),
+                     ("differentiable", "flatopt steps are not part of an autograd graph")):
+        value = arguments.pop(key, False)
+        if value is not False:
+            raise HyperparameterError(f"{name}: {key}={value!r} has no meaning in flatopt "
+                                      f"({why}); leave it out")

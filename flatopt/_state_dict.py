@@ -83,7 +83,7 @@ def _saved_settings(opt, saved_groups: Any, problems: list[str],
     by_paths = {frozenset(group["params"]): (number, group)
                 for number, group in enumerate(saved_groups)}
     settings: list[dict | None] = []
-    for number, paths in enumerate(opt._group_paths):
+    for number, paths in enumerate(opt.group_paths):
         match = by_paths.get(frozenset(paths))
         if match is None:
             where = describe_group(number, opt.param_groups[number])
