@@ -120,3 +120,32 @@ def torch_implementation_arguments(name: str, arguments: dict) -> None:
         if value is not False:
             raise HyperparameterError(f"{name}: {key}={value!r} has no meaning in flatopt "
                                       f"({why}); leave it out")
+
+
+def check_entries(schema, group: Mapping, where: str, seen: dict[str, str], index,
+                  buffers: list, problems: list[str]) -> list[tuple[str, np.ndarray]]:
+    """The (path, array) entries of a new group that can be optimized: a problem for each
+    other one (a bad path or array, one seen before, in ``index`` or a view of one of
+    the ``buffers``) added to ``problems``."""
+    entries = []
+    for path, array in as_pairs(group["params"], where, problems):
+        problem = path_problem(path)
+        if problem is None and (path in seen or path in index):
+            problem = (f"path {path!r} appears more than once (also in "
+                       f"{seen.get(path, 'an existing group')}); every path must be unique")
+        if problem is None:
+            seen[path] = where
+            array = np.asarray(array) if isinstance(array, np.generic) else array
+            problem = array_problem(path, array)
+        if problem is None and schema.param_problem is not None:
+            reason = schema.param_problem(array.shape)
+            problem = f"parameter {path!r} {reason}" if reason else None
+        if problem is None and any(np.shares_memory(array, buf.params)
+                                   for buf in buffers):
+            problem = (f"parameter {path!r} is a view of this optimizer's own buffer (it "
+                       "is already optimized under another path)")
+        if problem is None:
+            entries.append((path, array))
+        else:
+            problems.append(f"{where}: {problem}")
+    return entries

@@ -23,7 +23,7 @@ from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._plan import Plan, make_plan
 from ._restore import BufferState
 from ._stepping import StepResult
-from ._validated import Validated
+from ._validated import Validated, validate_groups
 from ._views import Gradients, ParamViews
 from .errors import GradientError, HyperparameterError, ParamError, StateDictError, \
     UnknownPathError
@@ -128,31 +128,6 @@ class Optimizer:
         self.settings()  # the existing groups must be intact before more are added
         self._add_groups([group])
 
-    def _check_entries(self, group: Mapping, where: str, seen: dict[str, str],
-                       problems: list[str]) -> list[tuple[str, np.ndarray]]:
-        entries = []
-        for path, array in _params.as_pairs(group["params"], where, problems):
-            problem = _params.path_problem(path)
-            if problem is None and (path in seen or path in self.index):
-                problem = (f"path {path!r} appears more than once (also in "
-                           f"{seen.get(path, 'an existing group')}); every path must be unique")
-            if problem is None:
-                seen[path] = where
-                array = np.asarray(array) if isinstance(array, np.generic) else array
-                problem = _params.array_problem(path, array)
-            if problem is None and self.schema.param_problem is not None:
-                reason = self.schema.param_problem(array.shape)
-                problem = f"parameter {path!r} {reason}" if reason else None
-            if problem is None and any(np.shares_memory(array, buf.params)
-                                       for buf in self.buffers):
-                problem = (f"parameter {path!r} is a view of this optimizer's own buffer (it "
-                           "is already optimized under another path)")
-            if problem is None:
-                entries.append((path, array))
-            else:
-                problems.append(f"{where}: {problem}")
-        return entries
-
     def _add_groups(self, groups: list, require_params: bool = False) -> None:
         """Validate every group completely, then build their buffers (all or nothing)."""
         param_problems: list[str] = []
@@ -169,7 +144,8 @@ class Optimizer:
             overrides = {k: v for k, v in group.items() if k != "params"}
             values, problems = self.schema.check_group({**self.defaults, **overrides}, where)
             hyper_problems += problems
-            staged.append((values, self._check_entries(group, where, seen, param_problems)))
+            staged.append((values, _params.check_entries(
+                self.schema, group, where, seen, self.index, self.buffers, param_problems)))
         all_arrays = [entry for _, entries in staged for entry in entries]
         param_problems += _params.tied_problems(all_arrays)
         if require_params and not all_arrays and not param_problems:
@@ -229,44 +205,8 @@ class Optimizer:
         from ``param_groups`` and validated now, as torch reads them at every step. Raises
         :class:`HyperparameterError` naming every problem; the returned dicts are shared,
         never modify them."""
-        groups = self.param_groups
-        if not isinstance(groups, list) or len(groups) != len(self._group_paths):
-            count = len(groups) if isinstance(groups, list) else type(groups).__name__
-            raise HyperparameterError(
-                f"param_groups was changed from {len(self._group_paths)} groups to {count}; "
-                "groups cannot be removed or replaced: use add_param_group() to add one, and "
-                "set a group's lr to 0 (or leave its gradients missing) to freeze it")
-        settings = []
-        problems: list[str] = []
-        for number, group in enumerate(groups):
-            if not isinstance(group, dict):
-                problems.append(f"param group {number} was replaced by a "
-                                f"{type(group).__name__}; change values inside the group dict")
-                continue
-            validated = self._validated[number]
-            changes = None if validated is None else validated.changes(group)
-            if changes == {}:
-                settings.append(validated.values)
-                continue
-            if changes is not None and "params" not in changes:  # values changed: those only
-                values, value_problems = self.schema.check_group(changes, "",
-                                                                 base=validated.values)
-                if not value_problems:
-                    settings.append(values)
-                    self._validated[number] = Validated(group, values, validated, changes)
-                    continue
-            where = describe_group(number, group)
-            if group.get("params") is not self._group_paths[number]:
-                problems.append(f"{where}: 'params' was changed or the groups were reordered; "
-                                "groups keep their parameters: use add_param_group() to add "
-                                "parameters")
-            values, value_problems = self.schema.check_group(group, where)
-            problems += value_problems
-            settings.append(values)
-            if not value_problems:
-                self._validated[number] = Validated(group, values)
-        _raise(problems, HyperparameterError)
-        return settings
+        return validate_groups(self.schema, self.param_groups, self._group_paths,
+                               self._validated)
 
     # ----------------------------------------------------------------- stepping
     def kernel_scalars(self, settings: Mapping[str, Any], dtype: np.dtype):
@@ -548,22 +488,6 @@ class Optimizer:
             buf.stale[:] = 0
 
     # ----------------------------------------------------------------- state
-    def _param_state(self, buf: FlatBuffer, slot: int, copy: bool) -> dict | None:
-        if self._sharding is not None:
-            self._sharding.refuse("state_dict() / state_of()")
-        if not self.schema.stateful({name: column[slot] for name, column in buf.columns.items()
-                                     if name in self.schema.columns}):
-            return None
-        # .item(): a Python int for an integer column, a float for a float one (NAdam's
-        # mu_product), as the schema's checks of an entry expect
-        entry: dict[str, Any] = {name: buf.columns[name][slot].item()
-                                 for name in self.schema.state_dict_columns}
-        for name in self.schema.slots:
-            view = buf.state_view(name, slot) if name in buf.state else None
-            if view is not None:
-                entry[name] = view.copy() if copy else view
-        return entry
-
     def _info(self, path: Any) -> ParamInfo:
         info = self.index.get(path) if isinstance(path, str) else None
         if info is None:
@@ -576,8 +500,8 @@ class Optimizer:
         """The live state of one parameter as a typed record of views, or None if it has none."""
         info = self._info(path)
         self._device.pull()  # on CUDA host copies: the mirror's views would go stale
-        entry = self._param_state(self.buffers[info.buffer], info.slot,
-                                  copy=not self._device.live_on_host)
+        entry = _state_dict.param_state(self, self.buffers[info.buffer], info.slot,
+                                        copy=not self._device.live_on_host)
         return None if entry is None else self.schema.record(**entry)
 
     @_locked
@@ -587,7 +511,8 @@ class Optimizer:
         self.host_buffers()
         state = {}
         for info in self.index:
-            entry = self._param_state(self.buffers[info.buffer], info.slot, copy=True)
+            entry = _state_dict.param_state(self, self.buffers[info.buffer], info.slot,
+                                            copy=True)
             if entry is not None:
                 state[info.path] = entry
         return _state_dict.build(self, state)
