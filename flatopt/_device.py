@@ -40,7 +40,7 @@ from ._layout import FlatBuffer, ParamInfo
 from ._views import gradient_problem, value_problem
 from .errors import DeviceError, GradientError
 from .kernels import backend as kernel_backend
-from .kernels._cuda_import import numba_cuda, simulated
+from .kernels import _cuda_import  # its functions are looked up at each call (tests patch them)
 from .kernels.tools import SCALE_GRADIENTS
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -54,7 +54,7 @@ INSTALL_HINT = ("install numba-cuda with the CUDA toolkit libraries for your dri
 def cuda_problem() -> str | None:
     """Why CUDA kernels cannot run here (driver, numba-cuda or toolkit missing), or None."""
     try:
-        cuda = numba_cuda()
+        cuda = _cuda_import.numba_cuda()
     except ImportError as exc:
         return f"numba-cuda is not installed ({exc}); {INSTALL_HINT}"
     if getattr(cuda, "implementation", None) != "NVIDIA":
@@ -62,7 +62,7 @@ def cuda_problem() -> str | None:
         # simulator lacks what flatopt uses, such as default_stream
         return ("numba-cuda is not installed (numba.cuda is Numba's own built-in CUDA "
                 f"target); {INSTALL_HINT}")
-    if simulated():
+    if _cuda_import.simulated():
         return None
     try:
         from numba.cuda.cudadrv.driver import driver

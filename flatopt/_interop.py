@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 
 from ._layout import ParamInfo
-from .kernels._cuda_import import simulated
+from .kernels import _cuda_import
 
 
 def simulator_array_type():
     """The simulator's device array type under ``NUMBA_ENABLE_CUDASIM=1``, else None."""
-    if not simulated():
+    if not _cuda_import.simulated():
         return None
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
     return FakeCUDAArray
