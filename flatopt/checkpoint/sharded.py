@@ -131,7 +131,7 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
             "sharded over ranks: save in the foreground (every rank writes its own file)")
     where = f"flatopt.save({str(path)[:200]!r})"
     with opt.lock:
-        opt.sharding._sync_shards()  # buffers added by add_param_group since the last step
+        opt.sharding.sync_shards()  # buffers added by add_param_group since the last step
 
         def prepare():
             directory = manifest.target_directory(path, create=False)
@@ -178,7 +178,7 @@ def load(source, opt, **options: Any):
     comm = opt.comm
     where = f"flatopt.load({str(source)[:200]!r})"
     with opt.lock:
-        opt.sharding._sync_shards()
+        opt.sharding.sync_shards()
         opened = []
 
         def plan():
