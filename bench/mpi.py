@@ -67,7 +67,7 @@ def _run_zero1(comm, elements: int, steps: int, warmup: int) -> dict:
     rng = np.random.default_rng(comm.Get_rank())
     for buf in opt.buffers:
         buf.grads[...] = rng.standard_normal(buf.length).astype(np.float32)
-    sharding = opt._sharding
+    sharding = opt.sharding
     parts = {"reduce": [], "step": [], "gather": [], "total": []}
     for step in range(warmup + steps):
         opt.grads.mark_present()

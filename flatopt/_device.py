@@ -28,14 +28,20 @@ flat buffer; NumPy arrays are copied in from the host. An array on another GPU i
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 
+from ._host import Device, HostDevice, per_parameter_update
+from ._interop import (exporter_device, interface_problem, is_numba_device_array,
+                       simulator_array_type, wrap_interface)
 from ._layout import FlatBuffer, ParamInfo
+from ._views import gradient_problem, value_problem
 from .errors import DeviceError, GradientError
+from .kernels import backend as kernel_backend
+from .kernels import _cuda_import  # its functions are looked up at each call (tests patch them)
+from .kernels.tools import SCALE_GRADIENTS
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -48,8 +54,7 @@ INSTALL_HINT = ("install numba-cuda with the CUDA toolkit libraries for your dri
 def cuda_problem() -> str | None:
     """Why CUDA kernels cannot run here (driver, numba-cuda or toolkit missing), or None."""
     try:
-        from .kernels._cuda_import import numba_cuda, simulated
-        cuda = numba_cuda()
+        cuda = _cuda_import.numba_cuda()
     except ImportError as exc:
         return f"numba-cuda is not installed ({exc}); {INSTALL_HINT}"
     if getattr(cuda, "implementation", None) != "NVIDIA":
@@ -57,7 +62,7 @@ def cuda_problem() -> str | None:
         # simulator lacks what flatopt uses, such as default_stream
         return ("numba-cuda is not installed (numba.cuda is Numba's own built-in CUDA "
                 f"target); {INSTALL_HINT}")
-    if simulated():
+    if _cuda_import.simulated():
         return None
     try:
         from numba.cuda.cudadrv.driver import driver
@@ -80,7 +85,8 @@ def cuda_problem() -> str | None:
 
 
 def resolve(device: Any, stream: Any, bit_exact: Any, rule, who: str):
-    """(the :class:`CudaDevice` or None for the CPU, a note for ``repr`` or None)."""
+    """(the device: a :class:`HostDevice` or a :class:`CudaDevice`, a note for ``repr`` or
+    None), chosen once for the optimizer's life."""
     if device not in DEVICES:
         raise DeviceError(f"{who}: device must be one of {DEVICES}, got {device!r}")
     if not isinstance(bit_exact, bool):
@@ -89,104 +95,14 @@ def resolve(device: Any, stream: Any, bit_exact: Any, rule, who: str):
         if stream is not None:
             raise DeviceError(f"{who}: stream= is for device='cuda' (or 'auto'); this "
                               "optimizer runs on the CPU")
-        return None, None
+        return HostDevice(rule), None
     problem = cuda_problem()
     if problem is None:
         return CudaDevice(rule, stream, bit_exact, who), None
     if device == "cuda":
         raise DeviceError(f"{who}: device='cuda' cannot be used: {problem}. Use device='cpu', "
                           "or device='auto' to fall back to the CPU")
-    return None, f"auto: running on the CPU because {problem}"
-
-
-# ----------------------------------------------------------------------------- interop
-def _simulator_array_type():
-    from .kernels._cuda_import import simulated
-    if not simulated():
-        return None
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-    return FakeCUDAArray
-
-
-def _is_numba_device_array(value: Any) -> bool:
-    fake = _simulator_array_type()
-    if fake is not None:
-        return isinstance(value, fake)
-    return bool(getattr(value, "__cuda_ndarray__", False))  # numba-cuda's own marker
-
-
-def exporter_device(value: Any, pointer: int | None) -> int | None:
-    """The ordinal of the GPU holding ``value``: from a ``device`` attribute as torch
-    (``.type``, ``.index``) and CuPy (``.id``) give it, else from the driver's pointer
-    attributes; None when it cannot be told (the simulator)."""
-    device = getattr(value, "device", None)
-    if device is not None:
-        if getattr(device, "type", "cuda") != "cuda":
-            return -1  # a torch tensor on the CPU (or another backend)
-        for name in ("index", "id"):
-            ordinal = getattr(device, name, None)
-            if isinstance(ordinal, int):
-                return ordinal
-    if pointer and _simulator_array_type() is None:
-        try:
-            from cuda.bindings import driver as cu
-            err, ordinal = cu.cuPointerGetAttribute(
-                cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, pointer)
-            if int(err) == 0:
-                return int(ordinal)
-        except Exception:  # older bindings: leave it to the copy to fail
-            return None
-    return None
-
-
-def _c_contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
-    """Whether ``strides`` lay ``shape`` out in C order (the stride of a dimension of size 1
-    does not matter, as in NumPy)."""
-    expected = itemsize
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size > 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def interface_problem(info: ParamInfo, desc: Any) -> str | None:
-    """Why a ``__cuda_array_interface__`` dict cannot be the gradient of ``info``, or None."""
-    if not isinstance(desc, dict) or not {"shape", "typestr", "data"} <= set(desc):
-        return (f"gradient for {info.path!r}: its __cuda_array_interface__ is not a dict with "
-                "shape, typestr and data")
-    shape = tuple(desc["shape"])
-    if shape != info.shape:
-        return (f"gradient for {info.path!r} has shape {shape}, but the parameter has shape "
-                f"{info.shape}")
-    dtype = np.dtype(desc["typestr"])
-    if dtype != info.dtype:
-        return (f"gradient for {info.path!r} has dtype {dtype}, but the parameter is "
-                f"{info.dtype}; cast it on the device first")
-    strides = desc.get("strides")
-    if strides is not None and not _c_contiguous(shape, tuple(strides), dtype.itemsize):
-        return (f"gradient for {info.path!r} is not C-contiguous (strides {tuple(strides)}); "
-                "make it contiguous on the device first (cupy.ascontiguousarray, "
-                "tensor.contiguous())")
-    if desc.get("mask") is not None:
-        return f"gradient for {info.path!r} has a mask, which flatopt would ignore"
-    return None
-
-
-def wrap_interface(value: Any, desc: dict):
-    """A numba device array over the memory ``value`` exports (no copy). Under the simulator
-    "device" pointers are host pointers, so the memory is wrapped as a NumPy array."""
-    fake = _simulator_array_type()
-    if fake is None:
-        from numba import cuda
-        return cuda.from_cuda_array_interface(desc, owner=value, sync=True)
-    dtype, shape = np.dtype(desc["typestr"]), tuple(desc["shape"])
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    pointer = desc["data"][0]
-    if nbytes == 0:
-        return fake(np.empty(shape, dtype))
-    raw = (ctypes.c_char * nbytes).from_address(pointer)
-    return fake(np.frombuffer(raw, dtype).reshape(shape))
+    return HostDevice(rule), f"auto: running on the CPU because {problem}"
 
 
 # ----------------------------------------------------------------------------- buffers
@@ -245,19 +161,23 @@ class DeviceBuffer:
         self.no_scalars = cuda.to_device(np.zeros(0, buf.dtype), stream=stream)
 
 
-class CudaDevice:
-    """One optimizer's device side: its stream, kernels and device buffers."""
+class CudaDevice(Device):
+    """One optimizer's device side: its stream, kernels and device buffers (the host
+    buffers, ``hosts``, are their mirror)."""
 
     name = "cuda"
+    live_on_host = False
 
     def __init__(self, rule, stream: Any, bit_exact: bool, who: str):
-        from .kernels import cuda as kernels
-        self.cuda = kernels.cuda
-        self.kernels_module = kernels
+        super().__init__(rule)
+        self.host = kernel_backend("cpu")  # prepare, and the host mirror's arrays
+        self.host_kernels = self.host.compile(rule)
+        self.kernels_module = kernel_backend("cuda")
+        self.cuda = self.kernels_module.cuda
         self.stream = self._stream(stream, who)
         self.bit_exact = bit_exact
-        self.kernels = kernels.compile_rule(rule, exact=bit_exact)
-        self.ordinal = 0 if _simulator_array_type() else self.cuda.get_current_device().id
+        self.kernels = self.kernels_module.compile(rule, exact=bit_exact)
+        self.ordinal = 0 if simulator_array_type() else self.cuda.get_current_device().id
         self.buffers: list[DeviceBuffer] = []
 
     def _stream(self, stream: Any, who: str):
@@ -283,6 +203,7 @@ class CudaDevice:
     # ------------------------------------------------------------------- construction
     def attach(self, buffers: list[FlatBuffer]) -> None:
         """Upload new buffers (their host arrays hold the initial values)."""
+        super().attach(buffers)
         for buf in buffers:
             self.buffers.append(DeviceBuffer(self.cuda, buf, self.stream))
 
@@ -321,14 +242,20 @@ class CudaDevice:
         return d
 
     # ------------------------------------------------------------------- stepping
-    def update(self, opt, buf: FlatBuffer, plan, multiplier, scale: bool) -> None:
+    def prepare(self, buf: FlatBuffer, plan) -> int:
+        """The rule's prepare on the host (step counts, bias corrections: float64 as on the
+        CPU); the step uploads the columns."""
+        return self.host_kernels.prepare(buf.present, buf.kernel_columns,
+                                         plan.prepare_scalars, plan.flags)
+
+    def update(self, buf: FlatBuffer, plan, arrays, multiplier, scale: bool) -> None:
         """The device part of one buffer's step, queued on the stream (``prepare`` has run on
         the host)."""
-        rule = opt.schema.rule
+        rule = self.rule
         if rule.per_parameter is not None:
             present = np.flatnonzero(buf.present)
             self._pull(buf, present, ("params", "grads", *plan.used))
-            opt._update_per_parameter(buf, plan, multiplier, scale)
+            per_parameter_update(rule, buf, plan, multiplier, scale, buf.state)
             self._push(buf, present, ("params", "grads", *plan.used))
             return
         d = self._upload(buf, plan, rule)
@@ -353,10 +280,10 @@ class CudaDevice:
         d.packed.copy_to_device(d.staging, stream=self.stream)
         return d
 
-    def reduce_pass(self, opt, buf: FlatBuffer, plan, multiplier, scale: bool) -> None:
+    def reduce_pass(self, buf: FlatBuffer, plan, arrays, multiplier, scale: bool) -> None:
         """A rule with global reductions: the reduce pass queued, with this step's
         presence, columns and scalars (``combine`` rewrites them at every step)."""
-        d = self._upload(buf, plan, opt.schema.rule)
+        d = self._upload(buf, plan, self.rule)
         d.scalars.copy_to_device(plan.scalars, stream=self.stream)
         d.sums.copy_to_device(d.zero_sums, stream=self.stream)
         self.kernels.reduce(d.arrays, d.scalars, d.columns, plan.flags, d.layout, d.sums,
@@ -369,7 +296,7 @@ class CudaDevice:
             self.buffers[buf.number].sums.copy_to_host(plan.sums, stream=self.stream)
         self.stream.synchronize()
 
-    def step_pass(self, opt, buf: FlatBuffer, plan) -> None:
+    def step_pass(self, buf: FlatBuffer, plan, arrays) -> None:
         """A rule with global reductions: the step pass queued with the scalars ``combine``
         gave it (the reduce pass scaled the gradients)."""
         d = self.buffers[buf.number]
@@ -377,13 +304,13 @@ class CudaDevice:
         self.kernels.step(d.arrays, d.scalars, d.columns, plan.flags, d.layout, plan.one,
                           False, stream=self.stream)
 
-    def reduce_present(self, opt, mode: int, power: float) -> tuple[float, int]:
-        """``_stepping.reduce_present`` on the device: one launch per buffer into one
+    def reduce_present(self, mode: int, power: float) -> tuple[float, int]:
+        """``HostDevice.reduce_present`` on the device: one launch per buffer into one
         accumulator, read back once (the step's only wait, and only when clipping or checking
         for non-finite gradients)."""
         k = self.kernels_module
         out = self.cuda.to_device(np.zeros(3), stream=self.stream)
-        for buf, d in zip(opt.buffers, self.buffers):
+        for buf, d in zip(self.hosts, self.buffers):
             d.layout.present.copy_to_device(buf.present, stream=self.stream)
             k.reduce_gradients(d.layout, d.grads, d.layout.present, power, mode, out,
                                stream=self.stream)
@@ -391,11 +318,10 @@ class CudaDevice:
         self.stream.synchronize()  # the copy above is asynchronous on a stream
         return k.combine_reduction(totals, mode)
 
-    def scale_gradients(self, opt, factor: float) -> None:
+    def scale_gradients(self, factor: float) -> None:
         """Multiply every present gradient by ``factor`` (rounded to each buffer's dtype)."""
-        from .kernels.tools import SCALE_GRADIENTS
-        kernels = self.kernels_module.compile_rule(SCALE_GRADIENTS)
-        for buf, d in zip(opt.buffers, self.buffers):
+        kernels = self.kernels_module.compile(SCALE_GRADIENTS)
+        for buf, d in zip(self.hosts, self.buffers):
             d.layout.present.copy_to_device(buf.present, stream=self.stream)
             kernels.step((d.params, d.grads), d.no_scalars, (), (), d.layout,
                          buf.dtype.type(factor), True, stream=self.stream)
@@ -406,18 +332,28 @@ class CudaDevice:
         its own presence over ``present``'s)."""
         d = self.buffers[buf.number]
         d.layout.present.copy_to_device(present, stream=self.stream)
-        kernels = self.kernels_module.compile_rule(rule, exact=self.bit_exact)
+        kernels = self.kernels_module.compile(rule, exact=self.bit_exact)
         kernels.step((d.params, d.grads, *(d.state[name] for name in slots)),
                      self.cuda.to_device(scalars, stream=self.stream), (), flags, d.layout,
                      buf.dtype.type(1), False, stream=self.stream)
 
     # ------------------------------------------------------------------- gradients in
-    def _source(self, opt, info: ParamInfo, value: Any) -> tuple[Any, str | None]:
+    def gradient_problem(self, info: ParamInfo, value: Any) -> str | None:
+        """None: device values are checked by :meth:`sources`."""
+        return None
+
+    def value_problem(self, info: ParamInfo, value: Any) -> str | None:
+        if not isinstance(value, (np.ndarray, np.generic)):
+            return (f"value for {info.path!r} is a {type(value).__name__}; on "
+                    "device='cuda', opt.params[path] = value takes a NumPy array (copy a "
+                    "device array with opt.params[path].copy_to_device(array))")
+        return value_problem(info, value, "value")
+
+    def _source(self, info: ParamInfo, value: Any) -> tuple[Any, str | None]:
         """(the value as a device array or a host NumPy array, or a problem)."""
-        from ._views import gradient_problem
         if isinstance(value, (np.ndarray, np.generic)):
             return np.asarray(value), gradient_problem(info, value)
-        if _is_numba_device_array(value):
+        if is_numba_device_array(value):
             if value.shape != info.shape or value.dtype != info.dtype:
                 return None, (f"gradient for {info.path!r} is a device array of shape "
                               f"{value.shape} and dtype {value.dtype}; the parameter is "
@@ -450,7 +386,7 @@ class CudaDevice:
         """Whether a device source is (a view of) one of this optimizer's gradient buffers."""
         if isinstance(source, np.ndarray):
             return False
-        fake = _simulator_array_type()
+        fake = simulator_array_type()
         if fake is not None:
             return any(np.may_share_memory(source._ary, d.grads._ary) for d in self.buffers)
         start = source.device_ctypes_pointer.value or 0
@@ -461,13 +397,13 @@ class CudaDevice:
                 return True
         return False
 
-    def sources(self, opt, pairs) -> list:
+    def sources(self, pairs) -> list:
         """[(info, source)] for [(info, value)]: every value checked (one GradientError naming
         them all, a DeviceError for a wrong device, before anything is copied), and values
         that alias the gradient buffer copied first."""
         problems, sources, wrong_device = [], [], False
         for info, value in pairs:
-            source, problem = self._source(opt, info, value)
+            source, problem = self._source(info, value)
             if problem:
                 problems.append(problem)
                 wrong_device |= " is on " in problem
@@ -486,12 +422,12 @@ class CudaDevice:
     def _segment(self, flat, info: ParamInfo):
         return flat[info.offset:info.offset + info.size]
 
-    def write_gradient(self, opt, info: ParamInfo, source) -> None:
+    def write_gradient(self, info: ParamInfo, source) -> None:
         """Copy a checked source into the flat gradient buffer (host to device, or device to
         device on the stream)."""
         self._write(self.buffers[info.buffer].grads, info, source)
 
-    def write_param(self, opt, info: ParamInfo, source: np.ndarray) -> None:
+    def write_param(self, info: ParamInfo, source: np.ndarray) -> None:
         """Copy a checked NumPy array into the flat parameter buffer."""
         self._write(self.buffers[info.buffer].params, info, source)
 
@@ -502,13 +438,13 @@ class CudaDevice:
                 np.ascontiguousarray(source).reshape(info.size)
             target.copy_to_device(values, stream=self.stream)
 
-    def zero_gradient(self, opt, info: ParamInfo) -> None:
+    def zero_gradient(self, info: ParamInfo) -> None:
         """Zero one parameter's slice of the gradient buffer (a missing gradient's view)."""
         self.kernels_module.launch_elementwise(
             self.kernels_module.fill_kernel, info.size, self.stream,
             self._segment(self.buffers[info.buffer].grads, info), info.dtype.type(0))
 
-    def add_gradient(self, opt, info: ParamInfo, source) -> None:
+    def add_gradient(self, info: ParamInfo, source) -> None:
         if info.size:
             if isinstance(source, np.ndarray):
                 source = self.cuda.to_device(np.ascontiguousarray(source), stream=self.stream)
@@ -517,8 +453,8 @@ class CudaDevice:
                                                    self.stream, target,
                                                    source.reshape(info.size))
 
-    def zero_grads(self, opt) -> None:
-        for buf, d in zip(opt.buffers, self.buffers):
+    def zero_grads(self) -> None:
+        for buf, d in zip(self.hosts, self.buffers):
             self.kernels_module.launch_elementwise(self.kernels_module.fill_kernel, buf.length,
                                                    self.stream, d.grads, buf.dtype.type(0))
 
@@ -552,19 +488,19 @@ class CudaDevice:
             device.copy_to_device(host, stream=self.stream)
         self.stream.synchronize()  # the host arrays may change as soon as we return
 
-    def pull(self, opt) -> None:
+    def pull(self) -> None:
         """Refresh the host mirror of every parameter and state buffer (whole buffers, one
         copy each), waiting for the queued steps first."""
-        for buf, d in zip(opt.buffers, self.buffers):
+        for buf, d in zip(self.hosts, self.buffers):
             d.params.copy_to_host(buf.params, stream=self.stream)
             for name, flat in d.state.items():
                 flat.copy_to_host(buf.state[name], stream=self.stream)
         self.stream.synchronize()
 
-    def push(self, opt) -> None:
+    def push(self) -> None:
         """Upload the host mirror (after a restore changed it): parameters, every state slot
         (allocating device slots for new ones, dropping removed ones)."""
-        for buf, d in zip(opt.buffers, self.buffers):
+        for buf, d in zip(self.hosts, self.buffers):
             d.params.copy_to_device(buf.params, stream=self.stream)
             for name in list(d.state):
                 if name not in buf.state:
@@ -578,21 +514,21 @@ class CudaDevice:
         self.stream.synchronize()
 
     @contextlib.contextmanager
-    def host_side(self, opt) -> Iterator[None]:
+    def host_side(self) -> Iterator[None]:
         """Host code changes the mirror inside the block (a restore: it writes
-        ``buf.params``, ``buf.state`` and ``opt._param_views``, which point at the mirror
+        ``buf.params``, ``buf.state`` and ``opt.params`` views, which point at the mirror
         meanwhile); afterwards the device gets the result (or, if the block failed, what it
         had: the mirror was refreshed from it first)."""
-        self.pull(opt)
-        device_views = dict(opt._param_views)
-        for info in opt.index:
-            buf = opt.buffers[info.buffer]
-            opt._param_views[info.path] = buf.view(buf.params, info.slot)
+        self.pull()
+        device_views = dict(self.param_views)
+        for buf in self.hosts:
+            for slot, path in enumerate(buf.paths):
+                self.param_views[path] = buf.view(buf.params, slot)
         try:
             yield
         finally:
-            opt._param_views.update(device_views)
-            self.push(opt)
+            self.param_views.update(device_views)
+            self.push()
 
     # ------------------------------------------------------------------- EMA support
     def copy_of(self, flat):
@@ -609,3 +545,7 @@ class CudaDevice:
         host = array.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return host
+
+    def upload(self, view, value) -> None:
+        if view.size:
+            view.copy_to_device(np.ascontiguousarray(value))

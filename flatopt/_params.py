@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._layout import SUPPORTED_DTYPES
+from .errors import HyperparameterError
 from .schema import Invalid, text
 
 try:  # numpy >= 2
@@ -103,3 +104,48 @@ def tied_problems(arrays: list[tuple[str, np.ndarray]]) -> list[str]:
                     "once, under one path, and add up its gradient contributions before step()")
         open_intervals.append((high, path, array))
     return problems
+
+
+def torch_implementation_arguments(name: str, arguments: dict) -> None:
+    """torch's implementation switches: ``foreach`` and ``fused`` are accepted and ignored
+    (flatopt's step is always one fused kernel per buffer), so torch code ports unchanged;
+    ``capturable`` and ``differentiable`` have no meaning here and are refused when set."""
+    for key in ("foreach", "fused"):
+        value = arguments.pop(key, None)
+        if value is not None and not isinstance(value, bool):
+            raise HyperparameterError(f"{name}: {key} must be None, True or False, got {value!r}")
+    for key, why in (("capturable", "there are no CUDA graphs to capture"),
+                     ("differentiable", "flatopt steps are not part of an autograd graph")):
+        value = arguments.pop(key, False)
+        if value is not False:
+            raise HyperparameterError(f"{name}: {key}={value!r} has no meaning in flatopt "
+                                      f"({why}); leave it out")
+
+
+def check_entries(schema, group: Mapping, where: str, seen: dict[str, str], index,
+                  buffers: list, problems: list[str]) -> list[tuple[str, np.ndarray]]:
+    """The (path, array) entries of a new group that can be optimized: a problem for each
+    other one (a bad path or array, one seen before, in ``index`` or a view of one of
+    the ``buffers``) added to ``problems``."""
+    entries = []
+    for path, array in as_pairs(group["params"], where, problems):
+        problem = path_problem(path)
+        if problem is None and (path in seen or path in index):
+            problem = (f"path {path!r} appears more than once (also in "
+                       f"{seen.get(path, 'an existing group')}); every path must be unique")
+        if problem is None:
+            seen[path] = where
+            array = np.asarray(array) if isinstance(array, np.generic) else array
+            problem = array_problem(path, array)
+        if problem is None and schema.param_problem is not None:
+            reason = schema.param_problem(array.shape)
+            problem = f"parameter {path!r} {reason}" if reason else None
+        if problem is None and any(np.shares_memory(array, buf.params)
+                                   for buf in buffers):
+            problem = (f"parameter {path!r} is a view of this optimizer's own buffer (it "
+                       "is already optimized under another path)")
+        if problem is None:
+            entries.append((path, array))
+        else:
+            problems.append(f"{where}: {problem}")
+    return entries

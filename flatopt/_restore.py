@@ -19,6 +19,7 @@ import numpy as np
 
 from ._io import pwrite_all
 from ._views import gradient_problem
+from .errors import StateDictError
 from .kernels.checks import count_negative_or_nonfinite
 from .schema import array_problem, column_problems, slot_value_problems
 
@@ -70,12 +71,12 @@ def restore_problems(opt, state, settings, params, buffers) -> list[str]:
     effective = [new if new is not None else old
                  for new, old in zip(settings or [None] * len(live), live)]
     for path, entry in state.items():
-        info = opt._known(path, "state given for", problems)
+        info = opt.find(path, "state given for", problems)
         if info is not None and not _all_none(entry):
             problems += opt.schema.state_problems(info.path, entry, info.shape, info.dtype,
                                                    effective[info.group])
     for path, value in (params or {}).items():
-        info = opt._known(path, "values given for", problems)
+        info = opt.find(path, "values given for", problems)
         if info is not None:
             problem = gradient_problem(info, value)
             if problem:
@@ -139,8 +140,7 @@ def apply(opt, state, settings, params, buffers, *, staging: int | None = None,
     needed = {(opt.index[path].buffer, key) for path, entry in state.items()
               for key in entry if key in opt.schema.slots}
     needed |= {(number, key) for number, c in buffers.items() for key in c.state}
-    allocated = {key: opt._backend.zeros(opt.buffers[key[0]].layout(key[1]).length,
-                                          opt.buffers[key[0]].dtype)
+    allocated = {key: opt.new_slot(opt.buffers[key[0]], key[1])
                  for key in needed if key[1] not in opt.buffers[key[0]].state}
     _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit)
     for number, values in enumerate(settings or ()):
@@ -149,8 +149,8 @@ def apply(opt, state, settings, params, buffers, *, staging: int | None = None,
     for (number, name), flat in allocated.items():
         opt.buffers[number].state[name] = flat
     live = opt.settings() if opt.schema.eager else None  # values taken in above
+    opt.invalidate_plans()
     for buf in opt.buffers:
-        opt._plans[buf.number] = None
         contents = buffers.get(buf.number)
         for name, column in buf.columns.items():
             column[...] = contents.columns[name] if contents and \
@@ -174,7 +174,7 @@ def apply(opt, state, settings, params, buffers, *, staging: int | None = None,
             else:
                 buf.state_view(key, info.slot)[...] = value
     for path, value in params.items():
-        opt._param_views[path][...] = value
+        opt.params[path][...] = value
 
 
 def _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit) -> None:
@@ -182,7 +182,6 @@ def _run_fills(opt, buffers, allocated, staging, spill_dir, before_commit) -> No
     the optimizer's own (an undo copy kept first), then check what it wrote with the value
     checks arrays get in ``restore_problems``; then ``before_commit``. On any error, put every
     array back and re-raise: nothing of the optimizer has changed."""
-    from .errors import StateDictError
     fills = []
     for number, contents in buffers.items():
         buf = opt.buffers[number]
@@ -350,7 +349,7 @@ class PendingRestore:
             raise RuntimeError("this restore was applied already")
         optimizer, state, settings, params, buffers = self._args
         self._args = None
-        with optimizer.lock, optimizer._host_side():  # CUDA: the device gets the result
+        with optimizer.lock, optimizer.host_side():  # CUDA: the device gets the result
             apply(optimizer, state, settings, params, buffers, staging=staging,
                   spill_dir=spill_dir, before_commit=before_commit)
 

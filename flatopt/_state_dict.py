@@ -30,6 +30,25 @@ def build(opt, state: dict) -> dict[str, Any]:
             "optimizer": opt.schema.name, "param_groups": groups, "state": state}
 
 
+def param_state(opt, buf, slot: int, copy: bool) -> dict | None:
+    """Parameter ``slot`` of ``buf``'s state-dict entry (its persisted columns and state
+    slots, views or copies), or None when it has no state."""
+    if opt.sharding is not None:
+        opt.sharding.refuse("state_dict() / state_of()")
+    if not opt.schema.stateful({name: column[slot] for name, column in buf.columns.items()
+                                 if name in opt.schema.columns}):
+        return None
+    # .item(): a Python int for an integer column, a float for a float one (NAdam's
+    # mu_product), as the schema's checks of an entry expect
+    entry: dict[str, Any] = {name: buf.columns[name][slot].item()
+                             for name in opt.schema.state_dict_columns}
+    for name in opt.schema.slots:
+        view = buf.state_view(name, slot) if name in buf.state else None
+        if view is not None:
+            entry[name] = view.copy() if copy else view
+    return entry
+
+
 def parse(opt, state_dict: Any, hyperparameters: str):
     """``(state, settings)`` for ``opt.restore`` from a snapshot: its structure, format,
     version and optimizer checked, and with ``hyperparameters="saved"`` each live group's
@@ -83,7 +102,7 @@ def _saved_settings(opt, saved_groups: Any, problems: list[str],
     by_paths = {frozenset(group["params"]): (number, group)
                 for number, group in enumerate(saved_groups)}
     settings: list[dict | None] = []
-    for number, paths in enumerate(opt._group_paths):
+    for number, paths in enumerate(opt.group_paths):
         match = by_paths.get(frozenset(paths))
         if match is None:
             where = describe_group(number, opt.param_groups[number])

@@ -7,6 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import HyperparameterError
+from .errors import raise_problems as _raise
+from .schema import describe_group
+
 _IMMUTABLE = (type(None), bool, int, float, str)
 
 
@@ -60,3 +64,48 @@ class Validated:
             if key not in changed and _frozen(group[key]) != frozen:
                 changed[key] = group[key]
         return changed
+
+
+def validate_groups(schema, groups: Any, group_paths: list, validated_groups: list) -> list:
+    """Every group's validated values (``Optimizer.settings``): an unchanged group's from its
+    :class:`Validated` record in ``validated_groups``, a group with changed values checked for
+    those (``Schema.check_group(changes, base=...)``), any other group checked whole (and its
+    record replaced); groups removed, replaced or reordered (``group_paths``: each group's
+    paths as built) are an error. Raises :class:`HyperparameterError` naming every
+    problem."""
+    if not isinstance(groups, list) or len(groups) != len(group_paths):
+        count = len(groups) if isinstance(groups, list) else type(groups).__name__
+        raise HyperparameterError(
+            f"param_groups was changed from {len(group_paths)} groups to {count}; "
+            "groups cannot be removed or replaced: use add_param_group() to add one, and "
+            "set a group's lr to 0 (or leave its gradients missing) to freeze it")
+    settings = []
+    problems: list[str] = []
+    for number, group in enumerate(groups):
+        if not isinstance(group, dict):
+            problems.append(f"param group {number} was replaced by a "
+                            f"{type(group).__name__}; change values inside the group dict")
+            continue
+        validated = validated_groups[number]
+        changes = None if validated is None else validated.changes(group)
+        if changes == {}:
+            settings.append(validated.values)
+            continue
+        if changes is not None and "params" not in changes:  # values changed: those only
+            values, value_problems = schema.check_group(changes, "", base=validated.values)
+            if not value_problems:
+                settings.append(values)
+                validated_groups[number] = Validated(group, values, validated, changes)
+                continue
+        where = describe_group(number, group)
+        if group.get("params") is not group_paths[number]:
+            problems.append(f"{where}: 'params' was changed or the groups were reordered; "
+                            "groups keep their parameters: use add_param_group() to add "
+                            "parameters")
+        values, value_problems = schema.check_group(group, where)
+        problems += value_problems
+        settings.append(values)
+        if not value_problems:
+            validated_groups[number] = Validated(group, values)
+    _raise(problems, HyperparameterError)
+    return settings

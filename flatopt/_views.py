@@ -32,21 +32,14 @@ class ParamViews(Mapping):
                                    "opt.index.paths lists them") from None
 
     def __setitem__(self, path: str, value: np.ndarray) -> None:
-        view = self[path]
+        self[path]  # an unknown path raises here
         info = self._opt.index[path]
-        if self._opt._device is not None and not isinstance(value, (np.ndarray, np.generic)):
-            problem = (f"value for {info.path!r} is a {type(value).__name__}; on "
-                       "device='cuda', opt.params[path] = value takes a NumPy array (copy a "
-                       "device array with opt.params[path].copy_to_device(array))")
-        else:
-            problem = value_problem(info, value, "value")
+        device = self._opt.buffer_device
+        problem = device.value_problem(info, value)
         if problem:
             raise ParamError(problem)
         with self._opt.lock:
-            if self._opt._device is not None:
-                self._opt._device.write_param(self._opt, info, np.asarray(value))
-            else:
-                view[...] = value
+            device.write_param(info, np.asarray(value))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._views)
@@ -111,27 +104,20 @@ class Gradients(Mapping):
         buf = self._opt.buffers[info.buffer]
         if buf.stale[info.slot] and not buf.present[info.slot]:
             with self._opt.lock:
-                if self._opt._device is not None:
-                    self._opt._device.zero_gradient(self._opt, info)
-                else:
-                    self._views[info.path].fill(0)
+                self._opt.buffer_device.zero_gradient(info)
                 buf.stale[info.slot] = 0
         return self._views[info.path]
 
     def __setitem__(self, path: str, value: np.ndarray) -> None:
         info = self._locate(path)
-        device = self._opt._device
-        if device is not None:  # NumPy or device arrays (flatopt._device)
-            with self._opt.lock:
-                [(_, source)] = device.sources(self._opt, [(info, value)])
-                device.write_gradient(self._opt, info, source)
-                self._opt.buffers[info.buffer].mark_present(info.slot)
-            return
-        problem = gradient_problem(info, value)
+        device = self._opt.buffer_device  # NumPy arrays, or device arrays on CUDA
+        problem = device.gradient_problem(info, value)
         if problem:
             raise GradientError(problem)
-        self._views[path][...] = value
-        self._opt.buffers[info.buffer].mark_present(info.slot)
+        with self._opt.lock:
+            [(_, source)] = device.sources([(info, value)])
+            device.write_gradient(info, source)
+            self._opt.buffers[info.buffer].mark_present(info.slot)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._opt.index.paths)
@@ -150,36 +136,22 @@ class Gradients(Mapping):
             raise GradientError(f"add() takes a dict {{path: array}}, got "
                                 f"{type(grads).__name__}")
         located = []
-        device = self._opt._device
+        device = self._opt.buffer_device
         for path, value in grads.items():
             info = self._locate(path)
-            problem = None if device is not None else gradient_problem(info, value)
+            problem = device.gradient_problem(info, value)
             if problem:
                 raise GradientError(problem)
             located.append((info, value))
-        if device is not None:
-            with self._opt.lock:
-                for info, source in device.sources(self._opt, located):
-                    buf = self._opt.buffers[info.buffer]
-                    if buf.present[info.slot]:
-                        device.add_gradient(self._opt, info, source)
-                    else:
-                        device.write_gradient(self._opt, info, source)
-                        self._opt.buffers[info.buffer].mark_present(info.slot)
-            return
         with self._opt.lock:
             # values that are views of the gradient buffer are read before anything is added
-            located = [(info, value.copy() if any(np.may_share_memory(value, buf.grads)
-                                                 for buf in self._opt.buffers) else value)
-                       for info, value in located]
-            for info, value in located:
+            for info, source in device.sources(located):
                 buf = self._opt.buffers[info.buffer]
-                view = self._views[info.path]
                 if buf.present[info.slot]:
-                    view += value
+                    device.add_gradient(info, source)
                 else:
-                    view[...] = value
-                    self._opt.buffers[info.buffer].mark_present(info.slot)
+                    device.write_gradient(info, source)
+                    buf.mark_present(info.slot)
 
     def mark_present(self, paths: Iterable[str] | None = None) -> None:
         """Mark gradients as present (all of them when ``paths`` is None): their buffers hold

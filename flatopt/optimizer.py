@@ -10,7 +10,6 @@ get/set/reset, ``state_dict``/``load_state_dict``, and the contract checkpoints 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import warnings
@@ -19,16 +18,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _device, _params, _restore, _state_dict, _stepping
-from ._stepping import StepResult
-from ._layout import FlatBuffer, ParamIndex, ParamInfo, WalkLayout
+from . import _device, _params, _restore, _state_dict, _stepping, distributed
+from ._layout import FlatBuffer, ParamIndex, ParamInfo
+from ._plan import Plan, make_plan
 from ._restore import BufferState
-from ._validated import Validated
-from ._views import Gradients, ParamViews, gradient_problem
-from .errors import (GradientError, HyperparameterError, ParamError, StateDictError,
-                     UnknownPathError)
+from ._stepping import StepResult
+from ._validated import Validated, validate_groups
+from ._views import Gradients, ParamViews
+from .errors import GradientError, HyperparameterError, ParamError, StateDictError, \
+    UnknownPathError
 from .errors import raise_problems as _raise
-from .kernels import backend as kernel_backend
 from .schema import Schema, describe_group, near
 
 
@@ -40,39 +39,6 @@ def _locked(method):
         with self.lock:
             return method(self, *args, **kwargs)
     return wrapper
-
-
-def _torch_implementation_arguments(name: str, arguments: dict) -> None:
-    """torch's implementation switches: ``foreach`` and ``fused`` are accepted and ignored
-    (flatopt's step is always one fused kernel per buffer), so torch code ports unchanged;
-    ``capturable`` and ``differentiable`` have no meaning here and are refused when set."""
-    for key in ("foreach", "fused"):
-        value = arguments.pop(key, None)
-        if value is not None and not isinstance(value, bool):
-            raise HyperparameterError(f"{name}: {key} must be None, True or False, got {value!r}")
-    for key, why in (("capturable", "there are no CUDA graphs to capture"),
-                     ("differentiable", "flatopt steps are not part of an autograd graph")):
-        value = arguments.pop(key, False)
-        if value is not False:
-            raise HyperparameterError(f"{name}: {key}={value!r} has no meaning in flatopt "
-                                      f"({why}); leave it out")
-
-
-class _Plan:
-    """A buffer's kernel arguments for one validated settings dict (rebuilt when it changes)."""
-
-    __slots__ = ("settings", "scalars", "prepare_scalars", "flags", "used", "arrays", "one",
-                 "sums")
-
-    def __init__(self, settings, scalars, prepare_scalars, flags, used):
-        self.settings = settings
-        self.scalars = scalars
-        self.one = scalars.dtype.type(1)  # the gradient multiplier of a plain step
-        self.prepare_scalars = prepare_scalars
-        self.flags = flags
-        self.used = used
-        self.arrays = None  # (params, grads, *slots), once the used slots are allocated
-        self.sums = None  # per-parameter totals of a rule with a reduce pass
 
 
 class Optimizer:
@@ -92,14 +58,13 @@ class Optimizer:
         if comm is None:
             self._build(params, defaults)
         else:
-            from . import distributed
             self._sharding = distributed.build_together(
                 self, comm, lambda: self._build(params, defaults))
         self.comm = comm
 
     def _build(self, params: Any, defaults: dict[str, Any]) -> None:
         name = f"{type(self).__name__}()"
-        _torch_implementation_arguments(name, defaults)
+        _params.torch_implementation_arguments(name, defaults)
         # where the buffers live (flatopt._device): "cpu" (default), "cuda", or "auto"
         device, stream = defaults.pop("device", "cpu"), defaults.pop("stream", None)
         bit_exact = defaults.pop("bit_exact", False)
@@ -110,23 +75,20 @@ class Optimizer:
         self.param_groups: list[dict[str, Any]] = []
         self.buffers: list[FlatBuffer] = []
         self.index = ParamIndex()
-        self._param_views: dict[str, np.ndarray] = {}
-        self._grad_views: dict[str, np.ndarray] = {}
         self._group_paths: list[tuple[str, ...]] = []
         self._validated: list[Validated | None] = []
-        self._plans: list[_Plan | None] = []
+        self._plans: list[Plan | None] = []
         self._warned_no_gradient = False
         self.lock = threading.RLock()
         """Held by step, zero_grad, add_param_group, state_dict, load_state_dict, restore and
         by flatopt.save / flatopt.load for the whole save or load: one optimizer is safe to
         use from several threads (what the caller writes into ``opt.params``/``opt.grads``
         views is the caller's to order)."""
-        self._backend = kernel_backend("cpu")
-        self._kernels = self._backend.compile(self.schema.rule)
+        # where the buffers live and the kernels run, chosen once: a HostDevice or CudaDevice
         self._device, self._device_note = _device.resolve(device, stream, bit_exact,
                                                           self.schema.rule, name)
-        self.params = ParamViews(self, self._param_views)
-        self.grads = Gradients(self, self._grad_views)
+        self.params = ParamViews(self, self._device.param_views)
+        self.grads = Gradients(self, self._device.grad_views)
         structure: list[str] = []
         groups = _params.split_groups(params, structure)
         _raise(structure, ParamError)
@@ -141,30 +103,21 @@ class Optimizer:
     @property
     def device(self) -> str:
         """Where the buffers live and the kernels run: "cpu" or "cuda"."""
-        return "cpu" if self._device is None else "cuda"
+        return self._device.name
 
     def host_buffers(self) -> list[FlatBuffer]:
         """``opt.buffers`` with their parameter and state arrays holding the current values in
         host memory (for checkpoint saves). On the CPU these are the live buffers; on CUDA
         the host mirror, refreshed from the device now (it waits for queued steps)."""
-        if self._device is not None:
-            self._device.pull(self)
+        self._device.pull()
         return self.buffers
-
-    def _host_side(self):
-        """A context in which host code may rewrite the buffers' host arrays (a restore);
-        on CUDA the device gets the result at its end."""
-        return contextlib.nullcontext() if self._device is None else \
-            self._device.host_side(self)
 
     def _set_backend(self, name: str) -> None:
         """Run the kernels of backend ``name`` ("cpu" or "cuda") from the next step on, on
-        the buffers where they are: host buffers with the CUDA backend work only under the
-        simulator (tests/test_cuda_kernels.py uses this); ``device="cuda"`` is the real
-        thing."""
-        self._backend = kernel_backend(name)
-        self._kernels = self._backend.compile(self.schema.rule)
-        self._plans = [None] * len(self.buffers)
+        host buffers: with the CUDA backend this works only under the simulator
+        (tests/test_cuda_kernels.py uses this); ``device="cuda"`` is the real thing."""
+        self._device.use_backend(name)
+        self.invalidate_plans()
 
     # ----------------------------------------------------------------- construction
     @_locked
@@ -174,31 +127,6 @@ class Optimizer:
             raise ParamError(f"param_group must be a dict, got {type(group).__name__}")
         self.settings()  # the existing groups must be intact before more are added
         self._add_groups([group])
-
-    def _check_entries(self, group: Mapping, where: str, seen: dict[str, str],
-                       problems: list[str]) -> list[tuple[str, np.ndarray]]:
-        entries = []
-        for path, array in _params.as_pairs(group["params"], where, problems):
-            problem = _params.path_problem(path)
-            if problem is None and (path in seen or path in self.index):
-                problem = (f"path {path!r} appears more than once (also in "
-                           f"{seen.get(path, 'an existing group')}); every path must be unique")
-            if problem is None:
-                seen[path] = where
-                array = np.asarray(array) if isinstance(array, np.generic) else array
-                problem = _params.array_problem(path, array)
-            if problem is None and self.schema.param_problem is not None:
-                reason = self.schema.param_problem(array.shape)
-                problem = f"parameter {path!r} {reason}" if reason else None
-            if problem is None and any(np.shares_memory(array, buf.params)
-                                       for buf in self.buffers):
-                problem = (f"parameter {path!r} is a view of this optimizer's own buffer (it "
-                           "is already optimized under another path)")
-            if problem is None:
-                entries.append((path, array))
-            else:
-                problems.append(f"{where}: {problem}")
-        return entries
 
     def _add_groups(self, groups: list, require_params: bool = False) -> None:
         """Validate every group completely, then build their buffers (all or nothing)."""
@@ -216,7 +144,8 @@ class Optimizer:
             overrides = {k: v for k, v in group.items() if k != "params"}
             values, problems = self.schema.check_group({**self.defaults, **overrides}, where)
             hyper_problems += problems
-            staged.append((values, self._check_entries(group, where, seen, param_problems)))
+            staged.append((values, _params.check_entries(
+                self.schema, group, where, seen, self.index, self.buffers, param_problems)))
         all_arrays = [entry for _, entries in staged for entry in entries]
         param_problems += _params.tied_problems(all_arrays)
         if require_params and not all_arrays and not param_problems:
@@ -237,14 +166,8 @@ class Optimizer:
         # Views are handed out in id order, as the user gave them; new ids come last.
         infos.sort(key=lambda info: info.id)
         self.index._extend(infos)
-        if self._device is not None:
-            self._device.attach(self.buffers[len(self._device.buffers):])
-        for info in infos:
-            buf = self.buffers[info.buffer]
-            params, grads = (buf.params, buf.grads) if self._device is None else \
-                self._device.flat(buf)
-            self._param_views[info.path] = buf.view(params, info.slot)
-            self._grad_views[info.path] = buf.view(grads, info.slot)
+        self._device.attach(self.buffers[len(self._device.hosts):])
+        self._device.add_views(infos)
 
     def _build_buffers(self, group: int, entries: list, ids: dict,
                        settings: Mapping[str, Any]) -> list[ParamInfo]:
@@ -265,18 +188,16 @@ class Optimizer:
                                        int(buf.sizes[slot])))
             if self.schema.eager:
                 for name in self.schema.used_slots(settings):
-                    buf.state[name] = self._new_slot(buf, name, settings)
+                    buf.state[name] = self.new_slot(buf, name, settings)
             self.buffers.append(buf)
             self._plans.append(None)
         return infos
 
-    def _new_slot(self, buf: FlatBuffer, name: str, settings: Mapping[str, Any]):
-        """A state buffer for ``buf`` holding fresh state: zeros, or the slot's initial value."""
-        flat = self._backend.zeros(buf.layout(name).length, buf.dtype)
-        initial = self.schema.initial_value(name, settings)
-        if initial:
-            flat.fill(initial)
-        return flat
+    def new_slot(self, buf: FlatBuffer, name: str, settings: Mapping[str, Any] | None = None):
+        """A host state buffer for ``buf``'s slot ``name`` holding fresh state: the slot's
+        initial value for ``settings``, zeros without them."""
+        initial = 0.0 if settings is None else self.schema.initial_value(name, settings)
+        return self._device.new_slot(buf, name, initial)
 
     # ----------------------------------------------------------------- settings
     def settings(self) -> list[dict[str, Any]]:
@@ -284,44 +205,8 @@ class Optimizer:
         from ``param_groups`` and validated now, as torch reads them at every step. Raises
         :class:`HyperparameterError` naming every problem; the returned dicts are shared,
         never modify them."""
-        groups = self.param_groups
-        if not isinstance(groups, list) or len(groups) != len(self._group_paths):
-            count = len(groups) if isinstance(groups, list) else type(groups).__name__
-            raise HyperparameterError(
-                f"param_groups was changed from {len(self._group_paths)} groups to {count}; "
-                "groups cannot be removed or replaced: use add_param_group() to add one, and "
-                "set a group's lr to 0 (or leave its gradients missing) to freeze it")
-        settings = []
-        problems: list[str] = []
-        for number, group in enumerate(groups):
-            if not isinstance(group, dict):
-                problems.append(f"param group {number} was replaced by a "
-                                f"{type(group).__name__}; change values inside the group dict")
-                continue
-            validated = self._validated[number]
-            changes = None if validated is None else validated.changes(group)
-            if changes == {}:
-                settings.append(validated.values)
-                continue
-            if changes is not None and "params" not in changes:  # values changed: those only
-                values, value_problems = self.schema.check_group(changes, "",
-                                                                 base=validated.values)
-                if not value_problems:
-                    settings.append(values)
-                    self._validated[number] = Validated(group, values, validated, changes)
-                    continue
-            where = describe_group(number, group)
-            if group.get("params") is not self._group_paths[number]:
-                problems.append(f"{where}: 'params' was changed or the groups were reordered; "
-                                "groups keep their parameters: use add_param_group() to add "
-                                "parameters")
-            values, value_problems = self.schema.check_group(group, where)
-            problems += value_problems
-            settings.append(values)
-            if not value_problems:
-                self._validated[number] = Validated(group, values)
-        _raise(problems, HyperparameterError)
-        return settings
+        return validate_groups(self.schema, self.param_groups, self._group_paths,
+                               self._validated)
 
     # ----------------------------------------------------------------- stepping
     def kernel_scalars(self, settings: Mapping[str, Any], dtype: np.dtype):
@@ -356,59 +241,13 @@ class Optimizer:
         if self._sharding is not None:
             self._sharding.map_state(rule, slots, arguments)
             return
-        kernels = None
         for buf in self.buffers:
             args = arguments(buf)
             if args is None or any(name not in buf.state for name in slots):
                 continue
             scalars, flags = args
             present = np.asarray(self.schema.stateful(buf.columns), np.uint8)
-            if self._device is not None:
-                self._device.map_state(buf, rule, slots, scalars, flags, present)
-                continue
-            kernels = kernels or self._backend.compile(rule)
-            layout = WalkLayout(present, buf.offsets, buf.sizes, buf.chunk_first,
-                                  buf.chunk_size, buf.length)
-            kernels.step((buf.params, buf.grads, *(buf.state[name] for name in slots)),
-                         scalars, (), flags, layout, buf.dtype.type(1), False)
-
-    def _plan(self, buf: FlatBuffer, settings: dict) -> _Plan:
-        """The kernel arguments for ``settings`` (a new plan each time they change: a
-        scheduler's new ``lr`` costs this once per buffer and step, a few microseconds)."""
-        rule = self.schema.rule
-        # with global reductions, combine() writes the scalars at every step
-        scalars = (rule.scalars(*[0.0] * len(rule.scalars._fields)) if rule.global_reductions
-                   else self.kernel_scalars(settings, buf.dtype))
-        prepare = self.prepare_scalars(settings)
-        flags = self.kernel_flags(settings)
-        for value, layout in ((scalars, rule.scalars), (prepare, rule.prepare_scalars),
-                              (flags, rule.flags)):
-            if type(value) is not layout:
-                raise TypeError(f"{type(self).__name__} gave a {type(value).__name__} where "
-                                f"rule {rule.name!r} takes its {layout.__name__}")
-        plan = _Plan(settings, np.array(scalars, dtype=buf.dtype),
-                     np.array(prepare, dtype=np.float64), tuple(map(bool, flags)),
-                     self.schema.used_slots(settings))
-        previous = self._plans[buf.number]
-        if previous is not None and previous.used == plan.used:  # the same slots: keep them
-            plan.arrays, plan.sums = previous.arrays, previous.sums
-        elif rule.reductions:
-            plan.sums = np.zeros((len(buf), len(rule.reductions)))
-        self._plans[buf.number] = plan
-        return plan
-
-    def _arrays(self, buf: FlatBuffer, plan: _Plan) -> tuple:
-        """The kernel's arrays, allocating the slots the settings use; unused slots are
-        stood in for by the gradient buffer, which the kernel then never touches as a slot."""
-        for name in plan.used:
-            if name not in buf.state:
-                buf.state[name] = self._new_slot(buf, name, plan.settings)
-        if self._device is not None:
-            self._device.allocate(buf, plan.used)
-        plan.arrays = (buf.params, buf.grads,
-                       *(buf.state[name] if name in plan.used else buf.grads
-                         for name in self.schema.rule.slots))
-        return plan.arrays
+            self._device.map_state(buf, rule, slots, scalars, flags, present)
 
     @_locked
     def step(self, grads: Mapping[str, np.ndarray | None] | None = None, *,
@@ -444,89 +283,22 @@ class Optimizer:
         settings = self.settings()
         self.check_step(settings)
         if grads is not None:
-            self._stage_gradients(grads)
+            self.stage_gradients(grads)
         multiplier, result = _stepping.gradient_multiplier(
-            self, max_grad_norm=max_grad_norm, norm_type=norm_type, grad_scale=grad_scale,
-            skip_nonfinite=skip_nonfinite, error_if_nonfinite=error_if_nonfinite)
+            self._device.reduce_present, max_grad_norm=max_grad_norm, norm_type=norm_type,
+            grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
+            error_if_nonfinite=error_if_nonfinite)
         if result.skipped:
             return result
-        settings = self._advance(settings)
-        scale = multiplier != 1.0
-        kernels = self._kernels
-        together = self.schema.rule.global_reductions
-        stepped = False
-        staged = []
-        for buf in self.buffers:
-            plan = self._plans[buf.number]
-            if plan is None or plan.settings is not settings[buf.group]:
-                plan = self._plan(buf, settings[buf.group])
-            arrays = plan.arrays
-            if arrays is None:
-                if not buf.present.any():
-                    continue  # nothing to step: no state is allocated
-                arrays = self._arrays(buf, plan)
-            if kernels.prepare(buf.present, buf.kernel_columns, plan.prepare_scalars,
-                               plan.flags):
-                stepped = True
-                if together:
-                    staged.append((buf, plan, arrays))
-                else:
-                    self._update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
-                                 else plan.one, scale)
-        if staged:
-            self._update_together(
-                settings, staged,
-                lambda buf, plan, arrays: self._reduce_pass(
-                    buf, plan, arrays, buf.dtype.type(multiplier) if scale else plan.one,
-                    scale),
-                self._step_pass)
+        settings = self.advance(settings)
+        stepped = self.update_buffers(settings, multiplier)
         self.after_step(settings)
-        if not stepped and not self._warned_no_gradient:
-            self._warned_no_gradient = True
-            warnings.warn(f"{type(self).__name__}.step(): no gradient is marked present, so "
-                          "nothing was updated. Gradients written into opt.grads[path] (with "
-                          "out= or [...] =) must be marked with opt.grads.mark_present(); "
-                          "opt.grads[path] = value and step(grads) mark them for you. (Said "
-                          "once per optimizer.)", stacklevel=3)
+        if not stepped:
+            self.warn_once("no gradient is marked present, so nothing was updated. Gradients "
+                           "written into opt.grads[path] (with out= or [...] =) must be marked "
+                           "with opt.grads.mark_present(); opt.grads[path] = value and "
+                           "step(grads) mark them for you. (Said once per optimizer.)", 4)
         return result
-
-    def _update(self, buf: FlatBuffer, plan: _Plan, arrays: tuple, multiplier, scale: bool):
-        """The update of one prepared buffer: the rule's reduce and finalize passes when it
-        has per-parameter totals, then its span over every chunk; or, for a rule over whole
-        matrices, its NumPy function per present parameter."""
-        kernels, rule, columns = self._kernels, self.schema.rule, buf.kernel_columns
-        if self._device is not None:
-            self._device.update(self, buf, plan, multiplier, scale)
-            return
-        if rule.per_parameter is not None:
-            self._update_per_parameter(buf, plan, multiplier, scale)
-            return
-        if rule.reduces(plan.flags):
-            kernels.reduce(arrays, plan.scalars, columns, plan.flags, buf, plan.sums,
-                           multiplier, scale)
-            kernels.finalize(buf.present, columns, plan.prepare_scalars, plan.flags,
-                             plan.sums)
-            scale = False  # the reduce pass scaled the gradients
-        kernels.step(arrays, plan.scalars, columns, plan.flags, buf, multiplier, scale)
-
-    def _reduce_pass(self, buf: FlatBuffer, plan: _Plan, arrays: tuple, multiplier,
-                     scale: bool) -> None:
-        """The reduce pass of a rule with global reductions: per-parameter totals into
-        ``plan.sums`` (on CUDA queued; ``_update_together`` reads them back)."""
-        if self._device is not None:
-            self._device.reduce_pass(self, buf, plan, multiplier, scale)
-        else:
-            self._kernels.reduce(arrays, plan.scalars, buf.kernel_columns, plan.flags, buf,
-                                 plan.sums, multiplier, scale)
-
-    def _step_pass(self, buf: FlatBuffer, plan: _Plan, arrays: tuple) -> None:
-        """The step pass of a rule with global reductions (its reduce pass scaled the
-        gradients)."""
-        if self._device is not None:
-            self._device.step_pass(self, buf, plan)
-        else:
-            self._kernels.step(arrays, plan.scalars, buf.kernel_columns, plan.flags, buf,
-                               plan.one, False)
 
     # ----------------------------------------------------------------- group state
     def before_step(self, settings: list[dict[str, Any]]) -> list[dict | None] | None:
@@ -545,12 +317,74 @@ class Optimizer:
         raise NotImplementedError(f"{type(self).__name__}: a rule with global reductions "
                                   "needs the optimizer's combine()")
 
-    def _set_group_state(self, changes: list[dict | None]) -> None:
-        for group, change in zip(self.param_groups, changes):
-            if change:
-                group.update(change)
+    # ----------------------------------------------------------------- internal interface
+    # What flatopt's own layers (restore, state dicts, the device, ZeRO-1, checkpoints,
+    # training tools) use; nothing outside this module touches the attributes behind them.
 
-    def _advance(self, settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    @property
+    def buffer_device(self):
+        """Where the buffers live and the kernels run: the ``flatopt._host.HostDevice`` or
+        ``flatopt._device.CudaDevice`` chosen at construction."""
+        return self._device
+
+    @property
+    def group_paths(self) -> tuple[tuple[str, ...], ...]:
+        """The parameter paths of each group, as built (``param_groups`` may be edited)."""
+        return tuple(self._group_paths)
+
+    def find(self, path: Any, what: str, problems: list[str]) -> ParamInfo | None:
+        """The index record of ``path``, or None after adding a message naming it."""
+        info = self.index.get(path) if isinstance(path, str) else None
+        if info is None:
+            problems.append(f"{what} unknown parameter {path!r}{near(path, self.index.paths)}")
+        return info
+
+    def stage_gradients(self, grads: Mapping[str, Any]) -> None:
+        """Check every gradient of ``grads`` (path -> array or None), then copy them into the
+        gradient buffers, which they define presence for; nothing changes on a problem."""
+        if not isinstance(grads, Mapping):
+            raise GradientError(f"step(grads) takes a dict {{path: array}}, got "
+                                f"{type(grads).__name__}")
+        problems = []
+        staged = []
+        for path, value in grads.items():
+            info = self.find(path, "gradient given for", problems)
+            if info is None or value is None:
+                continue
+            problem = self._device.gradient_problem(info, value)
+            if problem:
+                problems.append(problem)
+            else:
+                staged.append((info, value))
+        _raise(problems, GradientError)
+        # A value that is a view of the gradient buffer (opt.grads[other]) is read before
+        # any gradient is written, so copying one gradient cannot change another.
+        staged = self._device.sources(staged)
+        for buf in self.buffers:
+            buf.mark_missing()
+        for info, source in staged:
+            self._device.write_gradient(info, source)
+            self.buffers[info.buffer].mark_present(info.slot)
+
+    def gradient_totals(self, mode: int, power: float) -> tuple[float, int]:
+        """(sum or max, non-finite count) of the present gradients (``flatopt.kernels``'
+        reduction ``mode``), wherever they live."""
+        return self._device.reduce_present(mode, power)
+
+    def plan(self, buf: FlatBuffer, settings: dict) -> Plan:
+        """The kernel arguments of ``buf`` for ``settings`` (a group's validated values):
+        cached until they change (a scheduler's new ``lr`` costs a new plan once per buffer
+        and step, a few microseconds) or :meth:`invalidate_plans`."""
+        plan = self._plans[buf.number]
+        if plan is None or plan.settings is not settings:
+            plan = self._plans[buf.number] = make_plan(self, buf, settings, plan)
+        return plan
+
+    def invalidate_plans(self) -> None:
+        """Forget every buffer's plan (after state or settings were replaced)."""
+        self._plans = [None] * len(self.buffers)
+
+    def advance(self, settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``before_step``'s changes written into the groups; the settings that include
         them."""
         changes = self.before_step(settings)
@@ -559,22 +393,66 @@ class Optimizer:
         self._set_group_state(changes)
         return self.settings()
 
-    def _update_together(self, settings: list[dict[str, Any]], staged: list, reduce,
-                         step) -> None:
-        """One step of a rule with global reductions over the ``staged`` (buffer, plan, x)
-        items (prepared buffers; ``x`` is the caller's: arrays, or a rank's shard):
-        ``combine`` gives the reduce pass's scalars; ``reduce(*item)`` fills each
-        ``plan.sums``; the totals per group are the sums of those rows, buffer by buffer (the
-        per-parameter totals do not depend on the thread count or world size, nor then
-        does anything added from them); ``combine`` turns them into the step pass's scalars and
-        new group state; then ``step(*item)`` for every buffer. Single-process, CUDA and
-        ZeRO-1 steps all come through here with their own passes."""
+    def update_buffers(self, settings: list[dict[str, Any]], multiplier: float,
+                       layer=None) -> bool:
+        """The update of every buffer with a gradient: its plan, its arrays, the rule's
+        prepare, then the update (with gradient ``multiplier``), through ``layer``: the
+        device, or a ZeRO-1 ``Sharding``, which runs the same update over its rank's range of
+        each buffer. Whether some parameter was stepped."""
+        layer = self._device if layer is None else layer
+        scale = multiplier != 1.0
+        together = self.schema.rule.global_reductions
+        stepped = False
+        staged = []
+        for buf in self.buffers:
+            plan = self.plan(buf, settings[buf.group])
+            arrays = layer.arrays(buf, plan)
+            if arrays is None:
+                continue  # nothing to step: no state is allocated
+            if layer.prepare(buf, plan):
+                stepped = True
+                if together:
+                    staged.append((buf, plan, arrays))
+                else:
+                    layer.update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
+                                 else plan.one, scale)
+        if staged:
+            self._update_together(settings, staged, layer, multiplier)
+        return stepped
+
+    def warn_once(self, message: str, stacklevel: int) -> None:
+        """Warn that a step updated nothing, once per optimizer."""
+        if not self._warned_no_gradient:
+            self._warned_no_gradient = True
+            warnings.warn(f"{type(self).__name__}.step(): {message}", stacklevel=stacklevel)
+
+    def host_side(self):
+        """A context in which host code may rewrite the buffers' host arrays and
+        ``opt.params`` views (a restore); on CUDA the device gets the result at its end."""
+        return self._device.host_side()
+
+    def _set_group_state(self, changes: list[dict | None]) -> None:
+        for group, change in zip(self.param_groups, changes):
+            if change:
+                group.update(change)
+
+    def _update_together(self, settings: list[dict[str, Any]], staged: list, layer,
+                         multiplier: float) -> None:
+        """One step of a rule with global reductions over the ``staged`` (buffer, plan,
+        arrays) items (prepared buffers): ``combine`` gives the reduce pass's scalars;
+        ``layer.reduce_pass`` fills each ``plan.sums``; the totals per group are the sums of
+        those rows, buffer by buffer (the per-parameter totals do not depend on the thread
+        count or world size, nor then does anything added from them); ``combine`` turns them
+        into the step pass's scalars and new group state; then ``layer.step_pass`` for every
+        buffer. Single-process, CUDA and ZeRO-1 steps all come through here with their own
+        passes."""
         rule = self.schema.rule
+        scale = multiplier != 1.0
         self._write_scalars(staged, self.combine(settings, None)[0])
-        for item in staged:
-            reduce(*item)
-        if self._device is not None:
-            self._device.read_sums(staged)
+        for buf, plan, arrays in staged:
+            layer.reduce_pass(buf, plan, arrays, buf.dtype.type(multiplier) if scale
+                              else plan.one, scale)
+        layer.read_sums(staged)
         totals = np.zeros((len(settings), len(rule.reductions)))
         for buf, plan, _ in staged:  # rows of absent parameters are zero
             totals[buf.group] += plan.sums.sum(axis=0)
@@ -582,8 +460,8 @@ class Optimizer:
         self._write_scalars(staged, scalars)
         if changes is not None:
             self._set_group_state(changes)
-        for item in staged:
-            step(*item)
+        for buf, plan, arrays in staged:
+            layer.step_pass(buf, plan, arrays)
 
     def _write_scalars(self, staged: list, scalars: list) -> None:
         layout = self.schema.rule.scalars
@@ -595,62 +473,6 @@ class Optimizer:
                                 f"{layout.__name__}")
             plan.scalars[...] = value
 
-    def _update_per_parameter(self, buf: FlatBuffer, plan: _Plan, multiplier, scale: bool):
-        """A rule over whole matrices: its NumPy function per present parameter, on the
-        buffer's host arrays."""
-        for k in np.flatnonzero(buf.present):
-            if scale:
-                buf.view(buf.grads, k)[...] *= multiplier
-            self.schema.rule.per_parameter(
-                buf.view(buf.params, k), buf.view(buf.grads, k),
-                {name: buf.state_view(name, k) for name in plan.used}, plan.settings,
-                {name: column[k] for name, column in buf.columns.items()})
-
-    def _known(self, path: Any, what: str, problems: list[str]) -> ParamInfo | None:
-        """The index record of ``path``, or None after adding a message naming it."""
-        info = self.index.get(path) if isinstance(path, str) else None
-        if info is None:
-            problems.append(f"{what} unknown parameter {path!r}{near(path, self.index.paths)}")
-        return info
-
-    def _stage_gradients(self, grads: Mapping[str, Any]) -> None:
-        if not isinstance(grads, Mapping):
-            raise GradientError(f"step(grads) takes a dict {{path: array}}, got "
-                                f"{type(grads).__name__}")
-        problems = []
-        staged = []
-        for path, value in grads.items():
-            info = self._known(path, "gradient given for", problems)
-            if info is None or value is None:
-                continue
-            if self._device is not None:  # checked with the device's rules below
-                staged.append((info, value))
-                continue
-            problem = gradient_problem(info, value)
-            if problem:
-                problems.append(problem)
-            else:
-                staged.append((info, value))
-        _raise(problems, GradientError)
-        if self._device is not None:
-            staged = self._device.sources(self, staged)
-            for buf in self.buffers:
-                buf.mark_missing()
-            for info, value in staged:
-                self._device.write_gradient(self, info, value)
-                self.buffers[info.buffer].mark_present(info.slot)
-            return
-        # A value that is a view of the gradient buffer (opt.grads[other]) is read before
-        # any gradient is written, so copying one gradient cannot change another.
-        staged = [(info, value.copy() if any(np.may_share_memory(value, buf.grads)
-                                             for buf in self.buffers) else value)
-                  for info, value in staged]
-        for buf in self.buffers:
-            buf.mark_missing()
-        for info, value in staged:
-            self._grad_views[info.path][...] = value
-            self.buffers[info.buffer].mark_present(info.slot)
-
     @_locked
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``set_to_none=True`` marks every gradient missing (the buffer's contents are left as
@@ -661,31 +483,11 @@ class Optimizer:
             for buf in self.buffers:
                 buf.mark_missing()
             return
-        if self._device is not None:
-            self._device.zero_grads(self)
-        else:
-            for buf in self.buffers:
-                buf.grads.fill(0)
+        self._device.zero_grads()
         for buf in self.buffers:
             buf.stale[:] = 0
 
     # ----------------------------------------------------------------- state
-    def _param_state(self, buf: FlatBuffer, slot: int, copy: bool) -> dict | None:
-        if self._sharding is not None:
-            self._sharding.refuse("state_dict() / state_of()")
-        if not self.schema.stateful({name: column[slot] for name, column in buf.columns.items()
-                                     if name in self.schema.columns}):
-            return None
-        # .item(): a Python int for an integer column, a float for a float one (NAdam's
-        # mu_product), as the schema's checks of an entry expect
-        entry: dict[str, Any] = {name: buf.columns[name][slot].item()
-                                 for name in self.schema.state_dict_columns}
-        for name in self.schema.slots:
-            view = buf.state_view(name, slot) if name in buf.state else None
-            if view is not None:
-                entry[name] = view.copy() if copy else view
-        return entry
-
     def _info(self, path: Any) -> ParamInfo:
         info = self.index.get(path) if isinstance(path, str) else None
         if info is None:
@@ -697,10 +499,9 @@ class Optimizer:
     def state_of(self, path: str):
         """The live state of one parameter as a typed record of views, or None if it has none."""
         info = self._info(path)
-        if self._device is not None:  # host copies: the mirror's views would go stale
-            self._device.pull(self)
-        entry = self._param_state(self.buffers[info.buffer], info.slot,
-                                  copy=self._device is not None)
+        self._device.pull()  # on CUDA host copies: the mirror's views would go stale
+        entry = _state_dict.param_state(self, self.buffers[info.buffer], info.slot,
+                                        copy=not self._device.live_on_host)
         return None if entry is None else self.schema.record(**entry)
 
     @_locked
@@ -710,7 +511,8 @@ class Optimizer:
         self.host_buffers()
         state = {}
         for info in self.index:
-            entry = self._param_state(self.buffers[info.buffer], info.slot, copy=True)
+            entry = _state_dict.param_state(self, self.buffers[info.buffer], info.slot,
+                                            copy=True)
             if entry is not None:
                 state[info.path] = entry
         return _state_dict.build(self, state)
@@ -729,7 +531,7 @@ class Optimizer:
         if self._sharding is not None:
             self._sharding.refuse("load_state_dict()")
         state, settings = _state_dict.parse(self, state_dict, hyperparameters)
-        with self._host_side():
+        with self.host_side():
             _restore.apply(self, state, settings, None, None)
 
     @_locked
@@ -779,7 +581,7 @@ class Optimizer:
         self.prepare_restore(state, settings=settings, params=params, buffers=buffers).apply()
 
     def __repr__(self) -> str:
-        device = self._device_note or self._device or "cpu"
+        device = self._device_note or self._device
         lines = [f"{type(self).__name__} ({len(self.index)} parameters, "
                  f"{len(self.buffers)} buffers, device={device})"]
         for number, group in enumerate(self.param_groups):

@@ -16,8 +16,6 @@ import numpy as np
 from . import _stepping
 from ._stepping import StepResult
 from .errors import GradientError, HyperparameterError, StateDictError
-from .kernels import cpu
-from .kernels.tools import SCALE_GRADIENTS, lerp_into
 from .optimizer import Optimizer
 
 
@@ -46,11 +44,11 @@ def clip_grad_norm(opt: Optimizer, max_norm: float, norm_type: float = 2.0,
     To clip inside the update's own pass over the gradients, use
     ``opt.step(max_grad_norm=...)`` instead."""
     opt = _optimizer(opt, "clip_grad_norm()")
-    if opt._sharding is not None:  # comm=: the average exists only inside step()
-        opt._sharding.refuse_before_averaging("clip_grad_norm()")
-    max_norm = _stepping._positive("max_norm", max_norm)
+    if opt.sharding is not None:  # comm=: the average exists only inside step()
+        opt.sharding.refuse_before_averaging("clip_grad_norm()")
+    max_norm = _stepping.positive("max_norm", max_norm)
     with opt.lock:
-        norm, bad = _stepping.total_norm(opt, norm_type)
+        norm, bad = _stepping.total_norm(opt.gradient_totals, norm_type)
         if error_if_nonfinite and (bad or not math.isfinite(norm)):
             raise GradientError(f"the total norm of order {norm_type} of the gradients is "
                                 "non-finite, so it cannot be clipped; nothing was changed")
@@ -63,14 +61,8 @@ def clip_grad_norm(opt: Optimizer, max_norm: float, norm_type: float = 2.0,
 def scale_gradients(opt: Optimizer, factor: float) -> None:
     """Multiply every present gradient of ``opt`` in place by ``factor`` (rounded once to
     each buffer's dtype)."""
-    kernels = cpu.compile_rule(SCALE_GRADIENTS)
     with opt.lock:
-        if opt._device is not None:
-            opt._device.scale_gradients(opt, factor)
-            return
-        for buf in opt.buffers:
-            kernels.step((buf.params, buf.grads), np.zeros(0, buf.dtype), (), (), buf,
-                         buf.dtype.type(factor), True)
+        opt.buffer_device.scale_gradients(factor)
 
 
 # ----------------------------------------------------------------------------- loss scaling
@@ -99,7 +91,7 @@ class GradScaler:
                 or growth_interval <= 0:
             raise HyperparameterError(f"growth_interval must be an int > 0, got "
                                       f"{growth_interval!r}")
-        self._scale = float(np.float32(_stepping._positive("init_scale", init_scale)))
+        self._scale = float(np.float32(_stepping.positive("init_scale", init_scale)))
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
         self._growth_interval = growth_interval
@@ -132,7 +124,7 @@ class GradScaler:
         if not self._enabled:
             return
         if new_scale is not None:
-            self._scale = float(np.float32(_stepping._positive("new_scale", new_scale)))
+            self._scale = float(np.float32(_stepping.positive("new_scale", new_scale)))
         elif self._found_inf is None:
             raise RuntimeError("GradScaler.update() called without a step since the last update")
         elif self._found_inf:
@@ -196,23 +188,20 @@ class EMA:
         self.warmup = bool(warmup)
         self.num_updates = 0
         # on a CUDA optimizer the averages are device arrays too, updated by a device kernel
-        self._device = opt._device
+        self._device = opt.buffer_device
         with opt.lock:
             self.buffers = [self._copy(self._live(buf)) for buf in opt.buffers]
         self.params = {info.path: self.buffers[info.buffer][info.offset:info.offset + info.size]
                        .reshape(info.shape) for info in opt.index}
 
     def _live(self, buf) -> Any:
-        return buf.params if self._device is None else self._device.flat(buf)[0]
+        return self._device.flat(buf)[0]
 
     def _copy(self, flat) -> Any:
-        return flat.copy() if self._device is None else self._device.copy_of(flat)
+        return self._device.copy_of(flat)
 
     def _copy_into(self, target, source) -> None:
-        if self._device is None:
-            np.copyto(target, source)
-        else:
-            self._device.copy_into(target, source)
+        self._device.copy_into(target, source)
 
     def current_decay(self) -> float:
         t = self.num_updates
@@ -227,10 +216,7 @@ class EMA:
                 w = float(buf.dtype.type(weight))
                 from_end = not abs(w) < 0.5
                 weight_t = buf.dtype.type(w - 1.0 if from_end else w)
-                if self._device is None:
-                    lerp_into(average.size, average, self._live(buf), weight_t, from_end)
-                else:
-                    self._device.lerp(average, self._live(buf), weight_t, from_end)
+                self._device.lerp(average, self._live(buf), weight_t, from_end)
         self.num_updates += 1
 
     @contextlib.contextmanager
@@ -256,8 +242,8 @@ class EMA:
     def state_dict(self) -> dict[str, Any]:
         """Settings, count and the averages by path (copies)."""
         return {"decay": self.decay, "warmup": self.warmup, "num_updates": self.num_updates,
-                "averages": {path: view.copy() if self._device is None else
-                             self._device.to_host(view) for path, view in self.params.items()}}
+                "averages": {path: self._device.to_host(view)
+                             for path, view in self.params.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`; every path must match, checked before anything
@@ -287,8 +273,5 @@ class EMA:
         if problems:
             raise StateDictError("\n".join(problems))
         for path, view in self.params.items():
-            if self._device is None:
-                view[...] = averages[path]
-            elif view.size:
-                view.copy_to_device(np.ascontiguousarray(averages[path]))
+            self._device.upload(view, averages[path])
         self.decay, self.num_updates, self.warmup = float(decay), count, bool(warmup)

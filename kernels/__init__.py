@@ -8,12 +8,16 @@ walk. :func:`backend` is the dispatch point the optimizers call.
 
 from __future__ import annotations
 
+from .cpu import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES, CpuBackend
+
+__all__ = ["backend", "COUNT_NONFINITE", "MAX_ABS", "SUM_POWERS", "SUM_SQUARES"]
+"""The modes of the gradient reductions (norms, non-finite counts) every backend runs."""
+
 
 def backend(name: str = "cpu"):
     """The backend called ``name``: ``"cpu"`` (Numba, host memory) or ``"cuda"`` (numba-cuda,
-    imported only when asked for)."""
+    imported only when asked for, as an optional dependency)."""
     if name == "cpu":
-        from .cpu import CpuBackend
         return CpuBackend()
     if name == "cuda":
         from .cuda import CudaBackend

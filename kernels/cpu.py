@@ -39,6 +39,7 @@ from .._layout import aligned_zeros
 from ._bind import bind, instantiate
 from .rule import Rule
 from .threads import Threaded, threaded
+from .tools import lerp_into
 
 
 def _prepare_walk(present, columns, scalars, flags):
@@ -227,6 +228,21 @@ def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power,
     return value, bad
 
 
+@threaded(cache=True, error_model="numpy")
+def gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size, power, mode,
+                            first_chunk, stop_chunk):
+    """reduce_gradients' per-chunk partial values and non-finite counts for the chunks
+    ``[first_chunk, stop_chunk)`` of the buffer, left for the caller to combine in order (a
+    ZeRO-1 rank's range: ``flatopt.distributed``)."""
+    n = stop_chunk - first_chunk
+    partial = np.empty(n)
+    bad = np.empty(n, np.int64)
+    for j in prange(n):
+        partial[j], bad[j] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
+                                               chunk_size, power, mode, first_chunk + j)
+    return partial, bad
+
+
 class CompiledRule(NamedTuple):
     """A rule's CPU kernels (Numba dispatchers, compiled on first call or loaded from the
     cache): prepare and step, and reduce and finalize for rules with per-parameter totals.
@@ -290,6 +306,9 @@ class CpuBackend:
     """Buffers in host memory, stepped by the kernels above."""
 
     name = "cpu"
+    reduce_gradients = staticmethod(reduce_gradients)
+    gradient_chunk_partials = staticmethod(gradient_chunk_partials)
+    lerp = staticmethod(lerp_into)
 
     @staticmethod
     def compile(rule: Rule) -> CompiledRule:
@@ -304,4 +323,5 @@ class CpuBackend:
         return "CpuBackend()"
 
 
-__all__ = ["CpuBackend", "CompiledRule", "compile_rule", "reduce_gradients"]
+__all__ = ["CpuBackend", "CompiledRule", "compile_rule", "reduce_gradients",
+           "gradient_chunk_partials"]

@@ -296,10 +296,17 @@ class CudaBackend:
     arrays of a CPU optimizer under the simulator (``Optimizer._set_backend("cuda")``)."""
 
     name = "cuda"
+    cuda = cuda  # the numba.cuda module (its arrays, streams and copies)
+    reduce_gradients = staticmethod(reduce_gradients)
+    combine_reduction = staticmethod(combine_reduction)
+    launch_elementwise = staticmethod(launch_elementwise)
+    fill_kernel = staticmethod(fill_kernel)
+    add_kernel = staticmethod(add_kernel)
+    lerp_kernel = staticmethod(lerp_kernel)
 
     @staticmethod
-    def compile(rule: Rule) -> CompiledRule:
-        return compile_rule(rule)
+    def compile(rule: Rule, exact: bool = False) -> CompiledRule:
+        return compile_rule(rule, exact)
 
     @staticmethod
     def zeros(n_elements: int, dtype):

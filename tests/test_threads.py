@@ -12,7 +12,7 @@ import pytest
 from numba import prange
 
 import flatopt
-from flatopt.distributed import _sharding
+from flatopt.kernels import cpu
 from flatopt.kernels import threads
 
 from optimizers import NAMES, build, fit_params
@@ -35,7 +35,7 @@ def _run_everything(monkeypatch, parallel: bool) -> None:
         flatopt.EMA(opt).update()
         flatopt.scale_gradients(opt, 0.5)
     buf = opt.buffers[0]
-    _sharding._gradient_chunk_partials(
+    cpu.gradient_chunk_partials(
         buf.length, buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first, buf.chunk_size, 2.0,
         1, 0, buf.chunk_first.size)
     monkeypatch.undo()
@@ -73,7 +73,7 @@ def test_every_threaded_kernel_of_a_training_loop_ran_both_ways(exercised):
     ran = {t.name for t in exercised if t.serial.signatures and t.parallel.signatures}
     assert {"cpu.reduce_gradients", "tools.lerp_into", "adafactor._square_sums",
             "adafactor._update_square_sums", "adafactor._apply",
-            "_sharding._gradient_chunk_partials"} <= ran
+            "cpu.gradient_chunk_partials"} <= ran
     rules = [flatopt.registry.lookup(name).schema.rule for name in NAMES]
     for rule in rules:
         if rule.per_parameter is None:

@@ -19,7 +19,8 @@ from . import extras, files, manifest, validate
 from .compare import Comparison, Difference, compare, is_relaxed, mismatch_message
 from .format import DTYPES, check_flags, nested_arrays
 from .files import open_file
-from .reader import Contents, read_structure
+from .datasets import read_structure
+from .reader import Contents
 
 
 @dataclass

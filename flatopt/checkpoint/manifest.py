@@ -44,8 +44,9 @@ from . import files
 from .format import DTYPES, FORMAT_VERSION, LIBVER, MAX_MEMBERS, hashes_digest, manifest_digest
 from .files import open_file
 from .h5write import create_contiguous, set_text
-from .reader import (Contents, SavedBuffer, attr, block_hashes, member, raw_offset, read_arrays,
-                     read_header, read_index)
+from .datasets import read_arrays
+from .reader import (Contents, SavedBuffer, attr, block_hashes, member, raw_offset, read_header,
+                     read_index)
 from .writer import Snapshot
 
 SHARDED_FORMAT = "flatopt.checkpoint.sharded"
@@ -358,7 +359,7 @@ def open_sharded(source) -> ShardedContents:
 
 def read_structure(ck: ShardedContents) -> None:
     """The manifest's structure read and guarded, its commit digest verified (as
-    ``reader.read_structure`` does for a file)."""
+    ``datasets.read_structure`` does for a file)."""
     digest = read_header(ck, SHARDED_FORMAT, SHARDED_VERSION, MANIFEST_ATTRS,
                          data_version=FORMAT_VERSION)
     if not 1 <= ck.header["world_size"] <= MAX_WORLD:
@@ -397,7 +398,7 @@ def _check_part_sizes(ck: ShardedContents) -> None:
 
 
 def _read_tables(ck: ShardedContents) -> dict[str, list]:
-    """Groups and their buffers' fragment tables (``reader.read_groups`` for a manifest)."""
+    """Groups and their buffers' fragment tables (``datasets.read_groups`` for a manifest)."""
     groups = member(ck, ck.file, "groups", "group")
     count = len(groups)
     if set(groups) != {str(k) for k in range(count)}:

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import distributed
 from .._layout import RangeLayout
-from ..distributed._common import _error_record, _raise_collected
+from ..distributed._common import error_record, raise_collected
 from ..errors import CheckpointError
 from ..schema import column_problems, slot_value_problems
 from . import files, manifest
@@ -51,11 +51,11 @@ def _collectively(comm, action, where: str, root: int | None = None):
         try:
             value = action()
         except Exception as error:  # every rank must hear of it before raising
-            record, failure = _error_record(error), error
+            record, failure = error_record(error), error
     records = comm.allgather(record)
     if failure is not None:
         raise failure
-    _raise_collected(records, where)
+    raise_collected(records, where)
     return value if root is None else comm.bcast(value, root=root)
 
 
@@ -131,7 +131,7 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
             "sharded over ranks: save in the foreground (every rank writes its own file)")
     where = f"flatopt.save({str(path)[:200]!r})"
     with opt.lock:
-        opt.sharding._sync_shards()  # buffers added by add_param_group since the last step
+        opt.sharding.sync_shards()  # buffers added by add_param_group since the last step
 
         def prepare():
             directory = manifest.target_directory(path, create=False)
@@ -178,7 +178,7 @@ def load(source, opt, **options: Any):
     comm = opt.comm
     where = f"flatopt.load({str(source)[:200]!r})"
     with opt.lock:
-        opt.sharding._sync_shards()
+        opt.sharding.sync_shards()
         opened = []
 
         def plan():
@@ -271,5 +271,5 @@ def _load_ranges(ck, opt, planned, matched: dict, options: dict, where: str):
         shard.state.clear()
         shard.state.update(state)
         shard.arrays = shard.arrays_plan = None
-    opt._plans = [None] * len(opt.buffers)
+    opt.invalidate_plans()
     return LoadResult.of(ck, opt, plan, relaxed, arrays)

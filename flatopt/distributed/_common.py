@@ -26,7 +26,7 @@ def world_size(comm) -> int:
     return 1 if comm is None else comm.Get_size()
 
 
-def _mpi():
+def mpi():
     try:
         from mpi4py import MPI
     except ImportError as error:  # pragma: no cover - the mpi extra is not installed
@@ -34,17 +34,17 @@ def _mpi():
     return MPI
 
 
-def _mpi_type(dtype: np.dtype):
-    MPI = _mpi()
+def mpi_type(dtype: np.dtype):
+    MPI = mpi()
     return {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}[np.dtype(dtype)]
 
 
 # ------------------------------------------------------------------------ agreement and errors
-def _error_record(error: BaseException) -> tuple[str, str, str | None]:
+def error_record(error: BaseException) -> tuple[str, str, str | None]:
     return type(error).__name__, str(error), getattr(error, "path", None)
 
 
-def _raise_collected(records: list, where: str) -> None:
+def raise_collected(records: list, where: str) -> None:
     """Raise on every rank when some rank failed: that rank re-raises its own error, the
     others an error of the same flatopt type (DistributedError otherwise) naming the rank, so
     one ``except flatopt.CheckpointError`` (say) works on every rank. (Their error carries the
@@ -62,16 +62,16 @@ def _raise_collected(records: list, where: str) -> None:
                      f"before any rank changed anything:\n{kind}: {message}", **named)
 
 
-def _structure(opt) -> tuple:
+def structure(opt) -> tuple:
     """What every rank must agree on about the parameters: (path, shape, dtype, group)."""
     return tuple((info.path, info.shape, info.dtype.str, info.group) for info in opt.index)
 
 
-def _digest(value: Any) -> str:
+def digest_of(value: Any) -> str:
     return hashlib.blake2b(repr(value).encode(), digest_size=16).hexdigest()
 
 
-def _differences(what: str, values: list) -> list[str]:
+def differences(what: str, values: list) -> list[str]:
     """Lines naming where ranks' values of ``what`` differ from rank 0's."""
     lines = []
     for rank, value in enumerate(values[1:], start=1):
@@ -80,7 +80,7 @@ def _differences(what: str, values: list) -> list[str]:
     return lines
 
 
-def _structure_differences(structures: list[tuple]) -> list[str]:
+def structure_differences(structures: list[tuple]) -> list[str]:
     lines = []
     first = {entry[0]: entry for entry in structures[0]}
     for rank, structure in enumerate(structures[1:], start=1):
@@ -99,7 +99,7 @@ def _structure_differences(structures: list[tuple]) -> list[str]:
     return lines
 
 
-def _canonical(value: Any) -> str:
+def canonical(value: Any) -> str:
     """A value's text for comparing ranks: numbers by value (np.float64(0.1) and 0.1 agree),
     tuples and lists item by item, anything else by repr."""
     if isinstance(value, (bool, np.bool_)) or value is None or isinstance(value, str):
@@ -107,16 +107,16 @@ def _canonical(value: Any) -> str:
     if isinstance(value, numbers.Real):
         return repr(float(value))
     if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_canonical(item) for item in value) + ")"
+        return "(" + ", ".join(canonical(item) for item in value) + ")"
     return repr(value)
 
 
-def _settings_text(settings: list[dict]) -> list[dict[str, str]]:
-    return [{key: _canonical(value) for key, value in sorted(group.items())}
+def settings_text(settings: list[dict]) -> list[dict[str, str]]:
+    return [{key: canonical(value) for key, value in sorted(group.items())}
             for group in settings]
 
 
-def _settings_differences(texts: list) -> list[str]:
+def settings_differences(texts: list) -> list[str]:
     lines = []
     for rank, groups in enumerate(texts[1:], start=1):
         if len(groups) != len(texts[0]):

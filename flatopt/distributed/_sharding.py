@@ -4,35 +4,18 @@ parameter gather."""
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Callable
 
 import numpy as np
-from numba import prange
 
 from .. import _stepping
 from .._layout import WalkLayout, aligned_zeros, chunk_table
-from ..kernels import cpu
-from ..kernels.threads import threaded
-from ._common import (DistributedError, RankMismatchError, _canonical, _differences,
-                      _digest, _error_record, _mpi, _mpi_type, _raise_collected,
-                      _settings_differences, _settings_text, _structure,
-                      _structure_differences)
-
-
-# ------------------------------------------------------------------------ kernels
-@threaded(cache=True, error_model="numpy")
-def _gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size, power, mode,
-                             first_chunk, stop_chunk):
-    """cpu.reduce_gradients' per-chunk partial values and non-finite counts for the chunks
-    ``[first_chunk, stop_chunk)`` of the buffer, left for the caller to combine in order."""
-    n = stop_chunk - first_chunk
-    partial = np.empty(n)
-    bad = np.empty(n, np.int64)
-    for j in prange(n):
-        partial[j], bad[j] = cpu._reduce_chunk(g, present, offsets, sizes, chunk_first,
-                                               chunk_size, power, mode, first_chunk + j)
-    return partial, bad
+from ..kernels import MAX_ABS
+from ..kernels import backend as kernel_backend
+from ._common import (DistributedError, RankMismatchError, canonical, differences,
+                      digest_of, error_record, mpi, mpi_type, raise_collected,
+                      settings_differences, settings_text, structure,
+                      structure_differences)
 
 
 # ------------------------------------------------------------------------ sharding
@@ -42,8 +25,9 @@ class BufferShard:
     takes (offsets relative to ``lo``, sizes clipped to the range; parameter slots keep their
     buffer-wide numbers, so per-parameter columns are shared with the whole buffer)."""
 
-    def __init__(self, buf, rank: int, size: int, replicated: bool):
+    def __init__(self, buf, rank: int, size: int, replicated: bool, comm=None):
         self.buffer = buf
+        self.comm = comm  # the reduce pass gathers every rank's partial totals
         n_chunks = buf.chunk_first.size
         chunk_bounds = [(n_chunks * r) // size for r in range(size + 1)]
         bounds = np.array([min(c * buf.chunk_size, buf.length) for c in chunk_bounds],
@@ -140,6 +124,28 @@ class BufferShard:
     def local(self, flat: np.ndarray) -> np.ndarray:
         return flat[self.lo:self.hi]
 
+    def take_presence(self) -> None:
+        """The walk's presence: the buffer's present parameters that overlap the range."""
+        np.bitwise_and(self.buffer.present, self.overlaps, out=self.present)
+
+    def reduce(self, kernels, plan, arrays: tuple, multiplier, scale: bool) -> None:
+        """The rule's reduce pass over this range (``kernels``: the CPU's), each segment's
+        partial totals gathered from every rank and added per parameter in chunk order, rank
+        by rank: the order one process adds them in, so ``plan.sums`` holds one process's
+        bits."""
+        buf = self.buffer
+        self.take_presence()
+        segments, slots = self.segments, self.segment_slots
+        segments.present[...] = buf.present[slots]
+        partial = np.zeros((len(slots), plan.sums.shape[1]))
+        kernels.reduce(arrays, plan.scalars,
+                       tuple(column[slots] for column in buf.kernel_columns), plan.flags,
+                       segments, partial, multiplier, scale)
+        plan.sums[...] = 0.0
+        for rank_slots, rank_partial in self.comm.allgather((slots, partial)):
+            for k, values in zip(rank_slots, rank_partial):  # chunk order, rank by rank
+                plan.sums[k] += values
+
 
 class Sharding:
     """An optimizer's distributed side: its communicator and one shard per flat buffer."""
@@ -151,14 +157,18 @@ class Sharding:
         self.size = comm.Get_size()
         self.shards: list[BufferShard] = []
         self.replicated = opt.schema.rule.per_parameter is not None
+        self.host = opt.buffer_device  # the update's kernels (host buffers only)
+        self.cpu = kernel_backend("cpu")  # the gradient norm's partials
         self._settings_text: list = [None, None]  # (settings list's group objects, text)
         self._structure: tuple = (-1, "")
         self.timings = {"exchange": 0.0, "reduce": 0.0, "step": 0.0, "gather": 0.0}
-        self._sync_shards()
+        self.sync_shards()
 
-    def _sync_shards(self) -> None:
-        for buf in self.opt.buffers[len(self.shards):]:  # add_param_group added buffers
-            self.shards.append(BufferShard(buf, self.rank, self.size, self.replicated))
+    def sync_shards(self) -> None:
+        """Shards for the buffers ``add_param_group`` added since the last call."""
+        for buf in self.opt.buffers[len(self.shards):]:
+            self.shards.append(BufferShard(buf, self.rank, self.size, self.replicated,
+                                           self.comm))
 
     @property
     def state_nbytes(self) -> int:
@@ -185,15 +195,15 @@ class Sharding:
     def _structure_digest(self) -> str:
         count, digest = self._structure
         if count != len(self.opt.index):
-            self._structure = (len(self.opt.index), _digest(_structure(self.opt)))
+            self._structure = (len(self.opt.index), digest_of(structure(self.opt)))
         return self._structure[1]
 
     def _settings_digest(self, settings: list[dict]) -> tuple[str, list]:
         cached_groups, cached = self._settings_text
         if cached_groups is None or len(cached_groups) != len(settings) or any(
                 a is not b for a, b in zip(cached_groups, settings)):
-            text = _settings_text(settings)
-            self._settings_text = [list(settings), (_digest(text), text)]
+            text = settings_text(settings)
+            self._settings_text = [list(settings), (digest_of(text), text)]
         return self._settings_text[1]
 
     def exchange(self, check: Callable[[], tuple[list, tuple]]) -> list:
@@ -205,22 +215,22 @@ class Sharding:
             settings, options = check()
             digest, text = self._settings_digest(settings)
             presence = b"".join(buf.present.tobytes() for buf in self.opt.buffers)
-            mine = (None, self._structure_digest(), digest, _canonical(options), presence)
+            mine = (None, self._structure_digest(), digest, canonical(options), presence)
         except Exception as error:
-            record, failure = _error_record(error), error
+            record, failure = error_record(error), error
             mine = (record, None, None, None, None)
         gathered = self.comm.allgather(mine)
         if record is not None:
             raise failure
-        _raise_collected([g[0] for g in gathered], f"{type(self.opt).__name__}.step()")
+        raise_collected([g[0] for g in gathered], f"{type(self.opt).__name__}.step()")
         lines = []
         if len({g[1] for g in gathered}) > 1:
             lines.append("the parameters differ (paths, shapes, dtypes or groups; was "
                          "add_param_group called on some ranks only?)")
         if len({g[2] for g in gathered}) > 1:
             texts = self.comm.allgather(text)  # every rank saw the same mismatch
-            lines += _settings_differences(texts)
-        lines += _differences("step options (max_grad_norm, norm_type, grad_scale, "
+            lines += settings_differences(texts)
+        lines += differences("step options (max_grad_norm, norm_type, grad_scale, "
                               "skip_nonfinite, error_if_nonfinite)", [g[3] for g in gathered])
         if lines:
             raise RankMismatchError(f"{type(self.opt).__name__}.step(): the ranks disagree, so "
@@ -244,7 +254,7 @@ class Sharding:
         buf, rank, size = shard.buffer, self.rank, self.size
         length = shard.reduce_hi - shard.reduce_lo
         scratch = shard.scratch()
-        kind = _mpi_type(buf.dtype)
+        kind = mpi_type(buf.dtype)
         self.comm.Alltoallv([buf.grads, (shard.others_counts, shard.displs), kind],
                             [scratch, (shard.mine_counts, shard.slot_displs), kind])
         mine = buf.grads[shard.reduce_lo:shard.reduce_hi]
@@ -267,7 +277,7 @@ class Sharding:
         cores MPICH's Allgatherv took 232 ms for 16M float32 elements and 444 ms for 64M,
         this 36 and 113 ms (at 2 ranks 20/74 ms against 32/46 ms); the bytes moved are the
         same."""
-        MPI, kind = _mpi(), _mpi_type(shard.buffer.dtype)
+        MPI, kind = mpi(), mpi_type(shard.buffer.dtype)
         where = (shard.counts, shard.displs)
         if root is None:
             mine = shard.scratch()[:shard.reduce_hi - shard.reduce_lo]
@@ -279,8 +289,8 @@ class Sharding:
         else:
             self.comm.Gatherv([piece, kind], None, root=root)
 
-    def reduce_present(self, opt, mode: int, power: float) -> tuple[float, int]:
-        """_stepping.reduce_present over every rank's averaged gradients: per-chunk partials
+    def reduce_present(self, mode: int, power: float) -> tuple[float, int]:
+        """``HostDevice.reduce_present`` over every rank's averaged gradients: per-chunk partials
         computed where the chunk lives, gathered, combined in chunk order (its bits)."""
         mine = []
         for shard in self.shards:
@@ -288,7 +298,7 @@ class Sharding:
             if shard.stop_chunk == shard.first_chunk:
                 mine.append((np.zeros(0), 0))
                 continue
-            partial, bad = _gradient_chunk_partials(
+            partial, bad = self.cpu.gradient_chunk_partials(
                 shard.hi - shard.lo, buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first,
                 buf.chunk_size, power, mode, shard.first_chunk, shard.stop_chunk)
             mine.append((partial, int(bad.sum())))
@@ -302,11 +312,11 @@ class Sharding:
                 partial, count = rank_values[number]
                 bad += count
                 for x in partial:  # chunk order, as cpu.reduce_gradients combines them
-                    if mode == cpu.MAX_ABS:
+                    if mode == MAX_ABS:
                         value = x if not (x <= value) else value
                     else:
                         value += x
-            if mode == cpu.MAX_ABS:
+            if mode == MAX_ABS:
                 total = value if not (value <= total) else total
             else:
                 total += value
@@ -335,6 +345,9 @@ class Sharding:
 
     def step(self, grads, *, max_grad_norm, norm_type, grad_scale, skip_nonfinite,
              error_if_nonfinite):
+        """``Optimizer.step`` on every rank: the exchange and the gradient average, then the
+        optimizer's own update (``Optimizer.update_buffers``) with this layer running it over
+        the rank's range of each buffer, then the parameter gather."""
         opt = self.opt
         clock = time.perf_counter()
 
@@ -342,71 +355,73 @@ class Sharding:
             settings = opt.settings()
             opt.check_step(settings)
             if grads is not None:
-                opt._stage_gradients(grads)
+                opt.stage_gradients(grads)
             if grad_scale is not None:
-                _stepping._positive("grad_scale", grad_scale)
+                _stepping.positive("grad_scale", grad_scale)
             if max_grad_norm is not None:
-                _stepping._positive("max_grad_norm", max_grad_norm)
+                _stepping.positive("max_grad_norm", max_grad_norm)
                 _stepping.norm_mode(norm_type)
-            self._sync_shards()
+            self.sync_shards()
             return settings, (max_grad_norm, norm_type, grad_scale, bool(skip_nonfinite),
                               bool(error_if_nonfinite))
 
         settings = self.exchange(check)
-        now = time.perf_counter()
-        self.timings["exchange"] += now - clock
-        clock = now
+        clock = self._timed("exchange", clock)
         active = [shard for shard in self.shards if shard.buffer.present.any()]
         for shard in active:
             self.average_gradients(shard)
             if shard.replicated:
                 self.gather(shard, shard.buffer.grads)
         multiplier, result = _stepping.gradient_multiplier(
-            opt, max_grad_norm=max_grad_norm, norm_type=norm_type, grad_scale=grad_scale,
-            skip_nonfinite=skip_nonfinite, error_if_nonfinite=error_if_nonfinite,
-            reduce=self.reduce_present)
-        now = time.perf_counter()
-        self.timings["reduce"] += now - clock
-        clock = now
+            self.reduce_present, max_grad_norm=max_grad_norm, norm_type=norm_type,
+            grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
+            error_if_nonfinite=error_if_nonfinite)
+        clock = self._timed("reduce", clock)
         if result.skipped:
             return result
-        settings = opt._advance(settings)
-        scale = multiplier != 1.0
-        kernels = opt._kernels
-        staged = []
-        for shard in active:
-            buf = shard.buffer
-            plan = opt._plans[buf.number]
-            if plan is None or plan.settings is not settings[buf.group]:
-                plan = opt._plan(buf, settings[buf.group])
-            arrays = self._arrays(shard, plan)
-            kernels.prepare(buf.present, buf.kernel_columns, plan.prepare_scalars, plan.flags)
-            if opt.schema.rule.global_reductions:
-                staged.append((buf, plan, (shard, arrays)))
-            else:
-                self._update(shard, plan, arrays, buf.dtype.type(multiplier) if scale
-                             else plan.one, scale)
-        if staged:  # every rank combines the same gathered totals: the same d everywhere
-            opt._update_together(
-                settings, staged,
-                lambda buf, plan, item: self._reduce(
-                    item[0], plan, item[1], buf.dtype.type(multiplier) if scale else plan.one,
-                    scale),
-                lambda buf, plan, item: kernels.step(item[1], plan.scalars, buf.kernel_columns,
-                                                     plan.flags, item[0], plan.one, False))
+        settings = opt.advance(settings)
+        opt.update_buffers(settings, multiplier, self)
         opt.after_step(settings)
-        now = time.perf_counter()
-        self.timings["step"] += now - clock
-        clock = now
+        clock = self._timed("step", clock)
         for shard in active:
             if not shard.replicated:
                 self.gather(shard, shard.buffer.params)
-        self.timings["gather"] += time.perf_counter() - clock
-        if not active and not opt._warned_no_gradient:
-            opt._warned_no_gradient = True
-            warnings.warn(f"{type(opt).__name__}.step(): no gradient is marked present on any "
-                          "rank, so nothing was updated (said once per optimizer)", stacklevel=3)
+        self._timed("gather", clock)
+        if not active:
+            opt.warn_once("no gradient is marked present on any rank, so nothing was updated "
+                          "(said once per optimizer)", 4)
         return result
+
+    def _timed(self, what: str, since: float) -> float:
+        now = time.perf_counter()
+        self.timings[what] += now - since
+        return now
+
+    # -------------------------------------------------------------- the update's layer
+    # Optimizer.update_buffers calls these for each buffer: the host device's own update,
+    # over this rank's range (``part=`` its BufferShard).
+    def arrays(self, buf, plan) -> tuple | None:
+        """The shard's kernel arrays for ``plan`` (None when no rank has a gradient)."""
+        if not buf.present.any():
+            return None
+        return self._arrays(self.shards[buf.number], plan)
+
+    def prepare(self, buf, plan) -> int:
+        return self.host.prepare(buf, plan)
+
+    def update(self, buf, plan, arrays: tuple, multiplier, scale: bool) -> None:
+        shard = self.shards[buf.number]
+        shard.take_presence()
+        self.host.update(buf, plan, arrays, multiplier, scale, shard)
+
+    def reduce_pass(self, buf, plan, arrays: tuple, multiplier, scale: bool) -> None:
+        self.host.reduce_pass(buf, plan, arrays, multiplier, scale, self.shards[buf.number])
+
+    def read_sums(self, staged: list) -> None:
+        """Every rank holds the gathered totals already (``BufferShard.reduce``)."""
+
+    def step_pass(self, buf, plan, arrays: tuple) -> None:
+        self.host.step_pass(buf, plan, arrays, self.shards[buf.number])
 
     def map_state(self, rule, slots: tuple[str, ...], arguments) -> None:
         """``Optimizer._map_state`` over this rank's range of each buffer (its parameters
@@ -424,51 +439,12 @@ class Sharding:
             present = np.asarray(opt.schema.stateful(buf.columns), np.uint8) & shard.overlaps
             layout = WalkLayout(present, shard.offsets, shard.sizes, shard.chunk_first,
                              shard.chunk_size, shard.length)
-            kernels = kernels or opt._backend.compile(rule)
+            kernels = kernels or self.host.backend.compile(rule)
             kernels.step((shard.local(buf.params), shard.local(buf.grads),
                           *(shard.state[name] for name in slots)),
                          scalars, (), flags, layout, buf.dtype.type(1), False)
             if not shard.replicated:
                 self.gather(shard, buf.params)
-
-    def _reduce(self, shard: BufferShard, plan, arrays: tuple, multiplier, scale: bool):
-        """The rule's reduce pass over this rank's range, each segment's partial totals
-        gathered from every rank and added per parameter in chunk order, rank by rank: the
-        order one process adds them in, so ``plan.sums`` holds one process's bits."""
-        opt, buf = self.opt, shard.buffer
-        np.bitwise_and(buf.present, shard.overlaps, out=shard.present)
-        segments, slots = shard.segments, shard.segment_slots
-        segments.present[...] = buf.present[slots]
-        partial = np.zeros((len(slots), plan.sums.shape[1]))
-        opt._kernels.reduce(arrays, plan.scalars,
-                            tuple(column[slots] for column in buf.kernel_columns), plan.flags,
-                            segments, partial, multiplier, scale)
-        plan.sums[...] = 0.0
-        for rank_slots, rank_partial in self.comm.allgather((slots, partial)):
-            for k, values in zip(rank_slots, rank_partial):  # chunk order, rank by rank
-                plan.sums[k] += values
-
-    def _update(self, shard: BufferShard, plan, arrays: tuple, multiplier, scale: bool):
-        """Optimizer._update over this rank's range (see there)."""
-        opt, buf = self.opt, shard.buffer
-        kernels, rule = opt._kernels, opt.schema.rule
-        np.bitwise_and(buf.present, shard.overlaps, out=shard.present)
-        if rule.per_parameter is not None:  # replicated: the range is the whole buffer
-            for k in np.flatnonzero(buf.present):
-                if scale:
-                    buf.view(buf.grads, k)[...] *= multiplier
-                rule.per_parameter(buf.view(buf.params, k), buf.view(buf.grads, k),
-                                   {name: buf.state_view(name, k, shard.state[name])
-                                    for name in plan.used}, plan.settings,
-                                   {name: column[k] for name, column in buf.columns.items()})
-            return
-        if rule.reduces(plan.flags):
-            self._reduce(shard, plan, arrays, multiplier, scale)
-            kernels.finalize(buf.present, buf.kernel_columns, plan.prepare_scalars, plan.flags,
-                             plan.sums)
-            scale = False  # the reduce pass scaled the gradients
-        kernels.step(arrays, plan.scalars, buf.kernel_columns, plan.flags, shard, multiplier,
-                     scale)
 
 
 def build_together(opt, comm, build: Callable[[], None]) -> "Sharding | None":
@@ -485,24 +461,24 @@ def build_together(opt, comm, build: Callable[[], None]) -> "Sharding | None":
     record = None
     try:
         build()
-        if getattr(opt, "_device", None) is not None:
+        if opt.device != "cpu":
             raise DistributedError(f"{type(opt).__name__}(comm=..., device=...): sharding "
                                    "buffers in GPU memory is not supported yet; leave device= "
                                    "out (host buffers) to run data-parallel")
     except Exception as error:  # every rank must hear of it before raising
-        record = _error_record(error)
+        record = error_record(error)
         failure = error
     else:
         failure = None
-    shape = None if failure else (_structure(opt), _settings_text(opt.settings()))
-    gathered = comm.allgather((record, None if shape is None else _digest(shape)))
+    shape = None if failure else (structure(opt), settings_text(opt.settings()))
+    gathered = comm.allgather((record, None if shape is None else digest_of(shape)))
     if failure is not None:
         raise failure
-    _raise_collected([r for r, _ in gathered], f"building {type(opt).__name__}")
+    raise_collected([r for r, _ in gathered], f"building {type(opt).__name__}")
     if len({digest for _, digest in gathered}) > 1:
         structures = comm.allgather(shape)  # every rank is here: the digests all arrived
-        lines = (_structure_differences([s for s, _ in structures])
-                 + _settings_differences([t for _, t in structures]))
+        lines = (structure_differences([s for s, _ in structures])
+                 + settings_differences([t for _, t in structures]))
         raise RankMismatchError(f"{type(opt).__name__}(comm=...): the ranks built different "
                                 "optimizers; every rank must give the same parameters (paths, "
                                 "shapes, dtypes, groups) and hyperparameters:\n"

@@ -10,9 +10,8 @@ from .._layout import aligned_zeros
 def state_nbytes(opt) -> int:
     """Bytes of optimizer state (the state slots) held by this rank: its shards' when
     sharded, the whole state otherwise."""
-    sharding = getattr(opt, "_sharding", None)
-    if sharding is not None:
-        return sharding.state_nbytes
+    if opt.sharding is not None:
+        return opt.sharding.state_nbytes
     return sum(flat.nbytes for buf in opt.buffers for flat in buf.state.values())
 
 
@@ -33,10 +32,10 @@ def consolidated(opt, root: int | None = None):
     parameters, per-parameter columns and the full state, gathered from every rank. A
     collective: call it on every rank. With ``root``, only that rank gets it (the state is
     gathered there alone) and the others get None. ``opt`` itself when it is not sharded."""
-    sharding = getattr(opt, "_sharding", None)
+    sharding = opt.sharding
     if sharding is None:
         return opt
-    sharding._sync_shards()  # buffers added by add_param_group since the last step
+    sharding.sync_shards()  # buffers added by add_param_group since the last step
     here = root is None or sharding.rank == root
     twin = plain_copy(opt) if here else None
     for shard, mine in zip(sharding.shards, opt.buffers):
@@ -64,7 +63,7 @@ def consolidated(opt, root: int | None = None):
 def take_from(opt, twin) -> None:
     """Copy a plain optimizer's parameters, columns, group values and (this rank's range of)
     state into the sharded ``opt`` of the same layout (after a load into ``twin``)."""
-    sharding = opt._sharding
+    sharding = opt.sharding
     for number, group in enumerate(twin.param_groups):
         opt.param_groups[number].update({k: v for k, v in group.items() if k != "params"})
     for shard, buf, mine in zip(sharding.shards, twin.buffers, opt.buffers):
@@ -76,4 +75,4 @@ def take_from(opt, twin) -> None:
             shard.state[name] = aligned_zeros(shard.slot_length(name), buf.dtype)
             shard.state[name][...] = shard.range_of(name, flat)
         shard.arrays = shard.arrays_plan = None
-    opt._plans = [None] * len(opt.buffers)
+    opt.invalidate_plans()

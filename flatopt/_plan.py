@@ -1,0 +1,57 @@
+"""A buffer's kernel arguments for one validated settings dict: the rule's scalars (an array
+in the buffer's dtype), its prepare scalars (float64) and flags, the state slots the settings
+use, and the arrays and per-parameter totals kept from the previous plan when they fit."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._layout import FlatBuffer
+
+
+class Plan:
+    """A buffer's kernel arguments for one validated settings dict (rebuilt when it changes)."""
+
+    __slots__ = ("settings", "scalars", "prepare_scalars", "flags", "used", "arrays", "one",
+                 "sums", "schema")
+
+    def __init__(self, settings, scalars, prepare_scalars, flags, used, schema):
+        self.settings = settings
+        self.scalars = scalars
+        self.one = scalars.dtype.type(1)  # the gradient multiplier of a plain step
+        self.prepare_scalars = prepare_scalars
+        self.flags = flags
+        self.used = used
+        self.schema = schema
+        self.arrays = None  # (params, grads, *slots), once the used slots are allocated
+        self.sums = None  # per-parameter totals of a rule with a reduce pass
+
+    def initial(self, name: str) -> float:
+        """The initial value of state slot ``name`` under these settings."""
+        return self.schema.initial_value(name, self.settings)
+
+
+def make_plan(opt, buf: FlatBuffer, settings: dict, previous: Plan | None) -> Plan:
+    """The plan of ``buf`` for ``settings`` from ``opt``'s ``kernel_scalars``,
+    ``prepare_scalars`` and ``kernel_flags`` (each checked to be the rule's layout); a
+    ``previous`` plan's arrays and sums are kept when it uses the same slots."""
+    schema = opt.schema
+    rule = schema.rule
+    # with global reductions, combine() writes the scalars at every step
+    scalars = (rule.scalars(*[0.0] * len(rule.scalars._fields)) if rule.global_reductions
+               else opt.kernel_scalars(settings, buf.dtype))
+    prepare = opt.prepare_scalars(settings)
+    flags = opt.kernel_flags(settings)
+    for value, layout in ((scalars, rule.scalars), (prepare, rule.prepare_scalars),
+                          (flags, rule.flags)):
+        if type(value) is not layout:
+            raise TypeError(f"{type(opt).__name__} gave a {type(value).__name__} where "
+                            f"rule {rule.name!r} takes its {layout.__name__}")
+    plan = Plan(settings, np.array(scalars, dtype=buf.dtype),
+                np.array(prepare, dtype=np.float64), tuple(map(bool, flags)),
+                schema.used_slots(settings), schema)
+    if previous is not None and previous.used == plan.used:  # the same slots: keep them
+        plan.arrays, plan.sums = previous.arrays, previous.sums
+    elif rule.reductions:
+        plan.sums = np.zeros((len(buf), len(rule.reductions)))
+    return plan
