@@ -1,5 +1,5 @@
 """Checkpoints: round trips, the mismatch report, opt-in relaxations, integrity, hostile files,
-crash-safe saving and the command-line tool."""
+crash-safe saving and edge cases (the `flatopt` command: tests/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import resource
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import h5py
 import numpy as np
@@ -721,73 +720,7 @@ def test_save_errors(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-# --------------------------------------------------------------------------- the CLI
-def test_cli_inspect_verify_diff(tmp_path, capsys):
-    opt = make_opt("Adam", steps=3)
-    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
-    flatopt.save(a, opt, metadata={"epoch": 1})
-    steps = [opt.state_of(p).step if opt.state_of(p) else 0 for p in opt.params]
-    step_with_grads(opt, 0, 1, start=3)
-    opt.param_groups[1]["lr"] = 0.005
-    flatopt.save(b, opt, metadata={"epoch": 2})
-
-    assert cli.main(["inspect", str(a)]) == 0
-    out = capsys.readouterr().out
-    assert "Adam" in out and "format" in out and "version 2" in out and "'no_decay'" in out
-    assert "lr=0.02" in out and "step counts" in out
-    assert cli.main(["inspect", "--json", str(a)]) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert info["optimizer"] == "Adam" and info["parameters"] == 7
-    assert info["format_version"] == 2 and info["groups"][1]["hyperparameters"]["lr"] == 0.01
-    assert (info["step_min"], info["step_max"]) == (min(steps), max(steps))
-    assert info["elements"] == sum(v.size for v in model_params().values())
-
-    assert cli.main(["verify", str(a)]) == 0
-    assert "OK" in capsys.readouterr().out
-    assert cli.main(["diff", str(a), str(a)]) == 0
-    assert "identical" in capsys.readouterr().out
-    assert cli.main(["diff", "--json", str(a), str(b)]) == 1
-    result = json.loads(capsys.readouterr().out)
-    assert {"group": 1, "field": "lr", "a": 0.01, "b": 0.005} in result["groups"]
-    changed = {(p["path"], p["field"]) for p in result["params"]}
-    stepped = [p for p, before in zip(opt.params, steps)
-               if opt.state_of(p) and opt.state_of(p).step == before + 1 and opt.params[p].size]
-    assert stepped
-    for path in stepped:
-        assert (path, "params") in changed and (path, "step") in changed
-
-    damaged = bytearray(a.read_bytes())
-    start, size = chunk_offset(bytes(damaged), "/groups/1/float32/exp_avg_sq")
-    damaged[start + 3] ^= 1
-    bad = tmp_path / "bad.h5"
-    bad.write_bytes(bytes(damaged))
-    assert cli.main(["verify", str(bad)]) == 1
-    out = capsys.readouterr().out
-    assert "NOT SOUND" in out and "/groups/1/float32/exp_avg_sq" in out
-    assert cli.main(["verify", "--json", str(bad)]) == 1
-    assert json.loads(capsys.readouterr().out)["ok"] is False
-    assert cli.main(["inspect", str(tmp_path / "nope.h5")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-
-
-def test_cli_entry_point_on_a_demo_checkpoint(tmp_path):
-    path = tmp_path / "demo.h5"
-    run = subprocess.run([sys.executable, "-m", "flatopt.demo", "--steps", "3", "--hidden", "16",
-                          "--checkpoint", str(path)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    exe = Path(sys.executable).parent / "flatopt"
-    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "flatopt.cli"]
-    run = subprocess.run(command + ["inspect", "--json", str(path)], capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    info = json.loads(run.stdout)
-    assert info["optimizer"] == "AdamW" and info["step_max"] == 3
-    assert [g["label"] for g in info["groups"]] == ["no_decay", "decay"]
-    run = subprocess.run(command + ["verify", str(path)], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0 and "OK" in run.stdout
-
-
+# --------------------------------------------------------------------------- edge shapes, names, open files
 def test_edge_shapes_unicode_paths_and_empty_groups(tmp_path):
     def build(seed):
         rng = np.random.default_rng(seed)
