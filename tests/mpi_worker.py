@@ -257,11 +257,11 @@ def check_added_group() -> None:
 
 def check_world_size_one() -> None:
     """A communicator of one rank is a plain optimizer."""
+    from mpi4py import MPI as mpi
     params = initial_params()
     for name in ("Adam", "LAMB"):
         groups = groups_for(name, params)
-        from mpi4py import MPI
-        opt = build(name, groups, comm=MPI.COMM_SELF)
+        opt = build(name, groups, comm=mpi.COMM_SELF)
         reference = build(name, groups)
         for step, options in enumerate(STEP_OPTIONS):
             grads = local_gradients(opt, step, RANK)
@@ -464,7 +464,7 @@ def check_unused(directory: str) -> None:
 
 
 def check_disagreements(directory: str) -> None:
-    """Issue 23 #1, #5: ranks given different paths for one save, or different checkpoints
+    """Ranks given different paths for one save, or different checkpoints
     for one load, are refused on every rank before anything is written or loaded."""
     def frozen(opt) -> tuple:
         whole = distributed.consolidated(opt)

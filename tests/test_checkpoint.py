@@ -112,7 +112,7 @@ def test_non_json_metadata_is_refused_before_writing(tmp_path):
 @pytest.mark.parametrize("metadata", [{1: "a"}, {"a": [{2.5: 1}]}, [{None: 1}], {True: 0},
                                       ({"epoch": 3}, {-1: 1})])
 def test_metadata_with_keys_json_would_change_is_refused(metadata, tmp_path):
-    """Issue 23 (minor): JSON turns the key 1 into "1", so the metadata would not come back as
+    """JSON turns the key 1 into "1", so the metadata would not come back as
     saved: save refuses non-string keys, naming one, before touching anything."""
     opt = make_opt("Adam")
     with pytest.raises(flatopt.CheckpointError, match="not strings"):
@@ -129,7 +129,7 @@ def test_metadata_with_keys_json_would_change_is_refused(metadata, tmp_path):
 
 
 def test_boolean_options_must_be_booleans(tmp_path):
-    """Issue 23 (minor): strict="yes" or regroup=1 would be taken as True (a partial load
+    """strict="yes" or regroup=1 would be taken as True (a partial load
     nobody asked for); every boolean option of save, load, read and inspect is True or False,
     checked before any file is touched."""
     opt = make_opt("Adam")
@@ -601,7 +601,7 @@ def earliest_copy(data: bytes) -> bytes:
 
 def test_containers_without_metadata_checksums_are_refused_before_hdf5_reads_them(saved,
                                                                                    tmp_path):
-    """Issue 23 #9: a superblock v0 file with a self-referencing B-tree node crashed HDF5;
+    """A superblock v0 file with a self-referencing B-tree node crashed HDF5;
     flatopt writes superblock v3 (checksummed metadata) and reads no other version."""
     _, data = saved
     assert data[8] == 3
@@ -679,7 +679,7 @@ def test_stale_temporary_files_are_cleaned_and_ignored(tmp_path):
 
 
 def test_clean_up_removes_only_names_flatopt_generated(tmp_path):
-    """Issue 23 #2, #3: the clean-up of a plain and of a sharded save matches ASCII names in
+    """The clean-up of a plain and of a sharded save matches ASCII names in
     full (no trailing newline, no Unicode digits, no newline inside) and removes no symlink."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
@@ -720,7 +720,7 @@ def test_save_errors(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-# --------------------------------------------------------------------------- edge shapes, names, open files
+# ----------------------------------------------------------------- edge shapes, names, open files
 def test_edge_shapes_unicode_paths_and_empty_groups(tmp_path):
     def build(seed):
         rng = np.random.default_rng(seed)

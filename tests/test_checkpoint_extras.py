@@ -93,7 +93,7 @@ REFUSED = [
     ({"x" * (70 << 10): np.zeros(2)}, "name of"),
     ({"set": {1, 2}}, "not a NumPy array"),
     ({f"a{k}": np.zeros(1) for k in range(4097)}, "at most 4096"),
-    ({"deep": np.zeros((1,) * 33)}, "'deep' has 33 dimensions"),  # Issue 23 #14: HDF5's limit
+    ({"deep": np.zeros((1,) * 33)}, "'deep' has 33 dimensions"),  # HDF5's limit
 ]
 
 
@@ -279,7 +279,7 @@ def test_version_1_fixture_files_still_load(kind, name, hyper, tmp_path):
     assert flatopt.read(tmp_path / "again.h5").info["format_version"] == 2
 
 
-# --------------------------------------------------------------------------- ranges and fragment tables
+# --------------------------------------------------------------------- ranges and fragment tables
 def test_read_range_equals_the_whole_read_around_block_edges(tmp_path):
     """Contents.read_range reads the blocks wholly inside a range straight into place and
     the cut ones through a block buffer: every range around the block edges of a 3-block

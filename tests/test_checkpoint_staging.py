@@ -171,13 +171,13 @@ def test_staging_must_be_a_number_of_bytes(tmp_path):
         with pytest.raises(flatopt.CheckpointOptionError, match="staging"):
             flatopt.load(tmp_path / "absent.h5", target, staging=bad)
     assert same_snapshot(before, snapshot(target))
-    for good in (np.int64(1000), np.uint8(0), 2.5e9, float("inf")):  # Issue 23 #17
+    for good in (np.int64(1000), np.uint8(0), 2.5e9, float("inf")):  # any size a number can say
         flatopt.load(tmp_path / "ck.h5", target, staging=good)
         assert state_equal(opt, target)
 
 
 def test_too_little_memory_to_read_a_buffer_is_a_typed_error(tmp_path, monkeypatch):
-    """Issue 23 #15: a sound checkpoint whose buffers do not fit in memory (160 GB sparse
+    """A sound checkpoint whose buffers do not fit in memory (160 GB sparse
     under an address-space limit): verify reports it, diff and load raise CheckpointError (not
     "damaged"), and the optimizer is unchanged."""
     opt = make_opt("Adam")
@@ -208,7 +208,7 @@ def test_too_little_memory_to_read_a_buffer_is_a_typed_error(tmp_path, monkeypat
 
 def test_the_undo_copy_spills_to_the_temporary_directory_not_beside_the_checkpoint(
         tmp_path, monkeypatch):
-    """Issue 23 #18: a sound checkpoint in a read-only directory (or on a full disk) loads
+    """A sound checkpoint in a read-only directory (or on a full disk) loads
     into an optimizer with state: the undo copy beyond staging= goes to tempfile's directory
     ($TMPDIR), never beside the checkpoint."""
     opt = make_opt("Adam")

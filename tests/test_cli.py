@@ -45,7 +45,7 @@ def pytest_fail(name):
 @pytest.mark.parametrize("command", [["verify", "a.h5"], ["diff", "a.h5", "b.h5"],
                                      ["verify", "--json", "a.h5"], ["inspect", "a.h5"]])
 def test_a_closed_output_pipe_exits_1_quietly(command, tmp_path):
-    """Issue 23 #7: `flatopt verify ... | head -1` must not report success it could not print;
+    """`flatopt verify ... | head -1` must not report success it could not print;
     exit 1 as Python's documentation recommends (SIGPIPE handling), with no traceback."""
     flatopt.save(tmp_path / "a.h5", flatopt.SGD({"w": np.ones(3)}, lr=0.1))
     flatopt.save(tmp_path / "b.h5", flatopt.SGD({"w": np.ones(3)}, lr=0.1))
@@ -59,7 +59,7 @@ def test_a_closed_output_pipe_exits_1_quietly(command, tmp_path):
     assert run.returncode == 1 and run.stderr == "", (run.returncode, run.stderr)
 
 
-# --------------------------------------------------------------------------- inspect, verify and diff
+# ----------------------------------------------------------------------- inspect, verify and diff
 def test_cli_inspect_verify_diff(tmp_path, capsys):
     opt = make_opt("Adam", steps=3)
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
@@ -177,7 +177,7 @@ def test_cli_inspect_tensors_of_sgd_lists_its_column(tmp_path, capsys):
     assert all(t["momentum_initialized"] in (0, 1) for t in info["tensors"])
 
 
-# --------------------------------------------------------------------------- extra arrays and shaped slots
+# ------------------------------------------------------------------ extra arrays and shaped slots
 def test_cli_diff_reports_extra_arrays(tmp_path, capsys):
     opt = make_opt("Adam")
     flatopt.save(tmp_path / "a.h5", opt, arrays={"ema": np.zeros(4), "gone": np.ones(2),
@@ -200,7 +200,7 @@ def test_cli_diff_reports_extra_arrays(tmp_path, capsys):
 
 
 def test_cli_diff_reads_shaped_slots_by_their_own_layout(tmp_path):
-    """Issue 23 #6: Adafactor's row_var is packed by its own layout (one entry per matrix
+    """Adafactor's row_var is packed by its own layout (one entry per matrix
     row), not at the parameters' offsets: diff finds a change there and names its owner."""
     rng = np.random.default_rng(0)
     params = {"a": rng.standard_normal((6, 5)).astype(np.float32),
@@ -246,7 +246,7 @@ def test_cli_verify_names_extra_arrays_and_inspect_marks_a_cut_text(tmp_path, ca
     assert json.loads(capsys.readouterr().out)["metadata"]["rng"] == str(state)
 
 
-# --------------------------------------------------------------------------- hostile names and arguments
+# -------------------------------------------------------------------- hostile names and arguments
 def test_diff_and_inspect_print_paths_and_labels_escaped(tmp_path, capsys):
     hostile = "evil\x1b]0;owned\x07\x1b[2J"
     a = flatopt.SGD([{"params": {hostile: np.zeros(2, np.float32)}, "label": hostile}])
@@ -265,7 +265,7 @@ def test_diff_and_inspect_print_paths_and_labels_escaped(tmp_path, capsys):
 
 
 def test_argparse_errors_print_hostile_arguments_escaped(capsys):
-    """Issue 23 #12: argparse's error quotes the command line; a file name's escape sequences
+    """argparse's error quotes the command line; a file name's escape sequences
     must not reach the terminal raw."""
     hostile = "evil\x1b]0;PWNED\x07\x1b[2J.h5"
     for argv in (["verify", "good.h5", hostile], ["inspect", "--tensors", "x", hostile],
@@ -278,7 +278,7 @@ def test_argparse_errors_print_hostile_arguments_escaped(capsys):
         assert "evil\\x1b]0;PWNED\\x07\\x1b[2J.h5" in err, err
 
 
-# --------------------------------------------------------------------------- a checkpoint of several optimizers
+# ------------------------------------------------------------- a checkpoint of several optimizers
 def test_the_cli_shows_each_member(tmp_path, capsys):
     kit = build()
     a = save(kit, tmp_path / "a")

@@ -346,7 +346,7 @@ def test_cuda_problem_names_what_is_missing(monkeypatch):
 
 
 def test_numbas_own_cuda_target_is_not_numba_cuda(monkeypatch):
-    """Issue 23 #16: without numba-cuda, ``numba.cuda`` is Numba's own (deprecated) target,
+    """Without numba-cuda, ``numba.cuda`` is Numba's own (deprecated) target,
     whose simulator lacks what flatopt uses (``default_stream``): a DeviceError naming it, not
     an AttributeError; "auto" falls back to the CPU."""
     import flatopt.kernels._cuda_import as importer

@@ -1,7 +1,7 @@
 """Checkpoints never replace a good file with a bad one, and state never lies: whatever save
 writes load accepts (a property over random optimizers), what load refuses save refuses first,
-threads are serialised, full disks fail cleanly, and every hostile input of issue 8 gets a
-typed error or the right behaviour."""
+threads are serialised, full disks fail cleanly, and hostile input (odd values, paths, labels,
+files that lie) gets a typed error or the right behaviour."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def on_a_deep_stack(function, frames: int):
 @pytest.mark.parametrize("depth", [101, 991])
 def test_metadata_nested_deeper_than_load_reads_is_refused_by_save(depth, tmp_path,
                                                                      monkeypatch):
-    """Issue 23 #4: the depth limit is one for save and load (json.loads recurses, so without
+    """The depth limit is one for save and load (json.loads recurses, so without
     a limit a deep text loads or not depending on the caller's stack)."""
     assert MAX_JSON_DEPTH == 100
     opt = make_opt("Adam")
@@ -450,7 +450,7 @@ def test_huge_values_bad_paths_and_contents_given_as_paths_raise_typed_errors(tm
 
 
 def test_a_bytes_path_is_refused_by_save_and_named_by_load(tmp_path):
-    """Issue 23 #20: load reads bytes as a checkpoint's contents, so save refuses a bytes path
+    """Load reads bytes as a checkpoint's contents, so save refuses a bytes path
     (before touching anything, in the background too) and load says what bytes are."""
     opt = make_opt("SGD")
     target = os.fsencode(tmp_path / "ck.h5")
