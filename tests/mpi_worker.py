@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flatopt  # noqa: E402
 from flatopt import distributed  # noqa: E402
-from optimizers import NAMES, build, random_settings, rich_settings  # noqa: E402
+from optimizers import INFO, NAMES, build, random_settings, rich_settings  # noqa: E402
 
 # set when run under mpiexec (importing this module, as test_mpi.py does, starts no MPI)
 COMM, RANK, SIZE = None, 0, 1
@@ -505,7 +505,7 @@ def check_resave(directory: str) -> None:
     report(True, "saved again")
 
 
-SCHEDULE_FREE = ("ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam")
+SCHEDULE_FREE = tuple(name for name in NAMES if INFO[name].train_eval)  # train()/eval()
 
 
 def check_schedulefree(directory: str) -> None:

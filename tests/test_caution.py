@@ -16,9 +16,10 @@ from flatopt import HyperparameterError
 from flatopt.checkpoint import writer as writer_mod
 from flatopt.kernels import cpu, threads
 from flatopt._layout import chunk_table
+from optimizers import INFO, NAMES
 from reference import ReferenceOptimizer
 
-CAUTIOUS = ["Adam", "AdamW", "Lion", "ADOPT"]
+CAUTIOUS = [name for name in NAMES if INFO[name].cautious]  # Adam, AdamW, Lion, ADOPT
 
 
 def adamw(caution, n=4, dtype=np.float64, **settings):

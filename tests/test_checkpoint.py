@@ -26,6 +26,7 @@ from flatopt.checkpoint.writer import Snapshot
 from checkpoint_helpers import (add_buffer, check_round_trip, data_extent, edit, grouped,
                                 make_opt, model_params, same_snapshot, snapshot, state_equal,
                                 step_with_grads)
+from optimizers import INFO
 from optimizers import NAMES as KINDS
 
 
@@ -43,7 +44,7 @@ def stepped_other(kind="Adam", **hyper):
 # --------------------------------------------------------------------------- round trips
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_is_exact(kind, tmp_path):
-    check_round_trip(kind, tmp_path, **({"amsgrad": True} if kind == "AdamW" else {}))
+    check_round_trip(kind, tmp_path, **INFO[kind].every_slot)
 
 
 def test_state_follows_path_when_construction_order_differs(tmp_path):

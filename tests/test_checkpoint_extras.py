@@ -14,6 +14,7 @@ import flatopt
 from flatopt import cli
 from flatopt.checkpoint import writer as writer_mod
 from checkpoint_helpers import data_extent, make_opt, same_snapshot, snapshot, state_equal
+from optimizers import INFO
 
 DATA = Path(__file__).with_name("data")
 
@@ -175,7 +176,7 @@ class _Scheduler:
 
 @pytest.mark.parametrize("kind", ["Adam", "SGD"])
 def test_read_returns_the_checkpoint_without_an_optimizer(tmp_path, kind):
-    opt = make_opt(kind, **({"amsgrad": True} if kind == "Adam" else {}))
+    opt = make_opt(kind, **INFO[kind].every_slot)
     flatopt.save(tmp_path / "ck.h5", opt, metadata={"epoch": 3}, scheduler=_Scheduler(),
                  arrays={"ema": np.ones(3)})
     for source in (tmp_path / "ck.h5", (tmp_path / "ck.h5").read_bytes()):

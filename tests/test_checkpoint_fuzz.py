@@ -19,7 +19,7 @@ import pytest
 
 import flatopt
 from checkpoint_helpers import (make_opt, reseal, same_snapshot, snapshot, state_equal)
-from optimizers import NAMES
+from optimizers import INFO, NAMES
 
 CASES = int(os.environ.get("FLATOPT_FUZZ_CASES", "4000"))
 
@@ -185,7 +185,7 @@ def mutate(data: bytes, rng: random.Random, scratch) -> tuple[str, bytes, bool]:
 
 @pytest.mark.parametrize("kind", NAMES)
 def test_fuzzed_checkpoints_never_load_wrong(kind, tmp_path):
-    hyper = {"amsgrad": True} if kind == "Adam" else {}
+    hyper = INFO[kind].every_slot
     source = make_opt(kind, steps=3, **hyper)
     path = tmp_path / "ck.h5"
     flatopt.save(path, source, metadata={"epoch": 3})
