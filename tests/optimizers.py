@@ -151,15 +151,54 @@ INFO: dict[str, OptimizerInfo] = {name: info(name) for name in NAMES}
 """Registry name -> its test facts, for every registered optimizer."""
 
 
-def cases(test: str, names=None) -> list:
-    """``names`` (default: every registered optimizer) as pytest parameters, those whose facts
-    skip ``test`` marked skipped with the reason (torch's ``DecorateInfo``)."""
-    result = []
+def kind_of(facts: OptimizerInfo) -> tuple:
+    """What sets an optimizer's code paths apart in the generic tests: optimizers of one kind
+    exercise the same machinery (an element rule; one with a per-parameter reduction first, as
+    LAMB's trust ratio or ``caution``; a per-matrix update; matrices only; group state; global
+    reductions; eager state; ``train()``/``eval()``)."""
+    rule = registry.lookup(facts.name).schema.rule
+    return (rule.reduce is not None, facts.per_matrix_update, facts.matrices_only,
+            bool(facts.group_state), rule.global_reductions, facts.eager_state,
+            facts.train_eval)
+
+
+def representatives(names=None) -> list[str]:
+    """The first optimizer of each kind (:func:`kind_of`) among ``names`` (default: every
+    registered one): what the fast loop (``pytest -m "not slow"``) runs of a heavy test over
+    every optimizer. A new optimizer of a new kind is a representative by itself."""
+    seen, chosen = set(), []
     for name in NAMES if names is None else names:
+        kind = kind_of(info(name))
+        if kind not in seen:
+            seen.add(kind)
+            chosen.append(name)
+    return chosen
+
+
+def cases(test: str, names=None, *, slow_beyond_representatives: bool | int = False) -> list:
+    """``names`` (default: every registered optimizer) as pytest parameters: those whose facts
+    skip ``test`` marked skipped with the reason (torch's ``DecorateInfo``); with
+    ``slow_beyond_representatives``, all but :func:`representatives` (an int: the first that
+    many of them, for the heaviest tests) marked ``slow``."""
+    names = list(NAMES if names is None else names)
+    keep = slow_beyond_representatives
+    fast = set(names) if keep is False else set(
+        representatives(names)[:None if keep is True else keep])
+    result = []
+    for name in names:
         reason = info(name).skips.get(test)
-        result.append(pytest.param(name, marks=pytest.mark.skip(reason=reason)) if reason
-                      else name)
+        marks = ([pytest.mark.skip(reason=reason)] if reason else []) + \
+            ([] if name in fast else [pytest.mark.slow])
+        result.append(pytest.param(name, marks=marks) if marks else name)
     return result
+
+
+def slow_beyond(values, keep: int = 1) -> list:
+    """Parametrization ``values``, the first ``keep`` as they are and the rest marked ``slow``
+    (the fast loop runs the first seed, dtype or scenario of a heavy test)."""
+    values = list(values)
+    return values[:keep] + [pytest.param(*(v if isinstance(v, tuple) else (v,)),
+                                         marks=pytest.mark.slow) for v in values[keep:]]
 
 
 def schema_of(name: str) -> flatopt.Schema:

@@ -26,8 +26,7 @@ from flatopt.checkpoint.writer import Snapshot
 from checkpoint_helpers import (add_buffer, check_round_trip, data_extent, edit, grouped,
                                 make_opt, model_params, same_snapshot, snapshot, state_equal,
                                 step_with_grads)
-from optimizers import INFO
-from optimizers import NAMES as KINDS
+from optimizers import INFO, cases
 
 
 def fresh_like(kind="Adam", seed=99, **hyper):
@@ -42,7 +41,8 @@ def stepped_other(kind="Adam", **hyper):
 
 
 # --------------------------------------------------------------------------- round trips
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", cases("test_round_trip_is_exact",
+                                       slow_beyond_representatives=True))
 def test_round_trip_is_exact(kind, tmp_path):
     check_round_trip(kind, tmp_path, **INFO[kind].every_slot)
 

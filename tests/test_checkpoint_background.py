@@ -263,6 +263,7 @@ def test_a_child_forked_during_a_background_save_never_waits_for_it(tmp_path):
         assert state_equal(loaded(path, big_adam(1 << 16, seed=9)), big_adam(1 << 16))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL")
 def test_sigkill_during_background_saves_never_loses_the_previous_checkpoint(tmp_path):
     path = tmp_path / "ck.h5"

@@ -19,6 +19,7 @@ import pytest
 
 import flatopt
 from checkpoint_helpers import (make_opt, reseal, same_snapshot, snapshot, state_equal)
+import optimizers
 from optimizers import INFO, NAMES
 
 CASES = int(os.environ.get("FLATOPT_FUZZ_CASES", "4000"))
@@ -183,7 +184,8 @@ def mutate(data: bytes, rng: random.Random, scratch) -> tuple[str, bytes, bool]:
     return what + (" (resealed)" if seal else ""), out, seal
 
 
-@pytest.mark.parametrize("kind", NAMES)
+@pytest.mark.parametrize("kind", optimizers.cases("test_fuzzed_checkpoints_never_load_wrong",
+                                                  slow_beyond_representatives=4))
 def test_fuzzed_checkpoints_never_load_wrong(kind, tmp_path):
     hyper = INFO[kind].every_slot
     source = make_opt(kind, steps=3, **hyper)

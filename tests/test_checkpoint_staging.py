@@ -20,6 +20,7 @@ from flatopt.checkpoint import loader as loader_mod
 from flatopt.checkpoint import reader
 from flatopt.checkpoint import writer as writer_mod
 from checkpoint_helpers import data_extent, make_opt, same_snapshot, snapshot, state_equal
+from optimizers import slow_beyond
 
 MB = 1 << 20
 
@@ -56,8 +57,8 @@ def big_file(tmp_path_factory):
     return path, opt
 
 
-@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "with-state"])
-@pytest.mark.parametrize("staging", [None, 16 * MB, 0])
+@pytest.mark.parametrize("stepped", slow_beyond([False, True]), ids=["fresh", "with-state"])
+@pytest.mark.parametrize("staging", slow_beyond([None, 16 * MB, 0]))
 def test_load_peak_memory_stays_within_the_staging_budget(big_file, stepped, staging):
     path, saved = big_file
     target = big(1, steps=1 if stepped else 0)
@@ -251,6 +252,7 @@ def test_the_undo_copy_made_piece_by_piece_puts_back_only_the_pieces_kept(budget
     assert (target[40000:] == 7).all()
 
 
+@pytest.mark.slow
 def test_a_damaged_block_in_the_middle_of_a_buffer_read_in_place_undoes_every_block(
         big_file, tmp_path):
     """The undo copy of a buffer read in place is made block by block as each one lands:

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 import flatopt
-from optimizers import INFO, cases, fit_shape, random_settings, torch_group, torch_settings
+from optimizers import (INFO, cases, fit_shape, random_settings, slow_beyond, torch_group,
+                        torch_settings)
 from optimizers import NAMES as KINDS
 from reference import ReferenceOptimizer
 
 DTYPES = [np.float32, np.float64]
-SEEDS = range(4)
+SEEDS = slow_beyond(range(4))  # the fast loop runs seed 0
 STEPS = 12
 SHAPES = [(), (0,), (3, 0), (7,), (5, 3), (17, 33), (40_000,), (2, 3, 4)]
 

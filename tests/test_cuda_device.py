@@ -17,7 +17,7 @@ import flatopt  # noqa: E402
 from flatopt import _device  # noqa: E402
 from flatopt._layout import chunk_table  # noqa: E402
 from flatopt.kernels._cuda_import import numba_cuda, simulated  # noqa: E402
-from optimizers import NAMES, fit_shape, random_settings  # noqa: E402
+from optimizers import cases, fit_shape, random_settings  # noqa: E402
 
 cuda = numba_cuda()
 SMALL_CHUNK = 64
@@ -94,7 +94,8 @@ class FakeExporter:
 
 
 # ----------------------------------------------------------------------------- every rule
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", cases("test_device_optimizer_matches_cpu",
+                                       slow_beyond_representatives=3))
 def test_device_optimizer_matches_cpu(name):
     """Buffers on the device, several chunks per parameter and chunks spanning parameters,
     missing gradients, two groups, the gradient multiplier: the CPU optimizer's results."""

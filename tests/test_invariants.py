@@ -22,7 +22,7 @@ from flatopt import cli
 from flatopt.checkpoint import writer as writer_mod
 from flatopt.checkpoint.format import MAX_JSON_DEPTH
 from flatopt.checkpoint.writer import Snapshot
-from optimizers import NAMES, fit_shape, random_settings
+from optimizers import NAMES, fit_shape, random_settings, slow_beyond
 
 PROPERTY_CASES = int(os.environ.get("FLATOPT_PROPERTY_CASES", "300"))
 LABEL_CHARACTERS = "abc xyz_./-é€中\U0001f600\t\x1b\x07\"'\\"
@@ -94,6 +94,7 @@ def random_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return arrays
 
 
+@pytest.mark.slow
 def test_whatever_save_writes_load_accepts(tmp_path):
     rng = np.random.default_rng(8)
     path = tmp_path / "ck.h5"
@@ -270,13 +271,14 @@ def run_full_disk(directory: Path, limit: int, scenario: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.parametrize("scenario, outcomes", [
-    ("metadata", {"refused"}), ("path", {"saved", "refused"}), ("groups", {"refused"})])
+@pytest.mark.parametrize("scenario, outcomes", slow_beyond([
+    ("metadata", {"refused"}), ("path", {"saved", "refused"}), ("groups", {"refused"})]))
 def test_a_full_disk_is_a_typed_error_and_keeps_the_old_checkpoint(scenario, outcomes,
                                                                   tmp_path):
     assert run_full_disk(tmp_path, 3 << 20, scenario) in outcomes
 
 
+@pytest.mark.slow
 def test_every_file_size_limit_ends_saved_or_refused_never_crashed(tmp_path):
     """Limits across the whole size of the file: a write that outgrew the space reserved
     would fail inside HDF5 (which then crashes on close); every case must end cleanly."""
@@ -297,8 +299,8 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", str(mount)], capture_output=True)
 
 
-@pytest.mark.parametrize("scenario, outcomes", [
-    ("metadata", {"refused"}), ("path", {"saved", "refused"}), ("groups", {"refused"})])
+@pytest.mark.parametrize("scenario, outcomes", slow_beyond([
+    ("metadata", {"refused"}), ("path", {"saved", "refused"}), ("groups", {"refused"})]))
 def test_a_full_small_tmpfs_is_a_typed_error(scenario, outcomes, small_tmpfs):
     assert run_full_disk(small_tmpfs, 1 << 40, scenario) in outcomes
 

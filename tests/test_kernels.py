@@ -52,7 +52,8 @@ def test_a_second_step_does_not_recompile(name):
     assert {k: len(k.signatures) for k in kernels} == counts
 
 
-@pytest.mark.parametrize("name", cases("test_float32_kernels_stay_in_float32"))
+@pytest.mark.parametrize("name", cases("test_float32_kernels_stay_in_float32",
+                                       slow_beyond_representatives=4))
 def test_float32_kernels_stay_in_float32(name):
     from optimizers import build, fit_params
     cls = flatopt.registry.lookup(name)
@@ -73,7 +74,8 @@ def test_float32_kernels_stay_in_float32(name):
     assert kernel_code and "fpext" not in kernel_code and "double" not in kernel_code
 
 
-@pytest.mark.parametrize("name", flatopt.registry.names())
+@pytest.mark.parametrize("name", cases("test_parallel_chunk_walk_equals_serial_walk",
+                                       slow_beyond_representatives=True))
 def test_parallel_chunk_walk_equals_serial_walk(name, monkeypatch):
     """The chunk walk (chunks of 64 elements spanning parameters, several per parameter)
     gives the serial walk's bits, missing gradients skipped in both."""

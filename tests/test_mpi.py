@@ -41,7 +41,8 @@ def _skip_reason() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason())),
+              pytest.mark.mpi, pytest.mark.slow]
 
 
 def run_job(size: int, *modes: str, succeed: bool = True) -> list[str]:
