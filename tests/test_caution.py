@@ -156,7 +156,7 @@ def test_the_scale_does_not_depend_on_threads_or_chunks(name, monkeypatch):
     assert np.any(scales > 1)  # the mask did keep a share below one somewhere
 
 
-@pytest.mark.parametrize("name", CAUTIOUS)
+@pytest.mark.parametrize("name", slow_beyond(CAUTIOUS))
 def test_the_second_pass_runs_only_with_caution(name, monkeypatch):
     calls = []
     original = cpu.CompiledRule.reduce

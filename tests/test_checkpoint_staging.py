@@ -115,6 +115,7 @@ def test_a_checksum_failure_in_any_buffer_leaves_the_optimizer_untouched(tmp_pat
     assert state_equal(opt, target)
 
 
+@pytest.mark.slow
 def test_a_late_checksum_failure_in_a_large_load_puts_back_spilled_buffers(big_file, tmp_path):
     path, _ = big_file
     data = path.read_bytes()
@@ -296,6 +297,7 @@ def test_a_failed_block_read_returns_only_once_every_block_has_finished():
         assert finished.is_set()
 
 
+@pytest.mark.slow
 def test_second_moments_are_checked_block_by_block_as_they_land(tmp_path, monkeypatch):
     """The value check of a slot read in place runs on each block as it lands (on the
     reading threads): bad values in the first, a middle and the last block are all counted,

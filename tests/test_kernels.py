@@ -75,7 +75,7 @@ def test_float32_kernels_stay_in_float32(name):
 
 
 @pytest.mark.parametrize("name", cases("test_parallel_chunk_walk_equals_serial_walk",
-                                       slow_beyond_representatives=True))
+                                       slow_beyond_representatives=4))
 def test_parallel_chunk_walk_equals_serial_walk(name, monkeypatch):
     """The chunk walk (chunks of 64 elements spanning parameters, several per parameter)
     gives the serial walk's bits, missing gradients skipped in both."""

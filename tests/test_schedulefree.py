@@ -400,7 +400,7 @@ def use_small_chunks(opt, size=64):
             opt._device.refresh_layout(buf)
 
 
-@pytest.mark.parametrize("where", ["backend", "device"])
+@pytest.mark.parametrize("where", slow_beyond(["device", "backend"]))
 @pytest.mark.parametrize("name", slow_beyond(NAMES))
 def test_cuda_train_and_eval_match_the_cpu(name, where):
     """The switch kernel through the CUDA walk: on host buffers (the backend, as
