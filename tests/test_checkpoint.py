@@ -42,7 +42,7 @@ def stepped_other(kind="Adam", **hyper):
 
 # --------------------------------------------------------------------------- round trips
 @pytest.mark.parametrize("kind", cases("test_round_trip_is_exact",
-                                       slow_beyond_representatives=True))
+                                       slow_beyond_representatives=4))
 def test_round_trip_is_exact(kind, tmp_path):
     check_round_trip(kind, tmp_path, **INFO[kind].every_slot)
 

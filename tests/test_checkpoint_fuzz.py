@@ -185,7 +185,7 @@ def mutate(data: bytes, rng: random.Random, scratch) -> tuple[str, bytes, bool]:
 
 
 @pytest.mark.parametrize("kind", optimizers.cases("test_fuzzed_checkpoints_never_load_wrong",
-                                                  slow_beyond_representatives=4))
+                                                  slow_beyond_representatives=2))
 def test_fuzzed_checkpoints_never_load_wrong(kind, tmp_path):
     hyper = INFO[kind].every_slot
     source = make_opt(kind, steps=3, **hyper)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import checkpoint_resume_script as script
 from optimizers import NAMES, info
@@ -62,5 +63,8 @@ def check_exact_resume(tmp_path, kinds, plugins=()):
                 assert "frozen.bias/step" not in steps
 
 
+# slow: two fresh processes load every optimizer's kernels; the fast loop runs the same check
+# on one optimizer (test_registry.py's plugin)
+@pytest.mark.slow
 def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     check_exact_resume(tmp_path, NAMES)

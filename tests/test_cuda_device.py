@@ -95,7 +95,7 @@ class FakeExporter:
 
 # ----------------------------------------------------------------------------- every rule
 @pytest.mark.parametrize("name", cases("test_device_optimizer_matches_cpu",
-                                       slow_beyond_representatives=3))
+                                       slow_beyond_representatives=2))
 def test_device_optimizer_matches_cpu(name):
     """Buffers on the device, several chunks per parameter and chunks spanning parameters,
     missing gradients, two groups, the gradient multiplier: the CPU optimizer's results."""
