@@ -12,7 +12,7 @@ import flatopt
 from flatopt.checkpoint.format import (BLOCK_BYTES, hash_block, hashes_digest, manifest_digest,
                                        n_blocks)
 from flatopt.checkpoint.h5write import create_contiguous, set_text
-from optimizers import fit_params, rich_settings
+from optimizers import fit_params, info, rich_settings
 
 
 def model_params(seed: int = 0, extra: dict | None = None) -> dict[str, np.ndarray]:
@@ -51,8 +51,7 @@ def make_opt(kind: str = "Adam", seed: int = 0, steps: int = 3, params=None, rul
     known = (*cls.schema.hyperparameters, "match", "label")
     rules = [{k: v for k, v in rule.items() if k in known}
              for rule in (rules if rules is not None else DEFAULT_RULES)]
-    defaults = {"SGD": {"lr": 0.1, "momentum": 0.9}, "Adam": {"lr": 0.01},
-                "AdamW": {"lr": 0.01}}.get(kind) or rich_settings(kind)
+    defaults = info(kind).checkpoint_settings or rich_settings(kind)
     opt = cls(grouped(params, rules), **{**defaults, **hyper})
     step_with_grads(opt, seed, steps)
     return opt

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flatopt  # noqa: E402
 from flatopt import distributed  # noqa: E402
-from optimizers import NAMES, build, random_settings, rich_settings  # noqa: E402
+from optimizers import INFO, NAMES, build, random_settings, rich_settings  # noqa: E402
 
 # set when run under mpiexec (importing this module, as test_mpi.py does, starts no MPI)
 COMM, RANK, SIZE = None, 0, 1
@@ -257,11 +257,11 @@ def check_added_group() -> None:
 
 def check_world_size_one() -> None:
     """A communicator of one rank is a plain optimizer."""
+    from mpi4py import MPI as mpi
     params = initial_params()
     for name in ("Adam", "LAMB"):
         groups = groups_for(name, params)
-        from mpi4py import MPI
-        opt = build(name, groups, comm=MPI.COMM_SELF)
+        opt = build(name, groups, comm=mpi.COMM_SELF)
         reference = build(name, groups)
         for step, options in enumerate(STEP_OPTIONS):
             grads = local_gradients(opt, step, RANK)
@@ -464,7 +464,7 @@ def check_unused(directory: str) -> None:
 
 
 def check_disagreements(directory: str) -> None:
-    """Issue 23 #1, #5: ranks given different paths for one save, or different checkpoints
+    """Ranks given different paths for one save, or different checkpoints
     for one load, are refused on every rank before anything is written or loaded."""
     def frozen(opt) -> tuple:
         whole = distributed.consolidated(opt)
@@ -505,7 +505,7 @@ def check_resave(directory: str) -> None:
     report(True, "saved again")
 
 
-SCHEDULE_FREE = ("ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam")
+SCHEDULE_FREE = tuple(name for name in NAMES if INFO[name].train_eval)  # train()/eval()
 
 
 def check_schedulefree(directory: str) -> None:

@@ -16,9 +16,10 @@ from flatopt import HyperparameterError
 from flatopt.checkpoint import writer as writer_mod
 from flatopt.kernels import cpu, threads
 from flatopt._layout import chunk_table
+from optimizers import INFO, NAMES, slow_beyond
 from reference import ReferenceOptimizer
 
-CAUTIOUS = ["Adam", "AdamW", "Lion", "ADOPT"]
+CAUTIOUS = [name for name in NAMES if INFO[name].cautious]  # Adam, AdamW, Lion, ADOPT
 
 
 def adamw(caution, n=4, dtype=np.float64, **settings):
@@ -126,7 +127,7 @@ def test_switching_caution_mid_run_follows_the_reference(name):
                                        err_msg=f"{name} {path} step {step}")
 
 
-@pytest.mark.parametrize("name", CAUTIOUS)
+@pytest.mark.parametrize("name", slow_beyond(CAUTIOUS))
 def test_the_scale_does_not_depend_on_threads_or_chunks(name, monkeypatch):
     """The count of agreeing elements is summed per chunk segment, then in chunk order: the
     same bits serially, and threaded over 64-element chunks that cut every parameter."""
@@ -155,7 +156,7 @@ def test_the_scale_does_not_depend_on_threads_or_chunks(name, monkeypatch):
     assert np.any(scales > 1)  # the mask did keep a share below one somewhere
 
 
-@pytest.mark.parametrize("name", CAUTIOUS)
+@pytest.mark.parametrize("name", slow_beyond(CAUTIOUS))
 def test_the_second_pass_runs_only_with_caution(name, monkeypatch):
     calls = []
     original = cpu.CompiledRule.reduce

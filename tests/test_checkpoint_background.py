@@ -215,7 +215,7 @@ def test_at_exit_a_failed_background_save_is_reported(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_child_forked_during_a_background_save_never_waits_for_it(tmp_path):
-    """Issue 23 #10: the save's thread stays in the parent (which commits it); the child's
+    """The save's thread stays in the parent (which commits it); the child's
     handle says so instead of waiting forever, and neither its next save nor its exit waits."""
     a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
     code = f"""
@@ -263,6 +263,7 @@ def test_a_child_forked_during_a_background_save_never_waits_for_it(tmp_path):
         assert state_equal(loaded(path, big_adam(1 << 16, seed=9)), big_adam(1 << 16))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL")
 def test_sigkill_during_background_saves_never_loses_the_previous_checkpoint(tmp_path):
     path = tmp_path / "ck.h5"

@@ -73,6 +73,7 @@ def kill_a_saver(ask, path, command: str, delay: float) -> int:
     return number
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL")
 def test_sigkill_during_save_never_loses_the_previous_checkpoint(tmp_path):
     path = tmp_path / "ck.h5"

@@ -1,10 +1,9 @@
 """Checkpoint extras: extra arrays (save(arrays=) -> LoadResult.arrays), flatopt.read without an
-optimizer, `flatopt inspect --tensors`, `flatopt verify` over extra arrays, and version-1 files
-(written by flatopt 0.1.0) still read."""
+optimizer, version-1 files (written by flatopt 0.1.0) still read, ranges and fragment tables
+(the `flatopt` command over extra arrays: tests/test_cli.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import flatopt
 from flatopt import cli
 from flatopt.checkpoint import writer as writer_mod
 from checkpoint_helpers import data_extent, make_opt, same_snapshot, snapshot, state_equal
+from optimizers import INFO
 
 DATA = Path(__file__).with_name("data")
 
@@ -94,7 +94,7 @@ REFUSED = [
     ({"x" * (70 << 10): np.zeros(2)}, "name of"),
     ({"set": {1, 2}}, "not a NumPy array"),
     ({f"a{k}": np.zeros(1) for k in range(4097)}, "at most 4096"),
-    ({"deep": np.zeros((1,) * 33)}, "'deep' has 33 dimensions"),  # Issue 23 #14: HDF5's limit
+    ({"deep": np.zeros((1,) * 33)}, "'deep' has 33 dimensions"),  # HDF5's limit
 ]
 
 
@@ -176,7 +176,7 @@ class _Scheduler:
 
 @pytest.mark.parametrize("kind", ["Adam", "SGD"])
 def test_read_returns_the_checkpoint_without_an_optimizer(tmp_path, kind):
-    opt = make_opt(kind, **({"amsgrad": True} if kind == "Adam" else {}))
+    opt = make_opt(kind, **INFO[kind].every_slot)
     flatopt.save(tmp_path / "ck.h5", opt, metadata={"epoch": 3}, scheduler=_Scheduler(),
                  arrays={"ema": np.ones(3)})
     for source in (tmp_path / "ck.h5", (tmp_path / "ck.h5").read_bytes()):
@@ -280,98 +280,7 @@ def test_version_1_fixture_files_still_load(kind, name, hyper, tmp_path):
     assert flatopt.read(tmp_path / "again.h5").info["format_version"] == 2
 
 
-# --------------------------------------------------------------------------- inspect --tensors
-def test_cli_inspect_tensors_text_and_json(tmp_path, capsys):
-    opt = make_opt("Adam")
-    opt.param_groups[0]["label"] = "no\x1b[2Jdecay"
-    flatopt.save(tmp_path / "ck.h5", opt, arrays={"ema\x1b]0;x\x07": np.zeros((2, 3)),
-                                                  "count": np.int64(4)})
-    assert cli.main(["inspect", "--tensors", str(tmp_path / "ck.h5")]) == 0
-    out = capsys.readouterr().out
-    assert "\x1b" not in out and "\x07" not in out
-    lines = out.splitlines()
-    header = next(k for k, line in enumerate(lines) if line.split()[:5] ==
-                  ["path", "shape", "dtype", "group", "step"])
-    rows = lines[header + 1:header + 1 + len(opt.index)]
-    for line, info in zip(rows, sorted(opt.index, key=lambda i: i.id)):
-        step = opt.buffers[info.buffer].columns["step"][info.slot]
-        shape = "(" + ", ".join(map(str, info.shape)) + ("," if len(info.shape) == 1 else "")
-        assert line.split()[0] == info.path and line.split()[-1] == str(step)
-        assert f" {shape}) " in line and f" {info.dtype.name} " in line
-        assert f" {info.group} '" in line
-    assert "(4, 3)" in out and "()" in out and "(0, 2)" in out
-    assert "ema\\x1b]0;x\\x07" in out and "count" in out and "int64" in out
-    assert "'no\\x1b[2Jdecay'" in out
-
-    assert cli.main(["inspect", "--tensors", "--json", str(tmp_path / "ck.h5")]) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert info["columns"] == ["step"]
-    assert [t["path"] for t in info["tensors"]] == [i.path for i in opt.index]
-    enc = next(t for t in info["tensors"] if t["path"] == "enc.weight")
-    assert enc["shape"] == [4, 3] and enc["dtype"] == "float32" and enc["label"] == "decay"
-    assert enc["step"] == opt.state_of("enc.weight").step
-    assert info["arrays"] == [{"name": "ema\x1b]0;x\x07", "shape": [2, 3], "dtype": "float64",
-                               "bytes": 48},
-                              {"name": "count", "shape": [], "dtype": "int64", "bytes": 8}]
-    # without --tensors: no tensor rows, arrays still listed
-    assert cli.main(["inspect", "--json", str(tmp_path / "ck.h5")]) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert "tensors" not in info and len(info["arrays"]) == 2
-
-
-def test_cli_inspect_tensors_of_sgd_lists_its_column(tmp_path, capsys):
-    opt = make_opt("SGD")
-    flatopt.save(tmp_path / "ck.h5", opt)
-    assert cli.main(["inspect", "--tensors", str(tmp_path / "ck.h5")]) == 0
-    out = capsys.readouterr().out
-    assert "momentum_initialized" in out
-    assert cli.main(["inspect", "--tensors", "--json", str(tmp_path / "ck.h5")]) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert info["columns"] == ["momentum_initialized"]
-    assert all(t["momentum_initialized"] in (0, 1) for t in info["tensors"])
-
-
-def test_cli_diff_reports_extra_arrays(tmp_path, capsys):
-    opt = make_opt("Adam")
-    flatopt.save(tmp_path / "a.h5", opt, arrays={"ema": np.zeros(4), "gone": np.ones(2),
-                                                 "kind": np.zeros(2, np.int32)})
-    flatopt.save(tmp_path / "b.h5", opt, arrays={"ema": np.array([0.0, 1.0, 0.0, 2.0]),
-                                                 "new": np.ones(2), "kind": np.zeros(2)})
-    assert cli.main(["diff", "--json", str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]) == 1
-    report = json.loads(capsys.readouterr().out)
-    assert report["params"] == [] and report["header"] == []
-    by_name = {item["array"]: item for item in report["arrays"]}
-    assert by_name["ema"]["elements_differing"] == 2 and by_name["ema"]["max_abs_diff"] == 2.0
-    assert (by_name["gone"]["a"], by_name["gone"]["b"]) == (True, False)
-    assert (by_name["new"]["a"], by_name["new"]["b"]) == (False, True)
-    assert by_name["kind"]["a"] == ["<i4", [2]] and by_name["kind"]["b"] == ["<f8", [2]]
-    assert cli.main(["diff", str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]) == 1
-    assert "array 'ema': values differ in 2 elements (max abs diff 2)" in capsys.readouterr().out
-    flatopt.save(tmp_path / "c.h5", opt, arrays={"ema": np.zeros(4), "gone": np.ones(2),
-                                                 "kind": np.zeros(2, np.int32)})
-    assert cli.main(["diff", str(tmp_path / "a.h5"), str(tmp_path / "c.h5")]) == 0
-
-
-def test_cli_diff_reads_shaped_slots_by_their_own_layout(tmp_path):
-    """Issue 23 #6: Adafactor's row_var is packed by its own layout (one entry per matrix
-    row), not at the parameters' offsets: diff finds a change there and names its owner."""
-    rng = np.random.default_rng(0)
-    params = {"a": rng.standard_normal((6, 5)).astype(np.float32),
-              "b": rng.standard_normal((4, 3)).astype(np.float32),
-              "c": rng.standard_normal(7).astype(np.float32)}
-    opt = flatopt.Adafactor(params, lr=0.01)
-    opt.step({path: rng.standard_normal(v.shape).astype(np.float32) for path, v in params.items()})
-    flatopt.save(tmp_path / "a.h5", opt)
-    buf = opt.buffers[0]
-    number = buf.paths.index("b")
-    buf.state_view("row_var", number)[-1] *= 2  # b's last row, past a's offsets in params
-    flatopt.save(tmp_path / "b.h5", opt)
-    found = flatopt.checkpoint.diff_checkpoints(tmp_path / "a.h5", tmp_path / "b.h5")
-    assert not found["identical"]
-    assert [(d["path"], d["field"], d["elements_differing"]) for d in found["params"]] == \
-        [("b", "row_var", 1)]
-
-
+# --------------------------------------------------------------------- ranges and fragment tables
 def test_read_range_equals_the_whole_read_around_block_edges(tmp_path):
     """Contents.read_range reads the blocks wholly inside a range straight into place and
     the cut ones through a block buffer: every range around the block edges of a 3-block
@@ -412,30 +321,3 @@ def test_fragment_tables_tile_their_slot_with_one_fragment_per_rank():
            "a bad digest": ([[0, 0, 32, "crc32:0"]], 32, 1)}
     for what, arguments in bad.items():
         assert fragment_problems(*arguments), what
-
-
-def test_cli_diff_of_arrays_counts_nan_against_nan_as_equal_and_bools_by_count(tmp_path, capsys):
-    opt = make_opt("Adam")
-    flatopt.save(tmp_path / "a.h5", opt, arrays={"f": np.array([np.nan, 1.0, 2.0]),
-                                                 "mask": np.array([True, False])})
-    flatopt.save(tmp_path / "b.h5", opt, arrays={"f": np.array([np.nan, 1.0, 2.5]),
-                                                 "mask": np.array([True, True])})
-    assert cli.main(["diff", "--json", str(tmp_path / "a.h5"), str(tmp_path / "b.h5")]) == 1
-    by_name = {item["array"]: item for item in json.loads(capsys.readouterr().out)["arrays"]}
-    assert by_name["f"]["elements_differing"] == 1 and by_name["f"]["max_abs_diff"] == 0.5
-    assert by_name["mask"]["elements_differing"] == 1 and "max_abs_diff" not in by_name["mask"]
-
-
-def test_cli_verify_names_extra_arrays_and_inspect_marks_a_cut_text(tmp_path, capsys):
-    opt = make_opt("Adam")
-    state = 12345678901234567890123456789012345678  # a 38-digit RNG state, cut mid-number
-    flatopt.save(tmp_path / "ck.h5", opt, arrays={"ema:head.weight": np.zeros(3)},
-                 metadata={"note": "x" * 180, "rng": str(state)})
-    assert cli.main(["verify", str(tmp_path / "ck.h5")]) == 0
-    out = capsys.readouterr().out
-    assert "array 'ema:head.weight'" in out and "/arrays/0" not in out
-    assert cli.main(["inspect", str(tmp_path / "ck.h5")]) == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if "metadata" in l)
-    assert "more characters; --json prints all of it" in line
-    assert cli.main(["inspect", "--json", str(tmp_path / "ck.h5")]) == 0
-    assert json.loads(capsys.readouterr().out)["metadata"]["rng"] == str(state)

@@ -19,7 +19,8 @@ import pytest
 
 import flatopt
 from checkpoint_helpers import (make_opt, reseal, same_snapshot, snapshot, state_equal)
-from optimizers import NAMES
+import optimizers
+from optimizers import INFO, NAMES
 
 CASES = int(os.environ.get("FLATOPT_FUZZ_CASES", "4000"))
 
@@ -183,9 +184,10 @@ def mutate(data: bytes, rng: random.Random, scratch) -> tuple[str, bytes, bool]:
     return what + (" (resealed)" if seal else ""), out, seal
 
 
-@pytest.mark.parametrize("kind", NAMES)
+@pytest.mark.parametrize("kind", optimizers.cases("test_fuzzed_checkpoints_never_load_wrong",
+                                                  slow_beyond_representatives=2))
 def test_fuzzed_checkpoints_never_load_wrong(kind, tmp_path):
-    hyper = {"amsgrad": True} if kind == "Adam" else {}
+    hyper = INFO[kind].every_slot
     source = make_opt(kind, steps=3, **hyper)
     path = tmp_path / "ck.h5"
     flatopt.save(path, source, metadata={"epoch": 3})

@@ -1,6 +1,6 @@
 """One checkpoint for several optimizers (``flatopt.save(path, {"muon": m, "adamw": a})``):
-saved whole or not at all, loaded in one commit, refused when damaged, shown member by member
-by the CLI."""
+saved whole or not at all, loaded in one commit, refused when damaged (shown member by member
+by the CLI: tests/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import cli
 from flatopt.checkpoint import files, run
 from checkpoint_helpers import same_snapshot, snapshot, state_equal
 
@@ -210,24 +209,3 @@ def test_a_member_file_of_another_save_is_refused(tmp_path):
     os.replace(os.path.join(b, member_b), os.path.join(a, member_a))
     with pytest.raises(flatopt.CheckpointCorrupt, match="not the file its run committed"):
         load(build(seed=5, steps=1), a)
-
-
-def test_the_cli_shows_each_member(tmp_path, capsys):
-    kit = build()
-    a = save(kit, tmp_path / "a")
-    advance(kit, 4, 1)
-    b = save(kit, tmp_path / "b")
-    assert cli.main(["verify", a]) == 0
-    assert capsys.readouterr().out.count("== optimizer") == 2
-    assert cli.main(["inspect", "--json", a]) == 0
-    shown = json.loads(capsys.readouterr().out)
-    assert list(shown["members"]) == ["muon", "adamw"]
-    assert shown["members"]["adamw"]["optimizer"] == "AdamW"
-    assert cli.main(["diff", a, b]) == 1
-    out = capsys.readouterr().out
-    assert "== optimizer 'muon'" in out and "differs" in out
-    assert cli.main(["diff", a, a]) == 0
-    [member] = [e["file"] for e in run.read_run(a)["members"] if e["name"] == "muon"]
-    os.remove(os.path.join(a, member))
-    assert cli.main(["verify", a]) == 1
-    assert "NOT SOUND" in capsys.readouterr().out

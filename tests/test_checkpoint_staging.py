@@ -20,6 +20,7 @@ from flatopt.checkpoint import loader as loader_mod
 from flatopt.checkpoint import reader
 from flatopt.checkpoint import writer as writer_mod
 from checkpoint_helpers import data_extent, make_opt, same_snapshot, snapshot, state_equal
+from optimizers import slow_beyond
 
 MB = 1 << 20
 
@@ -56,8 +57,8 @@ def big_file(tmp_path_factory):
     return path, opt
 
 
-@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "with-state"])
-@pytest.mark.parametrize("staging", [None, 16 * MB, 0])
+@pytest.mark.parametrize("stepped", slow_beyond([False, True]), ids=["fresh", "with-state"])
+@pytest.mark.parametrize("staging", slow_beyond([None, 16 * MB, 0]))
 def test_load_peak_memory_stays_within_the_staging_budget(big_file, stepped, staging):
     path, saved = big_file
     target = big(1, steps=1 if stepped else 0)
@@ -114,6 +115,7 @@ def test_a_checksum_failure_in_any_buffer_leaves_the_optimizer_untouched(tmp_pat
     assert state_equal(opt, target)
 
 
+@pytest.mark.slow
 def test_a_late_checksum_failure_in_a_large_load_puts_back_spilled_buffers(big_file, tmp_path):
     path, _ = big_file
     data = path.read_bytes()
@@ -171,13 +173,13 @@ def test_staging_must_be_a_number_of_bytes(tmp_path):
         with pytest.raises(flatopt.CheckpointOptionError, match="staging"):
             flatopt.load(tmp_path / "absent.h5", target, staging=bad)
     assert same_snapshot(before, snapshot(target))
-    for good in (np.int64(1000), np.uint8(0), 2.5e9, float("inf")):  # Issue 23 #17
+    for good in (np.int64(1000), np.uint8(0), 2.5e9, float("inf")):  # any size a number can say
         flatopt.load(tmp_path / "ck.h5", target, staging=good)
         assert state_equal(opt, target)
 
 
 def test_too_little_memory_to_read_a_buffer_is_a_typed_error(tmp_path, monkeypatch):
-    """Issue 23 #15: a sound checkpoint whose buffers do not fit in memory (160 GB sparse
+    """A sound checkpoint whose buffers do not fit in memory (160 GB sparse
     under an address-space limit): verify reports it, diff and load raise CheckpointError (not
     "damaged"), and the optimizer is unchanged."""
     opt = make_opt("Adam")
@@ -208,7 +210,7 @@ def test_too_little_memory_to_read_a_buffer_is_a_typed_error(tmp_path, monkeypat
 
 def test_the_undo_copy_spills_to_the_temporary_directory_not_beside_the_checkpoint(
         tmp_path, monkeypatch):
-    """Issue 23 #18: a sound checkpoint in a read-only directory (or on a full disk) loads
+    """A sound checkpoint in a read-only directory (or on a full disk) loads
     into an optimizer with state: the undo copy beyond staging= goes to tempfile's directory
     ($TMPDIR), never beside the checkpoint."""
     opt = make_opt("Adam")
@@ -251,6 +253,7 @@ def test_the_undo_copy_made_piece_by_piece_puts_back_only_the_pieces_kept(budget
     assert (target[40000:] == 7).all()
 
 
+@pytest.mark.slow
 def test_a_damaged_block_in_the_middle_of_a_buffer_read_in_place_undoes_every_block(
         big_file, tmp_path):
     """The undo copy of a buffer read in place is made block by block as each one lands:
@@ -294,6 +297,7 @@ def test_a_failed_block_read_returns_only_once_every_block_has_finished():
         assert finished.is_set()
 
 
+@pytest.mark.slow
 def test_second_moments_are_checked_block_by_block_as_they_land(tmp_path, monkeypatch):
     """The value check of a slot read in place runs on each block as it lands (on the
     reading threads): bad values in the first, a middle and the last block are all counted,

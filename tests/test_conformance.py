@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 import flatopt
+from optimizers import (INFO, cases, fit_shape, random_settings, slow_beyond, torch_group,
+                        torch_settings)
 from optimizers import NAMES as KINDS
-from optimizers import fit_shape, random_settings, schema_of, torch_group, torch_settings
 from reference import ReferenceOptimizer
 
 DTYPES = [np.float32, np.float64]
-SEEDS = range(4)
+SEEDS = slow_beyond(range(4))  # the fast loop runs seed 0
 STEPS = 12
 SHAPES = [(), (0,), (3, 0), (7,), (5, 3), (17, 33), (40_000,), (2, 3, 4)]
 
@@ -73,7 +74,7 @@ def test_matches_numpy_reference(kind, dtype, seed):
     groups, schedule = random_problem(seed, kind, dtype)
     opt = make_flatopt(kind, groups)
     ref = ReferenceOptimizer(kind, groups)
-    rtol, atol = (1e-12, 1e-15) if dtype == np.float64 else (1e-5, 1e-6)
+    rtol, atol = INFO[kind].tolerance[np.dtype(dtype)]
     for step, grads in enumerate(schedule):
         change_lr(opt.param_groups, step)
         change_lr([hp for _, hp in ref.groups], step)
@@ -91,30 +92,22 @@ def _torch():
     return pytest.importorskip("torch")
 
 
-# torch.optim rules that fail on a zero-size parameter, which flatopt leaves alone: torch is
-# not given such parameters (the NumPy reference test covers them).
-TORCH_FAILS_ON_EMPTY = {
-    "Adafactor": "ZeroDivisionError: ||p|| / sqrt(numel) with numel 0",
-}
-
-
 def make_torch(kind, groups):
+    """torch's optimizer over ``groups`` (a zero-size parameter left out where torch's class
+    fails on one, which flatopt leaves alone: the NumPy reference test covers it)."""
     torch = _torch()
-    name = schema_of(kind).torch_name
-    if name is None:
-        pytest.skip(f"{kind} has no torch.optim counterpart (its NumPy reference covers it)")
     tensors = {}
     torch_groups = []
     for params, hp in groups:
         ts = []
         for path, arr in params.items():
-            if arr.size == 0 and kind in TORCH_FAILS_ON_EMPTY:
+            if arr.size == 0 and INFO[kind].torch_refuses_empty:
                 continue
             t = torch.tensor(arr.copy(), requires_grad=True)
             tensors[path] = t
             ts.append(t)
         torch_groups.append({"params": ts, **torch_group(kind, hp)})
-    return getattr(torch.optim, name)(torch_groups), tensors
+    return getattr(torch.optim, INFO[kind].torch)(torch_groups), tensors
 
 
 def force_torch_state(torch_opt, tensors, opt):
@@ -159,10 +152,8 @@ def torch_default_dtype(dtype):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", cases("test_matches_torch_optim"))
 def test_matches_torch_optim(kind, dtype, seed, torch_default_dtype):
-    if schema_of(kind).torch_name is None:
-        pytest.skip(f"{kind} has no torch.optim counterpart (its NumPy reference covers it)")
     groups, schedule = random_problem(seed, kind, dtype, torch=True)
     opt = make_flatopt(kind, groups)
     torch_opt, tensors = make_torch(kind, groups)
@@ -171,7 +162,7 @@ def test_matches_torch_optim(kind, dtype, seed, torch_default_dtype):
     # (tests/test_rules_extra.py checks the initial state against torch's where they agree).
     force_torch_state(torch_opt, tensors, opt)
     float32 = dtype == np.float32
-    rtol, atol = (1e-5, 1e-6) if float32 else (1e-12, 1e-15)
+    rtol, atol = INFO[kind].tolerance[np.dtype(dtype)]
     for step, grads in enumerate(schedule):
         step_both(opt, torch_opt, tensors, grads, step)
         for path, t in tensors.items():
@@ -219,24 +210,13 @@ def test_first_moment_follows_torchs_lerp_for_small_beta1(kind, beta1):
 
 
 # ---------------------------------------------------------------------------- bits
-# Rules whose steps equal torch's bit for bit (float32 and float64, no teacher forcing), with
-# the torch implementation that is the oracle and the shapes it holds for. SGD: torch's
-# single-tensor path, every shape. Adam/AdamW: torch's single-tensor path takes a float32 sqrt
-# that is not correctly rounded (1 ULP on ~16% of elements, see the README), so the oracle is
-# its fused CPU kernel, which uses a correctly rounded one; that kernel computes the last
-# (size mod vector width) elements of each chunk without fused multiply-adds, so sizes here
-# are multiples of 16 and torch runs on one thread (one chunk). ASGD: float64 only; torch
-# keeps eta and mu as 0-d tensors of its default dtype and steps with those values rounded to
-# it (float32 by default), where flatopt keeps them in float64.
-FUSED_SHAPES = [(16,), (4, 32), (64, 64), (3, 16, 16)]
-BIT_EXACT = {
-    "SGD": ({"foreach": False}, SHAPES, DTYPES),
-    "Adamax": ({"foreach": False}, SHAPES, DTYPES),
-    "ASGD": ({"foreach": False}, SHAPES, [np.float64]),
-    "Rprop": ({"foreach": False}, SHAPES, DTYPES),
-    "Adam": ({"fused": True}, FUSED_SHAPES, DTYPES),
-    "AdamW": ({"fused": True}, FUSED_SHAPES, DTYPES),
-}
+# Rules whose steps equal torch's bit for bit (float32 and float64, no teacher forcing): their
+# facts' ``bit_exact`` (tests/optimizers.py) names the torch implementation that is the oracle,
+# and the dtypes and shapes it holds for. SGD: torch's single-tensor path, every shape.
+# Adam/AdamW: torch's fused CPU kernel, whose sqrt is correctly rounded; it computes the last
+# (size mod vector width) elements of each chunk without fused multiply-adds, so sizes there
+# are multiples of 16, and torch runs on one thread here (one chunk).
+BIT_EXACT = [name for name in KINDS if INFO[name].bit_exact is not None]
 
 
 def _bits(array: np.ndarray) -> bytes:
@@ -248,10 +228,11 @@ def _bits(array: np.ndarray) -> bytes:
 @pytest.mark.parametrize("kind", BIT_EXACT)
 def test_steps_equal_torchs_bit_for_bit(kind, dtype, seed, torch_default_dtype):
     torch = _torch()
-    torch_options, shapes, dtypes = BIT_EXACT[kind]
-    if dtype not in dtypes:
-        pytest.skip(f"{kind} is bit-identical to torch in {[np.dtype(d).name for d in dtypes]}"
-                    " only (see BIT_EXACT)")
+    bits = INFO[kind].bit_exact
+    torch_options, shapes = bits.torch_options, bits.shapes or SHAPES
+    if np.dtype(dtype) not in bits.dtypes:
+        pytest.skip(f"{kind} is bit-identical to torch in {[d.name for d in bits.dtypes]}"
+                    f" only: {bits.why}")
     rng = np.random.default_rng([seed, zlib.crc32(kind.encode()), int(dtype == np.float64)])
     groups = []
     for number in range(2):

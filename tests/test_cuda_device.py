@@ -17,7 +17,7 @@ import flatopt  # noqa: E402
 from flatopt import _device  # noqa: E402
 from flatopt._layout import chunk_table  # noqa: E402
 from flatopt.kernels._cuda_import import numba_cuda, simulated  # noqa: E402
-from optimizers import NAMES, fit_shape, random_settings  # noqa: E402
+from optimizers import cases, fit_shape, random_settings  # noqa: E402
 
 cuda = numba_cuda()
 SMALL_CHUNK = 64
@@ -94,7 +94,8 @@ class FakeExporter:
 
 
 # ----------------------------------------------------------------------------- every rule
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", cases("test_device_optimizer_matches_cpu",
+                                       slow_beyond_representatives=2))
 def test_device_optimizer_matches_cpu(name):
     """Buffers on the device, several chunks per parameter and chunks spanning parameters,
     missing gradients, two groups, the gradient multiplier: the CPU optimizer's results."""
@@ -346,7 +347,7 @@ def test_cuda_problem_names_what_is_missing(monkeypatch):
 
 
 def test_numbas_own_cuda_target_is_not_numba_cuda(monkeypatch):
-    """Issue 23 #16: without numba-cuda, ``numba.cuda`` is Numba's own (deprecated) target,
+    """Without numba-cuda, ``numba.cuda`` is Numba's own (deprecated) target,
     whose simulator lacks what flatopt uses (``default_stream``): a DeviceError naming it, not
     an AttributeError; "auto" falls back to the CPU."""
     import flatopt.kernels._cuda_import as importer

@@ -9,7 +9,7 @@ import pytest
 
 import flatopt
 from flatopt._layout import chunk_table
-from optimizers import NAMES, fit_shape, random_settings
+from optimizers import cases, fit_shape, random_settings, slow_beyond
 
 pytest.importorskip("numba_cuda")
 from flatopt.kernels._cuda_import import numba_cuda  # noqa: E402 (the NumPy 2.5 shim first)
@@ -36,9 +36,11 @@ def use_small_chunks(opt):
         buf.chunk_first = chunk_table(buf.offsets, buf.sizes, buf.length, SMALL_CHUNK)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", slow_beyond([np.float32, np.float64]),
+                         ids=["float32", "float64"])
+@pytest.mark.parametrize("seed", slow_beyond(range(3)))
+@pytest.mark.parametrize("name", cases("test_cuda_backend_matches_cpu",  # the simulator is slow:
+                                       slow_beyond_representatives=2))  # two in the fast loop
 def test_cuda_backend_matches_cpu(name, seed, dtype):
     cpu_opt, cuda_opt = build(name, dtype, seed), build(name, dtype, seed)
     cuda_opt._set_backend("cuda")

@@ -750,7 +750,7 @@ def test_step_past_one_cycle_and_bad_epochs_change_nothing():
 
 
 def test_a_schedule_ending_at_zero_never_stops_training():
-    """Issue 23 #11: torch's chained LinearLR rounds its last lr to -1.48e-18; the group gets
+    """torch's chained LinearLR rounds its last lr to -1.48e-18; the group gets
     0.0 there (the optimizer refuses a negative lr) and torch's numbers everywhere else. A
     negative lr beyond rounding (a subclass's bug) still reaches the optimizer, which refuses
     it."""
@@ -843,7 +843,7 @@ def test_load_state_dict_errors_change_nothing():
     with pytest.raises(StateDictError, match=r"max_momentum=1.0 would be written into betas"):
         adam_cycle.load_state_dict({**before, "max_momentums": [1.0]})
     assert adam_cycle.state_dict() == before
-    # Issue 23 (minor): a position past the schedule's end is no state a run reaches (its
+    # A position past the schedule's end is no state a run reaches (its
     # next step would fail); total_steps itself is the last one
     for last_epoch in (10 ** 30, 21):
         with pytest.raises(StateDictError, match=f"last_epoch {last_epoch} is past"):

@@ -9,6 +9,7 @@ Every rank prints one line per check; each check must be reported ok by every ra
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -33,16 +34,15 @@ def _mpiexec() -> str | None:
 
 
 def _skip_reason() -> str | None:
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("mpi4py") is None:
         return "mpi4py is not installed (pip install -e '.[mpi]')"
     if _mpiexec() is None:
         return "no mpiexec next to the interpreter or on PATH (pip install -e '.[mpi]')"
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason())),
+              pytest.mark.mpi, pytest.mark.slow]
 
 
 def run_job(size: int, *modes: str, succeed: bool = True) -> list[str]:
@@ -295,7 +295,7 @@ def test_a_damaged_missing_or_foreign_part_file_is_refused_by_name(saved_at_3, t
 
 
 def test_a_part_file_that_is_a_symlink_is_refused_without_reading_it(saved_at_3, tmp_path):
-    """Issue 23 #13: flatopt writes part files as regular files in the directory; a symlink
+    """flatopt writes part files as regular files in the directory; a symlink
     (to the real part moved outside, or to an unrelated file) is refused by name, and the
     error discloses nothing about the file it points at."""
     import flatopt
@@ -340,7 +340,7 @@ def _commit_other_save(directory: Path, other: Path) -> None:
 
 def test_a_reader_keeps_the_save_it_parsed_while_another_commits(saved_at_3, tmp_path,
                                                                  monkeypatch):
-    """Issue 23 #19: a reader holds the part files of the save it parsed, so a commit in the
+    """A reader holds the part files of the save it parsed, so a commit in the
     same directory cannot pull them away; one that lands while the reader opens them makes
     it read the newer save instead."""
     from flatopt import checkpoint

@@ -15,6 +15,7 @@ import pytest
 
 import flatopt
 from flatopt.kernels import threads
+from optimizers import slow_beyond
 
 torch = pytest.importorskip("torch")
 
@@ -124,7 +125,7 @@ def _force_prodigy(opt, ref, tensors):
         theirs.update({key: ours[key] for key in GROUP_STATE})
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", slow_beyond(range(6)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
 def test_prodigy_matches_prodigyopt(dtype, seed):
     rng, common, d0, groups, targets = prodigy_problem(seed, dtype)
@@ -232,7 +233,7 @@ def _run_large(monkeypatch, parallel: bool, dtype):
     return opt
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("dtype", slow_beyond(DTYPES), ids=["float32", "float64"])
 def test_prodigy_threaded_and_serial_give_the_same_bits(monkeypatch, dtype):
     serial = _run_large(monkeypatch, False, dtype)
     parallel = _run_large(monkeypatch, True, dtype)
@@ -295,6 +296,8 @@ def test_prodigy_refuses_what_it_cannot_do_naming_the_group(values, match):
         opt.step({"w": np.ones(3)})
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_prodigy_under_mpi_is_one_process_bit_for_bit():
     """ZeRO-1 at 2 and 3 ranks (tests/mpi_worker.py's identity check: clipping, grad_scale,
     gradients missing on some ranks, two groups and dtypes): the same bits as one process on
@@ -328,7 +331,7 @@ def ademamix_problem(seed, dtype):
     return rng, groups
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", slow_beyond(range(6)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
 def test_ademamix_matches_bitsandbytes_reference(dtype, seed):
     from bitsandbytes.optim.ademamix import _ReferenceAdEMAMix as Reference

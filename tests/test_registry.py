@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import flatopt
+import optimizers
 from checkpoint_helpers import check_round_trip, make_opt
 from flatopt import cli, registry
 from test_checkpoint_resume import check_exact_resume
@@ -70,3 +71,37 @@ def test_a_schema_that_disagrees_with_its_rule_is_refused(signum, change, messag
     with pytest.raises(TypeError, match=message):
         registry.register(broken)
     assert registry.lookup("Broken") is None
+
+
+# ----------------------------------------------------------------------------- test facts
+def test_every_registered_optimizer_has_facts_that_agree_with_it():
+    """tests/optimizers.py's facts cover the registry, name nothing else, and hold: a torch
+    oracle exists in torch.optim, bit-exactness has one, the checkpoint settings use every
+    state slot, a skip gives its reason."""
+    assert list(optimizers.INFO) == registry.names()
+    assert set(optimizers.EXPLICIT) <= set(registry.names())
+    torch = pytest.importorskip("torch")
+    for name, facts in optimizers.INFO.items():
+        schema = registry.lookup(name).schema
+        assert facts.name == name
+        if facts.torch is not None:
+            assert hasattr(torch.optim, facts.torch), name
+        assert facts.bit_exact is None or facts.torch is not None, name
+        if facts.checkpoint_settings is not None:
+            opt = registry.lookup(name)(optimizers.fit_params(name, {"w": np.zeros((2, 3))}),
+                                        **facts.checkpoint_settings, **facts.every_slot)
+            assert set(schema.used_slots(opt.settings()[0])) == set(schema.slots), name
+        assert set(facts.tolerance) == {np.dtype(np.float32), np.dtype(np.float64)}, name
+        assert all(isinstance(why, str) and why for why in facts.skips.values()), name
+
+
+def test_a_registered_optimizer_without_an_entry_gets_facts_from_its_schema(signum):
+    facts = optimizers.info(NAME)
+    assert NAME not in optimizers.EXPLICIT
+    assert facts.has_state and not facts.eager_state and facts.torch is None
+    assert not (facts.matrices_only or facts.per_matrix_update or facts.train_eval)
+    assert facts.checkpoint_settings is None and facts.every_slot == {}
+    assert facts.bit_exact is None and facts.tolerance == optimizers.DEFAULT_TOLERANCE
+    [case] = optimizers.cases("test_matches_torch_optim", [NAME])
+    assert case.values == (NAME,) and "no torch.optim counterpart" in case.marks[0].kwargs["reason"]
+    assert optimizers.cases("test_round_trip_is_exact", [NAME]) == [NAME]

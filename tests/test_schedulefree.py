@@ -13,6 +13,7 @@ import pytest
 
 import flatopt
 from flatopt._layout import chunk_table
+from optimizers import slow_beyond
 
 torch = pytest.importorskip("torch")
 schedulefree = pytest.importorskip("schedulefree")
@@ -107,7 +108,7 @@ def assert_matches(opt, ref, tensors, dtype, where):
             assert group[key] == theirs[key], f"{where} group {number} {key}"
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", slow_beyond(range(6)))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_the_schedulefree_package(name, dtype, seed):
@@ -399,8 +400,8 @@ def use_small_chunks(opt, size=64):
             opt._device.refresh_layout(buf)
 
 
-@pytest.mark.parametrize("where", ["backend", "device"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("where", slow_beyond(["device", "backend"]))
+@pytest.mark.parametrize("name", slow_beyond(NAMES))
 def test_cuda_train_and_eval_match_the_cpu(name, where):
     """The switch kernel through the CUDA walk: on host buffers (the backend, as
     tests/test_cuda_kernels.py runs rules) and on device buffers (``device="cuda"``), under

@@ -15,7 +15,7 @@ import flatopt
 from flatopt.kernels import cpu
 from flatopt.kernels import threads
 
-from optimizers import NAMES, build, fit_params
+from optimizers import INFO, NAMES, build, fit_params
 
 SCHEDULER_CALL = re.compile(r"call [^\n]*@do_scheduling_(?:un)?signed")
 
@@ -69,18 +69,20 @@ def exercised():
     return list(threads.ALL)
 
 
+@pytest.mark.slow  # the fixture compiles every rule's parallel kernels: the fast loop's
 def test_every_threaded_kernel_of_a_training_loop_ran_both_ways(exercised):
     ran = {t.name for t in exercised if t.serial.signatures and t.parallel.signatures}
     assert {"cpu.reduce_gradients", "tools.lerp_into", "adafactor._square_sums",
             "adafactor._update_square_sums", "adafactor._apply",
             "cpu.gradient_chunk_partials"} <= ran
-    rules = [flatopt.registry.lookup(name).schema.rule for name in NAMES]
-    for rule in rules:
-        if rule.per_parameter is None:
+    for name in NAMES:
+        if not INFO[name].per_matrix_update:  # an element step kernel of its own
+            rule = flatopt.registry.lookup(name).schema.rule
             assert any(t.startswith(f"step_{rule.name}_") for t in ran), rule.name
     assert any(t.startswith("reduce_lamb_") for t in ran)
 
 
+@pytest.mark.slow  # (parallel_chunk_walk in tests/test_kernels.py runs those of a few)
 def test_serial_kernels_never_call_the_parallel_scheduler(exercised):
     checked = 0
     for threaded in exercised:
@@ -90,6 +92,7 @@ def test_serial_kernels_never_call_the_parallel_scheduler(exercised):
     assert checked >= len(NAMES)  # every rule's step walk at least
 
 
+@pytest.mark.slow
 def test_parallel_kernels_launch_once(exercised):
     """np.zeros, .sum() and array expressions in a parallel=True kernel would each add a
     parallel region (a launch that waits for every worker thread)."""

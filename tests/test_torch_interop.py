@@ -1,6 +1,7 @@
 """Continuing a torch.optim run with flatopt: ``opt.load_torch_state_dict(sd, names)`` for every
 registered rule that torch has, then the next steps agree with torch's (bit for bit where the
-rule is bit-identical, see test_conformance.BIT_EXACT); and its errors."""
+rule is bit-identical to torch's single-tensor path: the facts' ``bit_exact`` in
+tests/optimizers.py); and its errors."""
 
 from __future__ import annotations
 
@@ -9,19 +10,21 @@ import pytest
 
 import flatopt
 from flatopt import StateDictError
-from optimizers import NAMES, fit_shape, random_settings, schema_of, torch_group, torch_settings
+from optimizers import INFO, NAMES, fit_shape, random_settings, torch_group, torch_settings
 
 torch = pytest.importorskip("torch")
 
-TORCH_RULES = [name for name in NAMES if schema_of(name).torch_name is not None]
+TORCH_RULES = [name for name in NAMES if INFO[name].torch is not None]
 SHAPES = {"enc.w": (6, 5), "enc.b": (5,), "head.w": (5, 2), "scale": ()}
-BITS = {"SGD", "Adamax", "Rprop"}  # single-tensor torch is the oracle of their bits
+# single-tensor torch is the oracle of their float32 bits (the runs here are float32)
+BITS = {name for name in TORCH_RULES if (bits := INFO[name].bit_exact) is not None
+        and bits.single_tensor and np.dtype(np.float32) in bits.dtypes}
 
 
 def torch_run(name, groups, rng, steps):
     tensors = {path: torch.tensor(value.copy(), requires_grad=True)
                for params, _ in groups for path, value in params.items()}
-    torch_opt = getattr(torch.optim, schema_of(name).torch_name)(
+    torch_opt = getattr(torch.optim, INFO[name].torch)(
         [{"params": [tensors[p] for p in params], **torch_group(name, hp)}
          for params, hp in groups],
         foreach=False)
@@ -40,7 +43,7 @@ def step_both(flat_opt, tensors, torch_opt, grads):
 def test_a_torch_run_continues_in_flatopt(name):
     rng = np.random.default_rng(7)
     shapes = {path: fit_shape(name, shape) for path, shape in SHAPES.items()}
-    if schema_of(name).param_problem is not None:  # Muon: matrices only
+    if INFO[name].matrices_only:  # Muon: matrices only
         shapes = {path: shape for path, shape in shapes.items() if len(shape) == 2}
     values = {path: rng.standard_normal(shape).astype(np.float32)
               for path, shape in shapes.items()}

@@ -156,7 +156,7 @@ def test_grad_scaler_follows_torchs_scaler():
 
 
 def test_grad_scaler_factors_must_be_finite():
-    """Issue 23 (minor): growth_factor=inf would make the scale inf after growth_interval
+    """growth_factor=inf would make the scale inf after growth_interval
     clean steps (and every step after it skipped); refused, in load_state_dict too."""
     for bad in (float("inf"), np.float64("inf"), float("nan")):
         with pytest.raises(flatopt.HyperparameterError, match="growth_factor"):
@@ -216,7 +216,7 @@ def test_ema_swaps_in_for_evaluation_and_round_trips():
 
 
 def test_ema_warmup_is_a_real_bool_in_the_constructor_and_the_state_dict():
-    """Issue 23 #8: "false" would turn warm-up on; None, "x" and {} are no settings."""
+    """The string "false" would turn warm-up on; None, "x" and {} are no settings."""
     opt = make(flatopt.Adam)
     for bad in ("false", "x", None, {}, 1, 0.0):
         with pytest.raises(flatopt.HyperparameterError, match="warmup"):

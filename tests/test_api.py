@@ -1,17 +1,14 @@
-"""Packing, the index, views, gradients, groups, state dicts and every error case."""
+"""The optimizer's API: packing, the index and views, parameter errors, gradients and
+their presence, state dicts, and the error messages."""
 
 from __future__ import annotations
-
-import re
 
 import numpy as np
 import pytest
 
 import flatopt
-from flatopt import (GradientError, GroupAssignmentError, HyperparameterError, ParamError,
-                     StateDictError)
-from flatopt._layout import ALIGN_BYTES, CHUNK_ELEMENTS, chunk_table
-from flatopt.kernels import cpu, threads
+from flatopt import GradientError, ParamError, StateDictError
+from flatopt._layout import ALIGN_BYTES
 
 
 def f32(*shape, seed=0):
@@ -19,19 +16,6 @@ def f32(*shape, seed=0):
 
 
 # ---------------------------------------------------------------------------- the seeds' fixtures
-def test_seed_sgd_groups_override_default_lr():
-    """0.5*(2w+b-4)^2 at w=1, b=0: gradients -4 and -2; group lrs 0.1 and 0.01 over lr=1."""
-    opt = flatopt.SGD([{"params": {"w": np.array(1.0)}, "lr": 0.1},
-                       {"params": {"b": np.array(0.0)}, "lr": 0.01}], lr=1.0)
-    opt.zero_grad(set_to_none=True)
-    w, b = float(opt.params["w"]), float(opt.params["b"])
-    residual = 2 * w + b - 4
-    opt.step({"w": np.array(2 * residual), "b": np.array(residual)})
-    assert f"{float(opt.params['w']):.6f}" == "1.400000"
-    assert f"{float(opt.params['b']):.6f}" == "0.020000"
-    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
-
-
 def test_seed_momentum_continuation_restored_versus_weights_only():
     """Restored buffer 2.0 then gradient -4 gives 1.22 (buffer -2.2); without it, 1.4 (-4)."""
     restored = flatopt.SGD({"p": np.array(1.0)}, lr=0.1, momentum=0.9)
@@ -101,19 +85,6 @@ def test_params_as_a_list_of_pairs_keep_their_order():
     assert opt.index.paths == ["z", "a"]
 
 
-def test_chunks_split_one_huge_tensor_and_many_small_ones_evenly():
-    sizes = np.array([3 * CHUNK_ELEMENTS + 5], dtype=np.int64)
-    first = chunk_table(np.array([0]), sizes, int(sizes[0]))
-    assert len(first) == 4 and (first == 0).all()
-    offsets = np.arange(0, 100 * 1024, 1024, dtype=np.int64)
-    sizes = np.full(100, 1000, dtype=np.int64)
-    first = chunk_table(offsets, sizes, 100 * 1024)
-    chunk_starts = np.arange(len(first)) * CHUNK_ELEMENTS
-    # each chunk starts at the first parameter ending after the chunk's start
-    assert (offsets[first] + sizes[first] > chunk_starts).all()
-    assert (first == 0).sum() == 1 and first[1] == CHUNK_ELEMENTS // 1024
-
-
 # ---------------------------------------------------------------------------- parameter errors
 @pytest.mark.parametrize("params, words", [
     ({}, "empty"),
@@ -168,123 +139,6 @@ def test_every_problem_is_listed_in_one_error():
     with pytest.raises(ParamError) as info:
         flatopt.SGD({"a": np.arange(3), "b": np.zeros(2, np.float16), "c": f32(2)})
     assert "'a'" in str(info.value) and "'b'" in str(info.value)
-
-
-# ---------------------------------------------------------------------------- hyperparameters
-def test_unknown_hyperparameter_suggests_the_near_name():
-    with pytest.raises(HyperparameterError, match="'weight_decy'.*did you mean 'weight_decay'"):
-        flatopt.AdamW({"a": f32(2)}, weight_decy=0.1)
-    with pytest.raises(HyperparameterError,
-                       match="param group 1 \\('head'\\): unknown hyperparameter 'momentun'"):
-        flatopt.SGD([{"params": {"a": f32(2)}}, {"params": {"b": f32(2)}, "label": "head",
-                                                 "momentun": 0.9}])
-
-
-@pytest.mark.parametrize("cls, kwargs, key", [
-    (flatopt.SGD, dict(lr=-0.1), "lr"),
-    (flatopt.SGD, dict(momentum=-0.5), "momentum"),
-    (flatopt.SGD, dict(weight_decay=-1e-4), "weight_decay"),
-    (flatopt.SGD, dict(dampening=1.5), "dampening"),
-    (flatopt.SGD, dict(nesterov=True), "nesterov"),
-    (flatopt.SGD, dict(nesterov=True, momentum=0.9, dampening=0.1), "nesterov"),
-    (flatopt.SGD, dict(lr=float("nan")), "lr"),
-    (flatopt.SGD, dict(lr="0.1"), "lr"),
-    (flatopt.SGD, dict(maximize=1), "maximize"),
-    (flatopt.Adam, dict(betas=(1.0, 0.999)), "betas"),
-    (flatopt.Adam, dict(betas=(0.9, -0.1)), "betas"),
-    (flatopt.Adam, dict(betas=(0.9,)), "betas"),
-    (flatopt.Adam, dict(eps=-1e-8), "eps"),
-    (flatopt.AdamW, dict(weight_decay=-0.01), "weight_decay"),
-    (flatopt.Adam, dict(amsgrad="yes"), "amsgrad"),
-])
-def test_invalid_values_raise_in_constructor_and_in_group_overrides(cls, kwargs, key):
-    with pytest.raises(HyperparameterError, match=f"{cls.__name__}\\(\\): .*{key}"):
-        cls({"a": f32(2)}, **kwargs)
-    with pytest.raises(HyperparameterError, match=f"param group 1 \\('bad'\\): .*{key}"):
-        cls([{"params": {"a": f32(2)}}, {"params": {"b": f32(2)}, "label": "bad", **kwargs}])
-
-
-def test_a_group_override_beats_the_default_and_a_group_may_carry_a_label():
-    opt = flatopt.AdamW([{"params": {"a": f32(2)}, "weight_decay": 0.0, "label": "no_decay"},
-                         {"params": {"b": f32(2)}}], lr=0.01)
-    assert opt.param_groups[0]["weight_decay"] == 0.0 and opt.param_groups[0]["label"] == "no_decay"
-    assert opt.param_groups[1]["weight_decay"] == 0.01 and opt.param_groups[1]["lr"] == 0.01
-
-
-def test_lr_changed_in_param_groups_takes_effect_on_the_next_step():
-    opt = flatopt.SGD({"a": np.array([1.0])}, lr=0.1)
-    opt.step({"a": np.array([1.0])})
-    opt.param_groups[0]["lr"] = 0.5
-    opt.step({"a": np.array([1.0])})
-    assert opt.params["a"][0] == pytest.approx(1.0 - 0.1 - 0.5)
-
-
-def test_an_invalid_value_set_mid_run_raises_at_step_and_changes_nothing():
-    opt = flatopt.Adam({"a": f32(3)}, lr=0.1)
-    opt.step({"a": f32(3, seed=1)})
-    before = opt.state_dict()
-    opt.param_groups[0]["betas"] = (0.9, 1.5)
-    with pytest.raises(HyperparameterError, match="param group 0: betas"):
-        opt.step({"a": f32(3, seed=2)})
-    opt.param_groups[0]["betas"] = (0.9, 0.999)
-    opt.param_groups[0]["weight_decy"] = 0.1
-    with pytest.raises(HyperparameterError, match="did you mean 'weight_decay'"):
-        opt.step({"a": f32(3, seed=2)})
-    after = opt.state_dict()
-    np.testing.assert_array_equal(after["state"]["a"]["exp_avg"], before["state"]["a"]["exp_avg"])
-    assert after["state"]["a"]["step"] == 1
-
-
-def test_values_changed_in_place_or_retyped_are_seen_and_validated_at_the_next_step():
-    opt = flatopt.Adam({"a": np.ones(3)}, lr=0.1)
-    opt.param_groups[0]["betas"] = [0.9, 0.999]  # as a scheduler might set it
-    opt.step({"a": np.ones(3)})
-    opt.param_groups[0]["betas"][0] = 0.0  # a list mutated in place
-    opt.step({"a": np.full(3, 5.0)})
-    np.testing.assert_array_equal(opt.state_of("a").exp_avg, 5.0)  # beta1 = 0: m = g
-    opt.param_groups[0]["betas"][0] = 5.0
-    with pytest.raises(HyperparameterError, match="beta1"):
-        opt.step({"a": np.ones(3)})
-    opt.param_groups[0]["betas"] = np.array([0.9, 0.999])  # arrays are fine, and checked
-    opt.step({"a": np.ones(3)})
-    opt.param_groups[0]["amsgrad"] = 0  # equal to False, but not a bool
-    with pytest.raises(HyperparameterError, match="amsgrad"):
-        opt.step({"a": np.ones(3)})
-
-
-def test_a_scheduled_value_is_checked_alone_and_used_at_once():
-    """A changed lr is re-checked by itself (a scheduler's every step), with the same messages
-    and cross-checks as a whole group; other keys stay as validated."""
-    opt = flatopt.SGD([{"params": {"a": np.ones(3)}, "label": "x"}], lr=0.5, momentum=0.9,
-                      nesterov=True)
-    group = opt.param_groups[0]
-    group["lr"] = 0.25
-    assert opt.settings()[0] == {**opt.settings()[0], "lr": 0.25, "momentum": 0.9,
-                                 "label": "x"}
-    group["lr"] = -1.0
-    with pytest.raises(HyperparameterError, match=r"param group 0 \('x'\): lr=-1.0 is invalid"):
-        opt.step({"a": np.ones(3)})
-    group["lr"] = 0.25
-    group["momentum"] = 0.0  # nesterov needs momentum: the cross-check still runs
-    with pytest.raises(HyperparameterError, match="nesterov"):
-        opt.settings()
-    group.update(momentum=0.0, nesterov=False, label=None)
-    assert "label" not in opt.settings()[0]
-    opt.step({"a": np.ones(3)})
-    np.testing.assert_array_equal(opt.params["a"], 0.75)
-    group["lr"] = 0.5  # the next step's plan has the new scalars
-    opt.step({"a": np.ones(3)})
-    np.testing.assert_array_equal(opt.params["a"], 0.25)
-    group["lr_typo"] = 0.1  # a new key: the whole group is checked
-    with pytest.raises(HyperparameterError, match="unknown hyperparameter 'lr_typo'"):
-        opt.step({"a": np.ones(3)})
-
-
-def test_replacing_a_groups_params_is_refused():
-    opt = flatopt.SGD({"a": f32(2)})
-    opt.param_groups[0]["params"] = ["a", "b"]
-    with pytest.raises(HyperparameterError, match="add_param_group"):
-        opt.step()
 
 
 # ---------------------------------------------------------------------------- gradients
@@ -424,24 +278,6 @@ def test_marking_an_unknown_path_changes_no_flag():
     assert opt.grads.present_paths() == []
 
 
-# ---------------------------------------------------------------------------- add_param_group
-def test_add_param_group_leaves_existing_buffers_views_and_state_alone():
-    opt = flatopt.Adam({"a": f32(3)}, lr=0.1)
-    opt.step({"a": f32(3, seed=1)})
-    view, flat, state = opt.params["a"], opt.buffers[0].params, opt.state_dict()
-    opt.add_param_group({"params": {"b": f32(4, seed=2)}, "lr": 0.01, "label": "new"})
-    assert opt.params["a"] is view and opt.buffers[0].params is flat
-    assert opt.index["b"].id == 1 and opt.index["b"].group == 1
-    np.testing.assert_array_equal(opt.state_of("a").exp_avg, state["state"]["a"]["exp_avg"])
-    opt.step({"a": f32(3, seed=1), "b": f32(4, seed=3)})
-    assert opt.state_of("a").step == 2 and opt.state_of("b").step == 1
-    with pytest.raises(ParamError, match="'b' appears more than once"):
-        opt.add_param_group({"params": {"b": f32(4), "c": f32(1)}})
-    with pytest.raises(HyperparameterError, match="param group 2"):
-        opt.add_param_group({"params": {"c": f32(1)}, "lr": -1.0})
-    assert len(opt.param_groups) == 2 and "c" not in opt.index
-
-
 # ---------------------------------------------------------------------------- state dicts
 def test_state_dict_returns_copies_and_optimizers_never_share_state():
     a = flatopt.Adam({"w": f32(3)}, lr=0.1)
@@ -533,119 +369,6 @@ def test_loading_state_without_an_entry_resets_that_parameter():
     used.step({"y": f32(2, seed=1)})
     assert used.state_of("y").step == 1
     np.testing.assert_allclose(used.state_of("y").exp_avg, 0.1 * f32(2, seed=1), rtol=1e-6)
-
-
-# ---------------------------------------------------------------------------- grouping helper
-def test_group_by_pattern_assigns_every_parameter_once():
-    params = {"enc.0.weight": f32(2), "enc.0.bias": f32(2), "enc.norm.scale": f32(2),
-              "head.weight": f32(2)}
-    groups = flatopt.group_by_pattern(params, [
-        {"match": ["*.bias", "*norm*"], "weight_decay": 0.0, "label": "no_decay"}],
-        rest={"label": "decay"})
-    opt = flatopt.AdamW(groups, weight_decay=0.1)
-    assert opt.param_groups[0]["params"] == ("enc.0.bias", "enc.norm.scale")
-    assert opt.param_groups[0]["weight_decay"] == 0.0
-    assert opt.param_groups[1]["params"] == ("enc.0.weight", "head.weight")
-    assert opt.param_groups[1]["weight_decay"] == 0.1
-
-
-def test_group_by_pattern_lists_every_unmatched_and_ambiguous_path():
-    params = {"a.weight": f32(1), "a.bias": f32(1), "norm.bias": f32(1), "b.weight": f32(1)}
-    with pytest.raises(GroupAssignmentError) as info:
-        flatopt.group_by_pattern(params, [{"match": "*.bias"}, {"match": ["norm*"]}])
-    message = str(info.value)
-    assert "'norm.bias' matches more than one rule" in message and "['norm*']" in message
-    assert "'a.weight'" in message and "'b.weight'" in message and "'*.bias'" in message
-    with pytest.raises(GroupAssignmentError, match=re.escape("rule 1 ['*enc*'] matches no parameter")):
-        flatopt.group_by_pattern(params, [{"match": "*"}, {"match": "*enc*"}])
-    with pytest.raises(GroupAssignmentError, match="needs 'match'"):
-        flatopt.group_by_pattern(params, [{"lr": 0.1}])
-
-
-# ---------------------------------------------------------------------------- kernels
-@pytest.mark.parametrize("name", flatopt.registry.names())
-def test_a_second_step_does_not_recompile(name):
-    from optimizers import build, fit_params
-    cls = flatopt.registry.lookup(name)
-    opt = build(name, {"a": f32(5), "b": f32(40_000)})
-    grads = fit_params(name, {"a": f32(5), "b": f32(40_000)})
-    opt.step(grads, max_grad_norm=1.0)
-    opt.step(grads)
-    compiled = cpu.compile_rule(cls.schema.rule)
-    kernels = [k for k in (compiled.prepare_kernel, compiled.finalize_kernel,
-                           *(way for t in threads.ALL for way in (t.serial, t.parallel)))
-               if k is not None and k.signatures]
-    assert compiled.prepare_kernel in kernels  # (a rule over whole matrices has no step kernel)
-    counts = {k: len(k.signatures) for k in kernels}
-    opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"] * 0.5
-    for _ in range(3):
-        opt.step(grads, max_grad_norm=1.0)
-        opt.step(grads)
-    assert {k: len(k.signatures) for k in kernels} == counts
-
-
-@pytest.mark.parametrize("name", flatopt.registry.names())
-def test_float32_kernels_stay_in_float32(name):
-    from optimizers import build, fit_params
-    cls = flatopt.registry.lookup(name)
-    if cls.schema.rule.per_parameter is not None:
-        pytest.skip(f"{name}'s update is NumPy code per matrix: no element kernel to inspect")
-    opt = build(name, {"a": f32(100)})
-    opt.step(fit_params(name, {"a": f32(100)}))
-    # 100 elements: the serial kernel ran (it may have come from the disk cache)
-    used = cpu.compile_rule(cls.schema.rule).step_kernel.serial
-    kernel = cpu.compile_rule(cls.schema.rule, cache=False).step_kernel.serial
-    for signature in used.signatures:
-        kernel.compile(signature)
-    ir = [text for sig, text in kernel.inspect_llvm().items() if sig[1].dtype.name == "float32"]
-    assert ir and ("fmul float" in ir[0] or "fmul <" in ir[0])
-    # the Python wrapper unboxes the scalar arguments through a C double, once per call; the
-    # compiled kernel itself must not widen anything
-    functions = ir[0].split("\ndefine ")
-    kernel_code = "\n".join(line for f in functions[1:] if "7cpython" not in f.split("(")[0]
-                             for line in f.splitlines() if not line.startswith("declare"))
-    assert kernel_code and "fpext" not in kernel_code and "double" not in kernel_code
-
-
-@pytest.mark.parametrize("name", flatopt.registry.names())
-def test_parallel_chunk_walk_equals_serial_walk(name, monkeypatch):
-    """The chunk walk (chunks of 64 elements spanning parameters, several per parameter)
-    gives the serial walk's bits, missing gradients skipped in both."""
-    from optimizers import fit_shape, random_settings
-    rng = np.random.default_rng(5)
-    settings = random_settings(name, rng)
-    shapes = {k: fit_shape(name, s)
-              for k, s in {"a": (300,), "b": (), "c": (0,), "d": (17, 9), "e": (64,)}.items()}
-    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
-    cls = flatopt.registry.lookup(name)
-    serial, chunked = cls(params, **settings), cls(params, **settings)
-    for buf in chunked.buffers:
-        buf.chunk_size = 64
-        buf.chunk_first = chunk_table(buf.offsets, buf.sizes, buf.length, 64)
-    for step in range(4):
-        grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()
-                 if (step + len(k)) % 3}
-        serial.step(grads)
-        monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(threads, "_policy", "always")
-        chunked.step(grads)
-        monkeypatch.undo()
-    for path in shapes:
-        assert chunked.params[path].tobytes() == serial.params[path].tobytes(), path
-
-
-def test_initial_lr_is_validated_where_every_group_value_is():
-    """One group validation: what a checkpoint load would refuse never enters an optimizer."""
-    with pytest.raises(HyperparameterError, match="param group 0: initial_lr='abc'"):
-        flatopt.Adam([{"params": {"w": f32(2)}, "initial_lr": "abc"}])
-    opt = flatopt.Adam([{"params": {"w": f32(2)}, "initial_lr": 0.1}])
-    opt.param_groups[0]["initial_lr"] = float("nan")
-    with pytest.raises(HyperparameterError, match="initial_lr=nan"):
-        opt.step({"w": f32(2)})
-    assert opt.state_of("w") is None  # nothing stepped
-    opt.param_groups[0]["initial_lr"] = 0.05
-    opt.step({"w": f32(2)})
-    assert opt.state_of("w").step == 1
 
 
 def test_one_mistake_repeated_over_many_parameters_gives_a_short_message():
