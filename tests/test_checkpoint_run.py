@@ -151,6 +151,10 @@ def test_a_refused_save_leaves_the_previous_run(tmp_path):
         flatopt.save(target, {"a": kit["muon"], "b": kit["muon"]})
     with pytest.raises(flatopt.CheckpointOptionError, match="schedulers="):
         flatopt.save(target, optimizers(kit), scheduler=kit["schedulers"]["muon"])
+    (tmp_path / "file").write_bytes(b"kept")
+    with pytest.raises(flatopt.CheckpointError, match="it is a file"):
+        save(kit, tmp_path / "file")
+    assert (tmp_path / "file").read_bytes() == b"kept"
     assert sorted(os.listdir(target)) == listing
     assert (tmp_path / "run" / run.RUN_FILE).read_bytes() == committed
 

@@ -169,6 +169,10 @@ def save(path, optimizers: Mapping, *, schedulers=None, metadata=None, arrays=No
     if os.path.isdir(final) and os.path.exists(os.path.join(final, MANIFEST)):
         raise CheckpointError(f"cannot save checkpoint {final}: it holds a sharded checkpoint; "
                               "choose another path", path=final)
+    if os.path.lexists(final) and not os.path.isdir(final):
+        raise CheckpointError(f"cannot save checkpoint {final}: it is a file, and a run of "
+                              "several optimizers is a directory; choose another path",
+                              path=final)
     save_id = secrets.token_hex(8)
     with _all_locked(optimizers):
         snapshots = []
