@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from . import _codec
 from ._layout import FlatBuffer, ParamInfo, WalkLayout
 from ._views import gradient_problem, value_problem
 from .kernels import MAX_ABS
@@ -102,8 +103,13 @@ class Device:
                 return None
             for name in plan.used:
                 if name not in buf.state:
-                    buf.state[name] = self.new_slot(buf, name, plan.initial(name))
+                    buf.state[name] = (_codec.new_slot(buf, plan.schema, name,
+                                                       plan.initial(name)) if buf.coded
+                                       else self.new_slot(buf, name, plan.initial(name)))
             self.allocate(buf, plan.used)
+            if buf.coded:
+                plan.arrays = _codec.coded_plan(buf, plan.schema, plan.used)
+                return plan.arrays
             plan.arrays = (buf.params, buf.grads,
                            *(buf.state[name] if name in plan.used else buf.grads
                              for name in self.rule.slots))
@@ -137,6 +143,7 @@ class HostDevice(Device):
         """Step with the kernels of backend ``name`` from now on."""
         self.backend = kernel_backend(name)
         self.kernels = self.backend.compile(self.rule)
+        self.coded_kernels = None  # compiled on the first coded buffer's step
 
     def __repr__(self) -> str:
         return "cpu"
@@ -158,32 +165,45 @@ class HostDevice(Device):
         totals, then its span over every chunk; or, for a rule over whole matrices, its NumPy
         function per present parameter."""
         rule, kernels, columns = self.rule, self.kernels, buf.kernel_columns
+        if buf.coded:
+            kernels, arrays = self.coded(buf, arrays)
         if rule.per_parameter is not None:
             per_parameter_update(rule, buf, plan, multiplier, scale,
                                  buf.state if part is None else part.state)
             return
         if rule.reduces(plan.flags):
-            self.reduce_pass(buf, plan, arrays, multiplier, scale, part)
+            self.reduce_pass(buf, plan, arrays, multiplier, scale, part, kernels)
             kernels.finalize(buf.present, columns, plan.prepare_scalars, plan.flags,
                              plan.sums)
             scale = False  # the reduce pass scaled the gradients
         kernels.step(arrays, plan.scalars, columns, plan.flags, buf if part is None else part,
                      multiplier, scale)
 
+    def coded(self, buf: FlatBuffer, plan_arrays) -> tuple:
+        """The kernels and arguments that step a reduced-precision buffer."""
+        if self.coded_kernels is None:
+            self.coded_kernels = self.backend.compile_coded(self.rule)
+        return self.coded_kernels, plan_arrays.arguments(buf.draws)
+
     def reduce_pass(self, buf: FlatBuffer, plan, arrays: tuple, multiplier, scale: bool,
-                    part=None) -> None:
+                    part=None, kernels=None) -> None:
         """The rule's reduce pass: per-parameter totals into ``plan.sums``."""
+        if buf.coded and kernels is None:
+            kernels, arrays = self.coded(buf, arrays)
         if part is not None:
             part.reduce(self.kernels, plan, arrays, multiplier, scale)
         else:
-            self.kernels.reduce(arrays, plan.scalars, buf.kernel_columns, plan.flags, buf,
-                                plan.sums, multiplier, scale)
+            (kernels or self.kernels).reduce(arrays, plan.scalars, buf.kernel_columns,
+                                             plan.flags, buf, plan.sums, multiplier, scale)
 
     def step_pass(self, buf: FlatBuffer, plan, arrays: tuple, part=None) -> None:
         """The step pass of a rule with global reductions (its reduce pass scaled the
         gradients)."""
-        self.kernels.step(arrays, plan.scalars, buf.kernel_columns, plan.flags,
-                          buf if part is None else part, plan.one, False)
+        kernels = self.kernels
+        if buf.coded:
+            kernels, arrays = self.coded(buf, arrays)
+        kernels.step(arrays, plan.scalars, buf.kernel_columns, plan.flags,
+                     buf if part is None else part, plan.one, False)
 
     def reduce_present(self, mode: int, power: float) -> tuple[float, int]:
         """(sum or max over every buffer, non-finite count) of the present gradients."""
@@ -191,9 +211,15 @@ class HostDevice(Device):
         for buf in self.hosts:
             if not buf.chunk_first.size:
                 continue
-            value, count = self.host.reduce_gradients(
-                buf.length, buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first,
-                buf.chunk_size, power, mode)
+            if buf.grads.dtype != buf.dtype:  # 16-bit gradients
+                value, count = self.host.reduce_coded_gradients(
+                    buf.length, buf.grads.view(np.uint8), _codec.half_format(buf.grads.dtype),
+                    buf.present, buf.offsets, buf.sizes, buf.chunk_first, buf.chunk_size,
+                    buf.length, power, mode)
+            else:
+                value, count = self.host.reduce_gradients(
+                    buf.length, buf.grads, buf.present, buf.offsets, buf.sizes,
+                    buf.chunk_first, buf.chunk_size, power, mode)
             bad += int(count)
             if mode == MAX_ABS:
                 total = value if not (value <= total) else total
@@ -205,6 +231,9 @@ class HostDevice(Device):
         """Multiply every present gradient by ``factor`` (rounded to each buffer's dtype)."""
         kernels = self.host.compile(SCALE_GRADIENTS)
         for buf in self.hosts:
+            if buf.grads.dtype != buf.dtype:  # 16-bit gradients: rarely, so in NumPy
+                _codec.scale_gradients(buf, factor)
+                continue
             kernels.step((buf.params, buf.grads), np.zeros(0, buf.dtype), (), (), buf,
                          buf.dtype.type(factor), True)
 
@@ -219,7 +248,7 @@ class HostDevice(Device):
 
     # ------------------------------------------------------------------- values in
     def gradient_problem(self, info: ParamInfo, value: Any) -> str | None:
-        return gradient_problem(info, value)
+        return gradient_problem(info, value, self.hosts[info.buffer].grads.dtype)
 
     def value_problem(self, info: ParamInfo, value: Any) -> str | None:
         return value_problem(info, value, "value")
@@ -247,6 +276,7 @@ class HostDevice(Device):
 
     def write_param(self, info: ParamInfo, value) -> None:
         self.param_views[info.path][...] = value
+        _codec.reset_parameter(self.hosts[info.buffer], info.slot)
 
     # ------------------------------------------------------------------- EMA
     def copy_of(self, flat):

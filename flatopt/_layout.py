@@ -88,9 +88,11 @@ def aligned_zeros(n_elements: int, dtype: np.dtype) -> np.ndarray:
     return raw[start:start + n_elements * dtype.itemsize].view(dtype)
 
 
-def aligned_offsets(sizes: Sequence[int], dtype: np.dtype) -> tuple[np.ndarray, int]:
-    """Offsets that start each parameter on an aligned element, and the buffer's total length."""
-    align = ALIGN_BYTES // np.dtype(dtype).itemsize
+def aligned_offsets(sizes: Sequence[int], dtype: np.dtype,
+                    align: int | None = None) -> tuple[np.ndarray, int]:
+    """Offsets that start each parameter on an aligned element (every ``align`` elements;
+    by default ALIGN_BYTES of ``dtype``), and the buffer's total length."""
+    align = align or ALIGN_BYTES // np.dtype(dtype).itemsize
     offsets = np.empty(len(sizes), dtype=np.int64)
     position = 0
     for k, size in enumerate(sizes):
@@ -154,7 +156,7 @@ class RangeLayout:
 
 
 class FlatBuffer:
-    """One contiguous buffer holding every parameter of one group and dtype.
+    """One contiguous buffer holding every parameter of one group, dtype and storage.
 
     ``params`` and ``grads`` are aligned 1-D arrays of the same length; every state slot
     (``state[name]``) is another such array, allocated when first needed. Parameter ``slot``
@@ -165,26 +167,53 @@ class FlatBuffer:
     ``columns`` holds the rule's per-parameter arrays (step counts, flags, bias corrections),
     ``kernel_columns`` the same arrays in the order the rule's kernels take them.
 
+    ``storage`` (a :class:`flatopt._storage.BufferStorage`) says how they are stored: by
+    default everything in the parameters' dtype; with reduced precision ``params`` and
+    ``grads`` may be 16-bit, state slots bfloat16 or 8-bit codes (``absmax[name]``: a float32
+    scale per 256-element block), ``master`` a float32 copy of 16-bit parameters,
+    ``compensation`` their Kahan compensation, and ``draws`` counts the steps whose
+    stochastic rounding this buffer has drawn. ``dtype`` is always what the kernels compute
+    in (float32 or float64): scalars, columns and decoded state values.
+
     Treat every array as read-only outside the optimizer: it changes them in place.
     """
 
     def __init__(self, number: int, group: int, dtype: np.dtype, ids: Sequence[int],
                  paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
                  columns: dict[str, np.dtype] | None = None,
-                 shaped_slots: dict[str, Callable[[tuple], tuple | None]] | None = None):
+                 shaped_slots: dict[str, Callable[[tuple], tuple | None]] | None = None,
+                 storage=None):
         self.number = number
         self.group = group
-        self.dtype = np.dtype(dtype)
+        self.storage = storage
+        self.dtype = np.dtype(dtype) if storage is None else storage.compute
         self.ids = np.asarray(ids, dtype=np.int64)
         self.paths = list(paths)
         self.shapes = [tuple(s) for s in shapes]
         self.sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in self.shapes],
                               dtype=np.int64)
-        self.offsets, self.length = aligned_offsets(self.sizes, self.dtype)
+        param_dtype = self.dtype if storage is None else storage.param
+        grad_dtype = self.dtype if storage is None else storage.grad
+        align = None
+        if storage is not None and not storage.plain:
+            # every array of the buffer starts each parameter on a cache line, and int8
+            # state's blocks start at each parameter (bitsandbytes quantizes each tensor)
+            smallest = min(param_dtype.itemsize, grad_dtype.itemsize,
+                           storage.state_array_dtype.itemsize)
+            align = max(ALIGN_BYTES // smallest, storage.alignment or 0)
+        self.offsets, self.length = aligned_offsets(self.sizes, self.dtype, align)
         self.chunk_first = chunk_table(self.offsets, self.sizes, self.length)
         self.chunk_size = CHUNK_ELEMENTS
-        self.params = aligned_zeros(self.length, self.dtype)
-        self.grads = aligned_zeros(self.length, self.dtype)
+        self.params = aligned_zeros(self.length, param_dtype)
+        self.grads = aligned_zeros(self.length, grad_dtype)
+        self.master = None
+        self.compensation = None
+        self.absmax: dict[str, np.ndarray] = {}
+        self.draws = 0
+        if storage is not None and storage.master:
+            self.master = aligned_zeros(self.length, self.dtype)
+        if storage is not None and storage.rounding == "kahan":
+            self.compensation = aligned_zeros(self.length, param_dtype)
         self.present = np.zeros(len(self.paths), dtype=np.uint8)
         self.stale = np.zeros(len(self.paths), dtype=np.uint8)
         # the gradient buffer starts as zeros: nothing is stale
@@ -241,9 +270,21 @@ class FlatBuffer:
         return flat
 
     @property
+    def coded(self) -> bool:
+        """Whether the buffer is stored otherwise than it is computed (reduced precision)."""
+        return self.storage is not None and not self.storage.plain
+
+    def memory(self) -> dict[str, int]:
+        """Bytes by kind: parameters, gradients, master weights (and Kahan compensation),
+        state (with int8 scales)."""
+        extra = [a for a in (self.master, self.compensation) if a is not None]
+        return {"params": self.params.nbytes, "grads": self.grads.nbytes,
+                "master": sum(a.nbytes for a in extra),
+                "state": sum(a.nbytes for a in (*self.state.values(), *self.absmax.values()))}
+
+    @property
     def nbytes(self) -> int:
-        return (self.params.nbytes + self.grads.nbytes
-                + sum(a.nbytes for a in self.state.values()))
+        return sum(self.memory().values())
 
     def __repr__(self) -> str:
         return (f"FlatBuffer(number={self.number}, group={self.group}, dtype={self.dtype}, "

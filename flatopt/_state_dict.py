@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _restore
+from . import _codec, _restore
 from .errors import StateDictError, raise_problems
 from .schema import describe_group
 
@@ -43,6 +43,9 @@ def param_state(opt, buf, slot: int, copy: bool) -> dict | None:
     entry: dict[str, Any] = {name: buf.columns[name][slot].item()
                              for name in opt.schema.state_dict_columns}
     for name in opt.schema.slots:
+        if name in buf.state and buf.coded and buf.storage.state != buf.dtype.name:
+            entry[name] = _codec.read_slot(buf, opt.schema, name, slot)  # float32 values
+            continue
         view = buf.state_view(name, slot) if name in buf.state else None
         if view is not None:
             entry[name] = view.copy() if copy else view

@@ -48,29 +48,33 @@ class ParamViews(Mapping):
         return len(self._views)
 
 
-def value_problem(info: ParamInfo, value: Any, what: str) -> str | None:
+def value_problem(info: ParamInfo, value: Any, what: str, dtype=None) -> str | None:
     """Why ``value`` cannot be copied into ``info``'s view (``what``: "gradient" or
-    "value"), or None."""
+    "value"; ``dtype``: the view's, by default the parameter's), or None."""
+    dtype = info.dtype if dtype is None else np.dtype(dtype)
     if isinstance(value, np.generic):
         value = np.asarray(value)
     if not isinstance(value, np.ndarray):
         return (f"{what} for {info.path!r} is a {type(value).__name__}; give a numpy array "
-                f"of shape {info.shape} and dtype {info.dtype}")
+                f"of shape {info.shape} and dtype {dtype}")
     if isinstance(value, np.ma.MaskedArray):
         return (f"{what} for {info.path!r} is a masked array, whose mask flatopt would "
                 "ignore; pass value.filled(0) (or the values you mean)")
     if value.shape != info.shape:
         return (f"{what} for {info.path!r} has shape {value.shape}, but the parameter has "
                 f"shape {info.shape}")
-    if value.dtype != info.dtype:
-        return (f"{what} for {info.path!r} has dtype {value.dtype}, but the parameter is "
-                f"{info.dtype}; cast it with .astype(np.{info.dtype})")
+    if value.dtype != dtype:
+        whose = "the parameter is" if dtype == info.dtype else f"its {what} buffer holds"
+        cast = "ml_dtypes.bfloat16" if dtype.name == "bfloat16" else f"np.{dtype}"
+        return (f"{what} for {info.path!r} has dtype {value.dtype}, but {whose} "
+                f"{dtype}; cast it with .astype({cast})")
     return None
 
 
-def gradient_problem(info: ParamInfo, value: Any) -> str | None:
-    """Why ``value`` cannot be the gradient of ``info``, or None."""
-    return value_problem(info, value, "gradient")
+def gradient_problem(info: ParamInfo, value: Any, dtype=None) -> str | None:
+    """Why ``value`` cannot be the gradient of ``info`` (held as ``dtype``, by default the
+    parameter's), or None."""
+    return value_problem(info, value, "gradient", dtype)
 
 
 class Gradients(Mapping):

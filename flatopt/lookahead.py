@@ -50,6 +50,10 @@ class Lookahead:
             raise DeviceError("Lookahead wraps an optimizer whose buffers are on the host and "
                               "not sharded over ranks (device='cpu', no comm=); not yet on "
                               "CUDA or ZeRO-1")
+        if any(buf.coded for buf in optimizer.buffers):
+            raise HyperparameterError("Lookahead wraps optimizers with float32 or float64 "
+                                      "buffers; not yet reduced-precision ones (16-bit "
+                                      "parameters, master_weights, state_dtype)")
         self.optimizer = optimizer
         self.alpha = _alpha(alpha)
         self.k = _k(k)

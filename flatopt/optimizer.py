@@ -18,15 +18,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _device, _params, _restore, _state_dict, _stepping, distributed
+from . import _codec, _device, _params, _restore, _state_dict, _stepping, _storage, distributed
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._plan import Plan, make_plan
 from ._restore import BufferState
 from ._stepping import StepResult
 from ._validated import Validated, validate_groups
 from ._views import Gradients, ParamViews
-from .errors import GradientError, HyperparameterError, ParamError, StateDictError, \
-    UnknownPathError
+from .errors import DeviceError, GradientError, HyperparameterError, ParamError, \
+    StateDictError, UnknownPathError
 from .errors import raise_problems as _raise
 from .schema import Schema, describe_group, near
 
@@ -68,6 +68,10 @@ class Optimizer:
         # where the buffers live (flatopt._device): "cpu" (default), "cuda", or "auto"
         device, stream = defaults.pop("device", "cpu"), defaults.pop("stream", None)
         bit_exact = defaults.pop("bit_exact", False)
+        # master_weights, rounding, state_dtype, grad_dtype, seed: fixed per group
+        self._base_storage = _storage.checked(self.schema, _storage.take(defaults),
+                                              _storage.Storage(), name)
+        self._storage: list[_storage.Storage] = []
         values, problems = self.schema.check_group(self.schema.defaults(**defaults), name,
                                                    extras=())
         _raise(problems, HyperparameterError)
@@ -93,6 +97,27 @@ class Optimizer:
         groups = _params.split_groups(params, structure)
         _raise(structure, ParamError)
         self._add_groups(groups, require_params=True)
+        if device != "cpu" and any(buf.coded for buf in self.buffers):
+            raise DeviceError(f"{name}: reduced-precision buffers (16-bit parameters, "
+                              "master_weights, state_dtype) run on the CPU for now; "
+                              "leave device='cpu'")
+
+    @property
+    def storage(self) -> tuple:
+        """Each group's storage settings (a ``flatopt._storage.Storage``: master_weights,
+        rounding, state_dtype, grad_dtype, seed), fixed at construction."""
+        return tuple(self._storage)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this optimizer holds, by kind: ``params``, ``grads``, ``master`` (float32
+        master weights and Kahan compensation), ``state`` (with 8-bit block scales), and
+        ``total``. State is counted once it is allocated (at the first step)."""
+        totals = {"params": 0, "grads": 0, "master": 0, "state": 0}
+        for buf in self.buffers:
+            for kind, size in buf.memory().items():
+                totals[kind] += size
+        totals["total"] = sum(totals.values())
+        return totals
 
     @property
     def sharding(self):
@@ -142,11 +167,13 @@ class Optimizer:
                 continue
             where = describe_group(number, group)
             overrides = {k: v for k, v in group.items() if k != "params"}
+            storage = _storage.checked(self.schema, _storage.take(overrides),
+                                       self._base_storage, where)
             values, problems = self.schema.check_group({**self.defaults, **overrides}, where)
             hyper_problems += problems
-            staged.append((values, _params.check_entries(
+            staged.append((values, storage, _params.check_entries(
                 self.schema, group, where, seen, self.index, self.buffers, param_problems)))
-        all_arrays = [entry for _, entries in staged for entry in entries]
+        all_arrays = [entry for _, _, entries in staged for entry in entries]
         param_problems += _params.tied_problems(all_arrays)
         if require_params and not all_arrays and not param_problems:
             param_problems.append("optimizer got an empty parameter list; give a dict "
@@ -155,12 +182,16 @@ class Optimizer:
         _raise(hyper_problems, HyperparameterError)
         infos: list[ParamInfo] = []
         next_id = len(self.index)
-        for values, entries in staged:
+        resolved = [_storage.resolve_group(self.schema, storage, entries, len(self.param_groups) + n)
+                    for n, (_, storage, entries) in enumerate(staged)]
+        for (values, storage, entries), storages in zip(staged, resolved):
             ids = {path: next_id + k for k, (path, _) in enumerate(entries)}
             next_id += len(entries)
-            infos += self._build_buffers(len(self.param_groups), entries, ids, values)
+            infos += self._build_buffers(len(self.param_groups), entries, ids, values,
+                                         storages)
             paths = tuple(path for path, _ in entries)
             self.param_groups.append({"params": paths, **values})
+            self._storage.append(storage)
             self._group_paths.append(paths)
             self._validated.append(None)
         # Views are handed out in id order, as the user gave them; new ids come last.
@@ -170,19 +201,22 @@ class Optimizer:
         self._device.add_views(infos)
 
     def _build_buffers(self, group: int, entries: list, ids: dict,
-                       settings: Mapping[str, Any]) -> list[ParamInfo]:
-        """One buffer per dtype of the group's entries, filled with their values (and, for an
-        eager schema, the state its settings use, at its initial values)."""
+                       settings: Mapping[str, Any], storages: list) -> list[ParamInfo]:
+        """One buffer per dtype and storage of the group's entries, filled with their values
+        (and, for an eager schema, the state its settings use, at its initial values)."""
         rule = self.schema.rule
         infos = []
-        for dtype in dict.fromkeys(array.dtype for _, array in entries):
-            members = [(path, array) for path, array in entries if array.dtype == dtype]
-            columns = {name: rule.column_dtype(name, dtype) for name in rule.columns}
-            buf = FlatBuffer(len(self.buffers), group, dtype, [ids[p] for p, _ in members],
-                             [p for p, _ in members], [a.shape for _, a in members], columns,
-                             self.schema.shaped_slots)
+        for storage in dict.fromkeys(storages):
+            members = [(path, array) for (path, array), s in zip(entries, storages)
+                       if s == storage]
+            columns = {name: rule.column_dtype(name, storage.compute) for name in rule.columns}
+            buf = FlatBuffer(len(self.buffers), group, storage.compute,
+                             [ids[p] for p, _ in members], [p for p, _ in members],
+                             [a.shape for _, a in members], columns,
+                             self.schema.shaped_slots, storage)
             for slot, (path, array) in enumerate(members):
                 buf.view(buf.params, slot)[...] = array
+                _codec.reset_parameter(buf, slot)
                 infos.append(ParamInfo(ids[path], path, array.shape, array.dtype, group,
                                        buf.number, slot, int(buf.offsets[slot]),
                                        int(buf.sizes[slot])))
@@ -197,6 +231,8 @@ class Optimizer:
         """A host state buffer for ``buf``'s slot ``name`` holding fresh state: the slot's
         initial value for ``settings``, zeros without them."""
         initial = 0.0 if settings is None else self.schema.initial_value(name, settings)
+        if buf.coded:
+            return _codec.new_slot(buf, self.schema, name, initial)
         return self._device.new_slot(buf, name, initial)
 
     # ----------------------------------------------------------------- settings
@@ -411,6 +447,7 @@ class Optimizer:
                 continue  # nothing to step: no state is allocated
             if layer.prepare(buf, plan):
                 stepped = True
+                buf.draws += 1  # the stochastic rounding stream of this step
                 if together:
                     staged.append((buf, plan, arrays))
                 else:
@@ -530,6 +567,11 @@ class Optimizer:
         """
         if self._sharding is not None:
             self._sharding.refuse("load_state_dict()")
+        if any(buf.coded for buf in self.buffers):
+            raise StateDictError(f"{type(self).__name__}.load_state_dict(): this optimizer "
+                                 "keeps reduced-precision buffers, whose state cannot be "
+                                 "loaded from a state dict yet (state_dict() gives float32 "
+                                 "values)")
         state, settings = _state_dict.parse(self, state_dict, hyperparameters)
         with self.host_side():
             _restore.apply(self, state, settings, None, None)

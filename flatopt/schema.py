@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ._storage import KEYS as STORAGE_KEYS
 from .kernels.checks import count_negative_or_nonfinite, first_nonzero_segment
 from .kernels.rule import Rule
 
@@ -252,6 +253,9 @@ class Schema:
     eager: bool = False
     """State exists for every parameter from construction (torch's Adagrad): slots start
     from their ``initial`` value, and every parameter has a state-dict entry."""
+    int8_state: bool = False
+    """Its slots are moment estimates that bitsandbytes' 8-bit blockwise format holds
+    (``state_dtype="int8"``: signed codes, unsigned for ``nonnegative`` slots)."""
     marker: str | None = field(init=False)
     """The column that says whether a parameter has state (None when ``eager``)."""
 
@@ -315,7 +319,10 @@ class Schema:
         problems: list[str] = []
         normalised: dict[str, Any] = {} if base is None else dict(base)
         for key in values:
-            if key not in self.hyperparameters and key not in extras:
+            if key in STORAGE_KEYS and key not in self.hyperparameters:
+                problems.append(f"{where}: {key!r} is a storage setting, fixed when the group "
+                                "was built (opt.storage); build a new optimizer to change it")
+            elif key not in self.hyperparameters and key not in extras:
                 known = [*self.hyperparameters, *extras]
                 problems.append(f"{where}: unknown hyperparameter {key!r}{near(key, known)}; "
                                 f"known: {', '.join(self.hyperparameters)}")

@@ -29,12 +29,18 @@ def bind(rule: Rule, decorate: Callable[[Callable], Callable],
     ``primitives`` replace names the rule imports (``fma``, see ``kernels/arithmetic.py``)
     with the backend's own. Each function reads its own module's other names (a helper
     shared by several rules, ``kernels/rules/caution.py``, lives in a module of its own)."""
+    return bind_functions(f"rule {rule.name!r}", rule.functions, decorate, primitives)
+
+
+def bind_functions(owner: str, functions, decorate: Callable[[Callable], Callable],
+                   primitives: dict[str, Callable] | None = None) -> dict[str, Callable]:
+    """:func:`bind` for any plain functions (the storage codec's, ``kernels/coded.py``):
+    compiled with ``decorate``, by name, calling each other compiled."""
     compiled: dict[str, Callable] = {}
     namespaces: dict[str, dict] = {}
-    for function in rule.functions:
+    for function in functions:
         if function.__name__ in compiled:
-            raise TypeError(f"rule {rule.name!r}: two functions are named "
-                            f"{function.__name__!r}")
+            raise TypeError(f"{owner}: two functions are named {function.__name__!r}")
         namespace = namespaces.get(function.__module__)
         if namespace is None:
             namespace = namespaces[function.__module__] = {**function.__globals__,

@@ -37,6 +37,7 @@ from numba import njit, prange, uint64
 
 from .._layout import aligned_zeros
 from ._bind import bind, instantiate
+from .coded import CODEC, SUB, TABLES, compile_coded
 from .rule import Rule
 from .threads import Threaded, threaded
 from .tools import lerp_into
@@ -228,6 +229,54 @@ def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power,
     return value, bad
 
 
+_load_row = CODEC["load_row"]
+
+
+@threaded(cache=True, error_model="numpy")
+def reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
+                           power, mode):
+    """reduce_gradients over 16-bit gradients (``raw``: their bytes, ``fmt`` their
+    ``kernels.coded`` format): each segment loaded as float32 in sub-blocks; the partial
+    results of a chunk combined in order, then the chunks' in chunk order."""
+    n_chunks = chunk_first.size
+    partial = np.empty(n_chunks)
+    partial_bad = np.empty(n_chunks, np.int64)
+    scales = np.empty(0, np.float32)
+    for c in prange(n_chunks):
+        row = np.empty(SUB, np.float32)
+        lo = c * chunk_size
+        hi = min(lo + chunk_size, total)
+        k = chunk_first[c]
+        value = 0.0
+        bad = 0
+        while k < offsets.size and offsets[k] < hi:
+            if present[k] != 0:
+                last = min(hi, offsets[k] + sizes[k])
+                for start in range(max(lo, offsets[k]), last, SUB):
+                    n = min(SUB, last - start)
+                    _load_row(raw, fmt, scales, TABLES, start, n, row)
+                    v, count = _reduce_segment(row, 0, n, power, mode)
+                    if mode == MAX_ABS:
+                        if not (v <= value):
+                            value = v
+                    else:
+                        value += v
+                    bad += count
+            k += 1
+        partial[c] = value
+        partial_bad[c] = bad
+    value = 0.0
+    bad = 0
+    for c in range(n_chunks):
+        if mode == MAX_ABS:
+            if not (partial[c] <= value):
+                value = partial[c]
+        else:
+            value += partial[c]
+        bad += partial_bad[c]
+    return value, bad
+
+
 @threaded(cache=True, error_model="numpy")
 def gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size, power, mode,
                             first_chunk, stop_chunk):
@@ -307,12 +356,18 @@ class CpuBackend:
 
     name = "cpu"
     reduce_gradients = staticmethod(reduce_gradients)
+    reduce_coded_gradients = staticmethod(reduce_coded_gradients)
     gradient_chunk_partials = staticmethod(gradient_chunk_partials)
     lerp = staticmethod(lerp_into)
 
     @staticmethod
     def compile(rule: Rule) -> CompiledRule:
         return compile_rule(rule)
+
+    @staticmethod
+    def compile_coded(rule: Rule):
+        """The rule's walks over reduced-precision buffers (``kernels/coded.py``)."""
+        return compile_coded(rule, _overlaps, compile_rule(rule))
 
     @staticmethod
     def zeros(n_elements: int, dtype):

@@ -34,6 +34,7 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
     a run, as the member itself). Returns the absolute path.
     """
     opt, lookahead = unwrapped(opt, lookahead)
+    _full_precision(opt, "save", path)
     if _several(opt, scheduler, schedulers, lookahead):
         return run.save(path, opt, schedulers=schedulers, metadata=metadata, arrays=arrays,
                         ema=ema, scaler=scaler, background=background)
@@ -58,6 +59,7 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
     arrays are in its first optimizer's result.
     """
     opt, lookahead = unwrapped(opt, lookahead)
+    _full_precision(opt, "load", source)
     options = dict(strict=strict, rename=rename, hyperparameters=hyperparameters,
                    regroup=regroup, ema=ema, scaler=scaler, staging=staging)
     if _several(opt, scheduler, schedulers, lookahead):
@@ -101,6 +103,22 @@ def unwrapped(opt, lookahead):
             raise CheckpointOptionError("lookahead= names another Lookahead than the one given")
         return opt.optimizer, opt
     return opt, lookahead
+
+
+def _full_precision(opt, what: str, path) -> None:
+    """Refuse optimizers with reduced-precision buffers before any file is touched: their
+    lossless format (codes, block scales, master weights, the rounding stream) is not
+    written yet."""
+    members = opt.items() if isinstance(opt, Mapping) else [(None, opt)]
+    for name, member in members:
+        if isinstance(member, Lookahead):
+            member = member.optimizer
+        if isinstance(member, Optimizer) and any(buf.coded for buf in member.buffers):
+            which = f"optimizer {name!r}" if name is not None else type(member).__name__
+            raise CheckpointOptionError(
+                f"{what}({str(path)!r}): {which} keeps reduced-precision buffers (16-bit "
+                "parameters, master_weights or state_dtype), which checkpoints cannot hold "
+                "yet; nothing was written", path=str(path))
 
 
 def _sharded(opt) -> bool:

@@ -465,6 +465,10 @@ def build_together(opt, comm, build: Callable[[], None]) -> "Sharding | None":
             raise DistributedError(f"{type(opt).__name__}(comm=..., device=...): sharding "
                                    "buffers in GPU memory is not supported yet; leave device= "
                                    "out (host buffers) to run data-parallel")
+        if any(buf.coded for buf in opt.buffers):
+            raise DistributedError(f"{type(opt).__name__}(comm=...): reduced-precision "
+                                   "buffers (16-bit parameters, master_weights, state_dtype) "
+                                   "are not sharded yet; run them in one process")
     except Exception as error:  # every rank must hear of it before raising
         record = error_record(error)
         failure = error

@@ -20,6 +20,7 @@ class AdagradParamState(NamedTuple):
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="Adagrad", rule=rule.RULE, torch_name="Adagrad", record=AdagradParamState,
     eager=True,
     hyperparameters={

@@ -23,6 +23,7 @@ class AdamParamState(NamedTuple):
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="Adam", rule=rule.RULE, torch_name="Adam", record=AdamParamState,
     hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),

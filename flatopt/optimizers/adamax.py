@@ -22,6 +22,7 @@ class AdamaxParamState(NamedTuple):
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="Adamax", rule=rule.RULE, torch_name="Adamax", record=AdamaxParamState,
     hyperparameters={
         "lr": Hyperparameter(2e-3, non_negative, (2e-3, 1e-2)),

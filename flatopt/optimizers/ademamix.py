@@ -56,6 +56,7 @@ def _logs_defined(values: Mapping[str, Any]) -> list[str]:
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="AdEMAMix", rule=rule.RULE, torch_name=None, record=AdEMAMixParamState,
     hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),

@@ -21,6 +21,7 @@ class LAMBParamState(NamedTuple):
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="LAMB", rule=rule.RULE, record=LAMBParamState,
     hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),

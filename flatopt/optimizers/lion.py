@@ -20,6 +20,7 @@ class LionParamState(NamedTuple):
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="Lion", rule=rule.RULE, torch_name=None, record=LionParamState,
     hyperparameters={
         "lr": Hyperparameter(1e-4, non_negative, (1e-4, 1e-3)),

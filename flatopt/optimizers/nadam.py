@@ -23,6 +23,7 @@ class NAdamParamState(NamedTuple):
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="NAdam", rule=rule.RULE, torch_name="NAdam", record=NAdamParamState,
     hyperparameters={
         "lr": Hyperparameter(2e-3, non_negative, (2e-3, 1e-2)),

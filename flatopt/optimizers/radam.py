@@ -22,6 +22,7 @@ class RAdamParamState(NamedTuple):
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="RAdam", rule=rule.RULE, torch_name="RAdam", record=RAdamParamState,
     hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),

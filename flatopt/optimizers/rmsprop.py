@@ -23,6 +23,7 @@ class RMSpropParamState(NamedTuple):
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="RMSprop", rule=rule.RULE, torch_name="RMSprop", record=RMSpropParamState,
     hyperparameters={
         "lr": Hyperparameter(1e-2, non_negative, (1e-2, 1e-3)),

@@ -26,6 +26,7 @@ def _nesterov_needs_momentum(values: Mapping[str, Any]) -> list[str]:
 
 
 SCHEMA = Schema(
+    int8_state=True,
     name="SGD", rule=rule.RULE, torch_name="SGD", record=SGDParamState,
     benchmark={"momentum": 0.9},
     hyperparameters={

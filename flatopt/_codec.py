@@ -1,0 +1,135 @@
+"""The host side of reduced-precision buffers (``FlatBuffer.coded``): their kernel arguments
+for ``kernels/coded.py``, fresh state in its stored format, and float32 values read back.
+
+The formats themselves are ``kernels/storage.py``'s (bfloat16 and float16 bit patterns,
+bitsandbytes' 8-bit blockwise codes); what reads them in NumPy here gives the same float32
+values the kernels load.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ._layout import FlatBuffer, aligned_zeros
+from ._storage import BFLOAT16, FLOAT16
+from .kernels.coded import (BF16, DIRECT, F16, KAHAN, MASTER, NATIVE, NEAREST, Q8_SIGNED,
+                            Q8_UNSIGNED, STOCHASTIC, TABLES, UNUSED)
+from .kernels.storage import BLOCK
+
+_NO_BYTES = np.empty(0, np.uint8)
+_NO_SCALES = np.empty(0, np.float32)
+
+
+def half_format(dtype: np.dtype) -> int:
+    return {BFLOAT16: BF16, FLOAT16: F16}.get(np.dtype(dtype), NATIVE)
+
+
+def slot_format(buf: FlatBuffer, schema, name: str) -> int:
+    """How slot ``name`` of ``buf`` is stored (a ``kernels.coded`` format)."""
+    state = buf.storage.state
+    if state == "bfloat16":
+        return BF16
+    if state == "int8":
+        return Q8_UNSIGNED if schema.slots[name].nonnegative else Q8_SIGNED
+    return NATIVE
+
+
+class CodedPlan(NamedTuple):
+    """The parts of a coded buffer's kernel arguments that stay while its plan does."""
+
+    stored: tuple
+    formats: tuple
+    absmax: tuple
+    rounding: int
+    mode: int
+    seed: np.uint64
+
+    def arguments(self, draw: int) -> tuple:
+        """The coded walk's leading arguments for the step that draws ``draw``."""
+        return (self.stored, self.formats, self.absmax, TABLES, self.rounding, self.mode,
+                self.seed, np.uint64(draw))
+
+
+def coded_plan(buf: FlatBuffer, schema, used) -> CodedPlan:
+    """The kernel arguments of ``buf`` whose slots ``used`` are allocated."""
+    storage = buf.storage
+    stored = [buf.params.view(np.uint8), buf.grads.view(np.uint8)]
+    formats = [half_format(storage.param), half_format(storage.grad)]
+    absmax = [_NO_SCALES, _NO_SCALES]
+    for name in schema.rule.slots:
+        if name in used:
+            stored.append(buf.state[name].view(np.uint8))
+            formats.append(slot_format(buf, schema, name))
+            absmax.append(buf.absmax.get(name, _NO_SCALES))
+        else:
+            stored.append(_NO_BYTES)
+            formats.append(UNUSED)
+            absmax.append(_NO_SCALES)
+    for extra, fmt in ((buf.master, NATIVE), (buf.compensation, formats[0])):
+        stored.append(_NO_BYTES if extra is None else extra.view(np.uint8))
+        formats.append(UNUSED if extra is None else fmt)
+        absmax.append(_NO_SCALES)
+    mode = MASTER if storage.master else KAHAN if storage.rounding == "kahan" else DIRECT
+    rounding = STOCHASTIC if storage.rounding == "stochastic" else NEAREST
+    return CodedPlan(tuple(stored), tuple(formats), tuple(absmax), rounding, mode,
+                     np.uint64(storage.seed))
+
+
+def new_slot(buf: FlatBuffer, schema, name: str, initial: float) -> np.ndarray:
+    """Slot ``name`` of ``buf`` holding ``initial`` everywhere, in its stored format (an int8
+    slot's block scales go into ``buf.absmax[name]``)."""
+    length = buf.layout(name).length
+    fmt = slot_format(buf, schema, name)
+    if fmt in (Q8_SIGNED, Q8_UNSIGNED):
+        codes = aligned_zeros(length, np.uint8)
+        scales = np.zeros(-(-length // BLOCK), np.float32)
+        table = TABLES[fmt - Q8_SIGNED]
+        zero = int(np.argmin(np.abs(table)))
+        codes.fill(zero)
+        if initial:
+            scales.fill(abs(np.float32(initial)))
+            codes.fill(int(np.argmin(np.abs(table - np.sign(initial)))))
+        buf.absmax[name] = scales
+        return codes
+    flat = aligned_zeros(length, buf.storage.state_array_dtype)
+    if initial:
+        flat.fill(initial)
+    return flat
+
+
+def read_slot(buf: FlatBuffer, schema, name: str, slot: int) -> np.ndarray:
+    """Parameter ``slot``'s entry of state slot ``name`` as float32 values (a new array)."""
+    start, size = int(buf.offsets[slot]), int(buf.sizes[slot])
+    flat = buf.state[name][start:start + size]
+    fmt = slot_format(buf, schema, name)
+    if fmt in (Q8_SIGNED, Q8_UNSIGNED):
+        scales = np.repeat(buf.absmax[name][start // BLOCK:-(-(start + size) // BLOCK)],
+                           BLOCK)[:size]
+        values = TABLES[fmt - Q8_SIGNED][flat] * scales
+    else:
+        values = flat.astype(np.float32)
+    return values.reshape(buf.shapes[slot])
+
+
+def master_values(buf: FlatBuffer, slot: int) -> np.ndarray | None:
+    """Parameter ``slot``'s float32 master weights (a view), or None without them."""
+    return None if buf.master is None else buf.view(buf.master, slot)
+
+
+def reset_parameter(buf: FlatBuffer, slot: int) -> None:
+    """After a parameter's 16-bit values were written from outside: its master copy takes
+    them and its Kahan compensation is cleared."""
+    if buf.master is not None:
+        buf.view(buf.master, slot)[...] = buf.view(buf.params, slot).astype(np.float32)
+    if buf.compensation is not None:
+        buf.view(buf.compensation, slot).fill(0)
+
+
+def scale_gradients(buf: FlatBuffer, factor: float) -> None:
+    """Multiply the present 16-bit gradients of ``buf`` by ``factor`` (in float32, rounded to
+    nearest)."""
+    for slot in np.flatnonzero(buf.present):
+        view = buf.view(buf.grads, slot)
+        view[...] = (view.astype(np.float32) * np.float32(factor)).astype(view.dtype)
