@@ -133,3 +133,13 @@ def scale_gradients(buf: FlatBuffer, factor: float) -> None:
     for slot in np.flatnonzero(buf.present):
         view = buf.view(buf.grads, slot)
         view[...] = (view.astype(np.float32) * np.float32(factor)).astype(view.dtype)
+
+
+def memory(buffers) -> dict[str, int]:
+    """``Optimizer.memory``: bytes by kind over ``buffers``, and their total."""
+    totals = {"params": 0, "grads": 0, "master": 0, "state": 0}
+    for buf in buffers:
+        for kind, size in buf.memory().items():
+            totals[kind] += size
+    totals["total"] = sum(totals.values())
+    return totals

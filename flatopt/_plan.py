@@ -55,3 +55,41 @@ def make_plan(opt, buf: FlatBuffer, settings: dict, previous: Plan | None) -> Pl
     elif rule.reductions:
         plan.sums = np.zeros((len(buf), len(rule.reductions)))
     return plan
+
+
+def update_together(opt, settings: list, staged: list, layer, multiplier: float) -> None:
+    """One step of a rule with global reductions over the ``staged`` (buffer, plan,
+    arrays) items (prepared buffers): ``combine`` gives the reduce pass's scalars;
+    ``layer.reduce_pass`` fills each ``plan.sums``; the totals per group are the sums of
+    those rows, buffer by buffer (the per-parameter totals do not depend on the thread
+    count or world size, nor then does anything added from them); ``combine`` turns them
+    into the step pass's scalars and new group state; then ``layer.step_pass`` for every
+    buffer. Single-process, CUDA and ZeRO-1 steps all come through here with their own
+    passes."""
+    rule = opt.schema.rule
+    scale = multiplier != 1.0
+    _write_scalars(opt, staged, opt.combine(settings, None)[0])
+    for buf, plan, arrays in staged:
+        layer.reduce_pass(buf, plan, arrays, buf.dtype.type(multiplier) if scale
+                          else plan.one, scale)
+    layer.read_sums(staged)
+    totals = np.zeros((len(settings), len(rule.reductions)))
+    for buf, plan, _ in staged:  # rows of absent parameters are zero
+        totals[buf.group] += plan.sums.sum(axis=0)
+    scalars, changes = opt.combine(settings, totals)
+    _write_scalars(opt, staged, scalars)
+    if changes is not None:
+        opt.set_group_state(changes)
+    for buf, plan, arrays in staged:
+        layer.step_pass(buf, plan, arrays)
+
+
+def _write_scalars(opt, staged: list, scalars: list) -> None:
+    layout = opt.schema.rule.scalars
+    for buf, plan, _ in staged:
+        value = scalars[buf.group]
+        if type(value) is not layout:
+            raise TypeError(f"{type(opt).__name__}.combine gave a {type(value).__name__} "
+                            f"where rule {opt.schema.rule.name!r} takes its "
+                            f"{layout.__name__}")
+        plan.scalars[...] = value

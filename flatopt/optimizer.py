@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _codec, _device, _params, _restore, _state_dict, _stepping, _storage, distributed
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
-from ._plan import Plan, make_plan
+from ._plan import Plan, make_plan, update_together
 from ._restore import BufferState
 from ._stepping import StepResult
 from ._validated import Validated, validate_groups
@@ -112,12 +112,7 @@ class Optimizer:
         """Bytes this optimizer holds, by kind: ``params``, ``grads``, ``master`` (float32
         master weights and Kahan compensation), ``state`` (with 8-bit block scales), and
         ``total``. State is counted once it is allocated (at the first step)."""
-        totals = {"params": 0, "grads": 0, "master": 0, "state": 0}
-        for buf in self.buffers:
-            for kind, size in buf.memory().items():
-                totals[kind] += size
-        totals["total"] = sum(totals.values())
-        return totals
+        return _codec.memory(self.buffers)
 
     @property
     def sharding(self):
@@ -426,7 +421,7 @@ class Optimizer:
         changes = self.before_step(settings)
         if changes is None:
             return settings
-        self._set_group_state(changes)
+        self.set_group_state(changes)
         return self.settings()
 
     def update_buffers(self, settings: list[dict[str, Any]], multiplier: float,
@@ -454,7 +449,7 @@ class Optimizer:
                     layer.update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
                                  else plan.one, scale)
         if staged:
-            self._update_together(settings, staged, layer, multiplier)
+            update_together(self, settings, staged, layer, multiplier)
         return stepped
 
     def warn_once(self, message: str, stacklevel: int) -> None:
@@ -468,47 +463,11 @@ class Optimizer:
         ``opt.params`` views (a restore); on CUDA the device gets the result at its end."""
         return self._device.host_side()
 
-    def _set_group_state(self, changes: list[dict | None]) -> None:
+    def set_group_state(self, changes: list[dict | None]) -> None:
+        """Write new group-state values (per group a dict, or None) into ``param_groups``."""
         for group, change in zip(self.param_groups, changes):
             if change:
                 group.update(change)
-
-    def _update_together(self, settings: list[dict[str, Any]], staged: list, layer,
-                         multiplier: float) -> None:
-        """One step of a rule with global reductions over the ``staged`` (buffer, plan,
-        arrays) items (prepared buffers): ``combine`` gives the reduce pass's scalars;
-        ``layer.reduce_pass`` fills each ``plan.sums``; the totals per group are the sums of
-        those rows, buffer by buffer (the per-parameter totals do not depend on the thread
-        count or world size, nor then does anything added from them); ``combine`` turns them
-        into the step pass's scalars and new group state; then ``layer.step_pass`` for every
-        buffer. Single-process, CUDA and ZeRO-1 steps all come through here with their own
-        passes."""
-        rule = self.schema.rule
-        scale = multiplier != 1.0
-        self._write_scalars(staged, self.combine(settings, None)[0])
-        for buf, plan, arrays in staged:
-            layer.reduce_pass(buf, plan, arrays, buf.dtype.type(multiplier) if scale
-                              else plan.one, scale)
-        layer.read_sums(staged)
-        totals = np.zeros((len(settings), len(rule.reductions)))
-        for buf, plan, _ in staged:  # rows of absent parameters are zero
-            totals[buf.group] += plan.sums.sum(axis=0)
-        scalars, changes = self.combine(settings, totals)
-        self._write_scalars(staged, scalars)
-        if changes is not None:
-            self._set_group_state(changes)
-        for buf, plan, arrays in staged:
-            layer.step_pass(buf, plan, arrays)
-
-    def _write_scalars(self, staged: list, scalars: list) -> None:
-        layout = self.schema.rule.scalars
-        for buf, plan, _ in staged:
-            value = scalars[buf.group]
-            if type(value) is not layout:
-                raise TypeError(f"{type(self).__name__}.combine gave a {type(value).__name__} "
-                                f"where rule {self.schema.rule.name!r} takes its "
-                                f"{layout.__name__}")
-            plan.scalars[...] = value
 
     @_locked
     def zero_grad(self, set_to_none: bool = True) -> None:
