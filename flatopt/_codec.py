@@ -14,8 +14,9 @@ import numpy as np
 
 from ._layout import FlatBuffer, aligned_zeros
 from ._storage import BFLOAT16, FLOAT16
-from .kernels.coded import (BF16, DIRECT, F16, KAHAN, MASTER, NATIVE, NEAREST, Q8_SIGNED,
-                            Q8_UNSIGNED, STOCHASTIC, TABLES, UNUSED)
+from .kernels.coded import (BF16, COMPENSATION_AT, DIRECT, F16, KAHAN, MASTER, MASTER_AT,
+                            NATIVE, NEAREST, POSITIONS, Q8_SIGNED, Q8_UNSIGNED, STOCHASTIC,
+                            TABLES, UNUSED, Layout)
 from .kernels.storage import BLOCK
 
 _NO_BYTES = np.empty(0, np.uint8)
@@ -37,43 +38,44 @@ def slot_format(buf: FlatBuffer, schema, name: str) -> int:
 
 
 class CodedPlan(NamedTuple):
-    """The parts of a coded buffer's kernel arguments that stay while its plan does."""
+    """The parts of a coded buffer's kernel arguments that stay while its plan does: the
+    ``POSITIONS`` stored arrays as bytes, their block scales, and their :class:`Layout`
+    (which picks the compiled walk)."""
 
     stored: tuple
-    formats: tuple
     absmax: tuple
-    rounding: int
-    mode: int
+    layout: Layout
     seed: np.uint64
 
     def arguments(self, draw: int) -> tuple:
         """The coded walk's leading arguments for the step that draws ``draw``."""
-        return (self.stored, self.formats, self.absmax, TABLES, self.rounding, self.mode,
-                self.seed, np.uint64(draw))
+        return (self.stored, self.absmax, TABLES, self.seed, np.uint64(draw))
 
 
 def coded_plan(buf: FlatBuffer, schema, used) -> CodedPlan:
     """The kernel arguments of ``buf`` whose slots ``used`` are allocated."""
     storage = buf.storage
-    stored = [buf.params.view(np.uint8), buf.grads.view(np.uint8)]
-    formats = [half_format(storage.param), half_format(storage.grad)]
-    absmax = [_NO_SCALES, _NO_SCALES]
-    for name in schema.rule.slots:
+    if len(schema.rule.slots) > POSITIONS - 4:
+        raise TypeError(f"rule {schema.rule.name!r} has more state slots than the codec walk "
+                        f"takes ({POSITIONS - 4})")
+    stored = [_NO_BYTES] * POSITIONS
+    formats = [UNUSED] * POSITIONS
+    absmax = [_NO_SCALES] * POSITIONS
+    stored[0], formats[0] = buf.params.view(np.uint8), half_format(storage.param)
+    stored[1], formats[1] = buf.grads.view(np.uint8), half_format(storage.grad)
+    for position, name in enumerate(schema.rule.slots, start=2):
         if name in used:
-            stored.append(buf.state[name].view(np.uint8))
-            formats.append(slot_format(buf, schema, name))
-            absmax.append(buf.absmax.get(name, _NO_SCALES))
-        else:
-            stored.append(_NO_BYTES)
-            formats.append(UNUSED)
-            absmax.append(_NO_SCALES)
-    for extra, fmt in ((buf.master, NATIVE), (buf.compensation, formats[0])):
-        stored.append(_NO_BYTES if extra is None else extra.view(np.uint8))
-        formats.append(UNUSED if extra is None else fmt)
-        absmax.append(_NO_SCALES)
+            stored[position] = buf.state[name].view(np.uint8)
+            formats[position] = slot_format(buf, schema, name)
+            absmax[position] = buf.absmax.get(name, _NO_SCALES)
+    if buf.master is not None:
+        stored[MASTER_AT], formats[MASTER_AT] = buf.master.view(np.uint8), NATIVE
+    if buf.compensation is not None:
+        stored[COMPENSATION_AT] = buf.compensation.view(np.uint8)
+        formats[COMPENSATION_AT] = formats[0]
     mode = MASTER if storage.master else KAHAN if storage.rounding == "kahan" else DIRECT
     rounding = STOCHASTIC if storage.rounding == "stochastic" else NEAREST
-    return CodedPlan(tuple(stored), tuple(formats), tuple(absmax), rounding, mode,
+    return CodedPlan(tuple(stored), tuple(absmax), Layout(tuple(formats), mode, rounding),
                      np.uint64(storage.seed))
 
 

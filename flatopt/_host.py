@@ -143,7 +143,6 @@ class HostDevice(Device):
         """Step with the kernels of backend ``name`` from now on."""
         self.backend = kernel_backend(name)
         self.kernels = self.backend.compile(self.rule)
-        self.coded_kernels = None  # compiled on the first coded buffer's step
 
     def __repr__(self) -> str:
         return "cpu"
@@ -181,9 +180,8 @@ class HostDevice(Device):
 
     def coded(self, buf: FlatBuffer, plan_arrays) -> tuple:
         """The kernels and arguments that step a reduced-precision buffer."""
-        if self.coded_kernels is None:
-            self.coded_kernels = self.backend.compile_coded(self.rule)
-        return self.coded_kernels, plan_arrays.arguments(buf.draws)
+        return (self.backend.compile_coded(self.rule, plan_arrays.layout),
+                plan_arrays.arguments(buf.draws))
 
     def reduce_pass(self, buf: FlatBuffer, plan, arrays: tuple, multiplier, scale: bool,
                     part=None, kernels=None) -> None:

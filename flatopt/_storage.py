@@ -177,6 +177,10 @@ def rule_problem(schema, storage: Storage) -> str | None:
         return (f"{schema.name} updates whole matrices in NumPy; its buffers are float32 or "
                 "float64 only (master_weights, rounding, state_dtype and grad_dtype are for the "
                 "element-wise rules)")
+    if not schema.reduced_precision:
+        return (f"{schema.name}'s train()/eval() switch works on float32 and float64 buffers "
+                "only (master_weights, rounding, state_dtype and grad_dtype are not available "
+                "yet)")
     if storage.state_dtype == "int8" and not schema.int8_state:
         return (f"state_dtype='int8' is bitsandbytes' format for moment estimates; "
                 f"{schema.name}'s state ({', '.join(schema.slots)}) has no 8-bit form: use "

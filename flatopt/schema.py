@@ -254,6 +254,9 @@ class Schema:
     """State exists for every parameter from construction (torch's Adagrad): slots start
     from their ``initial`` value, and every parameter has a state-dict entry."""
     int8_state: bool = False
+    reduced_precision: bool = True
+    """Its buffers may be stored in reduced precision; False for rules with tools that run on
+    the stored arrays themselves (schedule-free's ``train()``/``eval()`` switch)."""
     """Its slots are moment estimates that bitsandbytes' 8-bit blockwise format holds
     (``state_dtype="int8"``: signed codes, unsigned for ``nonnegative`` slots)."""
     marker: str | None = field(init=False)

@@ -24,12 +24,13 @@ from __future__ import annotations
 import hashlib
 import inspect
 import sys
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange, uint64
 
 from . import storage
-from ._bind import bind, bind_functions
+from ._bind import bind, bind_functions, instantiate
 from .rule import Rule
 from .storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
 from .threads import Threaded
@@ -48,19 +49,24 @@ TABLES = np.stack([DYNAMIC_SIGNED, DYNAMIC_UNSIGNED]).astype(np.float32)
 
 
 def load_row(raw, fmt, scales, tables, start, n, row):
-    """``row[:n]`` = the float32 values of elements ``[start, start + n)`` of ``raw``."""
+    """``row[:n]`` = the float32 values of elements ``[start, start + n)`` of ``raw``.
+
+    The loops index with uint64 (as the CPU walk's spans do): with signed indices Numba's
+    negative-index check stays in the loop and it does not vectorize."""
+    u = uint64(start)
+    m = uint64(n)
     if fmt == NATIVE:
         src = raw.view(np.float32)
-        for i in range(n):
-            row[i] = src[start + i]
+        for i in range(m):
+            row[i] = src[u + i]
     elif fmt == BF16:
         bits = raw.view(np.uint16)
-        for i in range(n):
-            row[i] = bf16_decode(bits[start + i])
+        for i in range(m):
+            row[i] = bf16_decode(bits[u + i])
     elif fmt == F16:
         bits = raw.view(np.uint16)
-        for i in range(n):
-            row[i] = f16_decode(bits[start + i])
+        for i in range(m):
+            row[i] = f16_decode(bits[u + i])
     elif fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
         table = tables[fmt - Q8_SIGNED]
         for b in range(0, n, BLOCK):
@@ -69,106 +75,165 @@ def load_row(raw, fmt, scales, tables, start, n, row):
                             row, b)
 
 
-def store_row(raw, fmt, rounding, scales, start, n, row, seed, draw, stream):
-    """Elements ``[start, start + n)`` of ``raw`` = ``row[:n]`` in ``fmt``, rounded to
-    nearest or stochastically (16-bit formats); 8-bit blocks get a new scale each."""
+POSITIONS = 8
+"""Stored arrays the walk takes, always: params, grads, up to four state slots, the master
+copy and the Kahan compensation (unused ones are empty, ``UNUSED``), so every position is a
+constant index."""
+MASTER_AT, COMPENSATION_AT = 6, 7
+
+
+def load_element(f32, u16, u8, fmt, scales, tables, e):
+    """Element ``e`` as float32 from its array's views (``fmt`` a compile-time constant in the
+    phases below, so every other branch folds away)."""
     if fmt == NATIVE:
-        dst = raw.view(np.float32)
-        for i in range(n):
-            dst[start + i] = row[i]
+        return f32[e]
+    if fmt == BF16:
+        return bf16_decode(u16[e])
+    if fmt == F16:
+        return f16_decode(u16[e])
+    if fmt == Q8_SIGNED:
+        return q8_decode(u8[e], tables[0], scales[e // BLOCK])
+    if fmt == Q8_UNSIGNED:
+        return q8_decode(u8[e], tables[1], scales[e // BLOCK])
+    return np.float32(0)
+
+
+def encode_half(fmt, x, stochastic, key, e):
+    """float32 ``x`` as a 16-bit pattern of ``fmt`` (BF16 or F16), rounded to nearest or
+    stochastically with ``mix32_at(key, e)``."""
+    if fmt == BF16:
+        if stochastic:
+            return bf16_encode_stochastic(x, mix32_at(key, e))
+        return bf16_encode_nearest(x)
+    if stochastic:
+        return f16_encode_stochastic(x, mix32_at(key, e))
+    return f16_encode_nearest(x)
+
+
+def store_element(f32, u16, fmt, stochastic, key, e, x):
+    """Element ``e`` of a NATIVE, BF16 or F16 array = ``x`` (8-bit blocks are stored a block
+    at a time: :func:`_store_phase`)."""
+    if fmt == NATIVE:
+        f32[e] = x
     elif fmt == BF16 or fmt == F16:
-        bits = raw.view(np.uint16)
-        if rounding == STOCHASTIC:
-            for i in range(n):
-                r = mix32(seed, draw, stream, uint64(start + i))
-                if fmt == BF16:
-                    bits[start + i] = bf16_encode_stochastic(row[i], r)
-                else:
-                    bits[start + i] = f16_encode_stochastic(row[i], r)
-        elif fmt == BF16:
-            for i in range(n):
-                bits[start + i] = bf16_encode_nearest(row[i])
+        u16[e] = encode_half(fmt, x, stochastic, key, e)
+
+
+def _load_phase(f32s, u16s, u8s, absmax, tables, scratch, start, n, scale_grads,
+                grad_multiplier):
+    """Rows 0-5 of ``scratch`` = the rule's arrays over ``[start, start + n)`` as float32, in
+    one loop over every stored array (as many memory streams at once as the plain walk);
+    row 6 = the parameters before the step (Kahan). ``FORMATS`` and ``MODE`` are constants
+    bound per storage layout (``compile_coded``). Scaled gradients are stored back."""
+    u = uint64(start)
+    p, g, s0, s1, s2, s3, old = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], \
+        scratch[5], scratch[6]
+    for i in range(uint64(n)):
+        e = u + i
+        if MODE == MASTER:  # noqa: F821 (bound)
+            x = f32s[MASTER_AT][e]
         else:
-            for i in range(n):
-                bits[start + i] = f16_encode_nearest(row[i])
-    elif fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
-        signed = fmt == Q8_SIGNED
+            x = load_element(f32s[0], u16s[0], u8s[0], FORMATS[0], absmax[0], tables, e)  # noqa: F821
+        p[i] = x
+        if MODE == KAHAN:  # noqa: F821
+            old[i] = x
+        y = load_element(f32s[1], u16s[1], u8s[1], FORMATS[1], absmax[1], tables, e)  # noqa: F821
+        g[i] = y * grad_multiplier if scale_grads else y
+        if FORMATS[2] != UNUSED:  # noqa: F821
+            s0[i] = load_element(f32s[2], u16s[2], u8s[2], FORMATS[2], absmax[2], tables, e)  # noqa: F821
+        if FORMATS[3] != UNUSED:  # noqa: F821
+            s1[i] = load_element(f32s[3], u16s[3], u8s[3], FORMATS[3], absmax[3], tables, e)  # noqa: F821
+        if FORMATS[4] != UNUSED:  # noqa: F821
+            s2[i] = load_element(f32s[4], u16s[4], u8s[4], FORMATS[4], absmax[4], tables, e)  # noqa: F821
+        if FORMATS[5] != UNUSED:  # noqa: F821
+            s3[i] = load_element(f32s[5], u16s[5], u8s[5], FORMATS[5], absmax[5], tables, e)  # noqa: F821
+    if scale_grads:  # the gradient buffer holds what the update used, as in the plain walk
+        for i in range(uint64(n)):
+            store_element(f32s[1], u16s[1], FORMATS[1], False, uint64(0), u + i, g[i])  # noqa: F821
+
+
+def _store_slot(f32, u16, u8, scales, fmt, key, row, start, n):
+    """State slot rows back: bfloat16 rounded stochastically, 8-bit a block at a time (a new
+    scale per block), float32 as it is."""
+    if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
         for b in range(0, n, BLOCK):  # blocks start at each parameter (256-aligned offsets)
-            scales[(start + b) // BLOCK] = q8_encode_block(row, b, min(b + BLOCK, n), raw,
-                                                           start + b, signed)
+            scales[(start + b) // BLOCK] = q8_encode_block(row, b, min(b + BLOCK, n), u8,
+                                                           start + b, fmt == Q8_SIGNED)
+    elif fmt != UNUSED:
+        u = uint64(start)
+        for i in range(uint64(n)):
+            store_element(f32, u16, fmt, True, key, u + i, row[i])
 
 
-def store_half(raw, fmt, scales, start, n, row):
-    """Elements ``[start, start + n)`` of a 16-bit array = ``row[:n]`` rounded to nearest
-    (``scales``: any float32 array, unread)."""
-    store_row(raw, fmt, NEAREST, scales, start, n, row, uint64(0), uint64(0), uint64(0))
+def _store_phase(f32s, u16s, u8s, absmax, tables, keys, scratch, start, n):
+    """The rows the rule updated, stored: the parameters as ``MODE`` says (with master
+    weights the float32 master and its nearest 16-bit value; with Kahan summation the
+    compensation; else rounded as ``ROUNDING``), then every state slot."""
+    u = uint64(start)
+    p, old = scratch[0], scratch[6]
+    for i in range(uint64(n)):
+        e = u + i
+        x = p[i]
+        if MODE == MASTER:  # noqa: F821
+            f32s[MASTER_AT][e] = x
+            u16s[0][e] = encode_half(FORMATS[0], x, False, uint64(0), e)  # noqa: F821
+        elif MODE == KAHAN:  # noqa: F821
+            # torch-optimi's Kahan summation in float32, one rounding per stored value: the
+            # compensation takes the update, the parameter moves by it, and what the 16-bit
+            # parameter could not take stays in the compensation
+            carry = load_element(f32s[7], u16s[7], u8s[7], FORMATS[0], absmax[7], tables, e) \
+                + (x - old[i])  # noqa: F821
+            q = encode_half(FORMATS[0], old[i] + carry, False, uint64(0), e)  # noqa: F821
+            u16s[0][e] = q
+            moved = load_element(f32s[0], u16s[0], u8s[0], FORMATS[0], absmax[0], tables,  # noqa: F821
+                                 e) - old[i]
+            u16s[COMPENSATION_AT][e] = encode_half(FORMATS[0], carry - moved, False,  # noqa: F821
+                                                   uint64(0), e)
+        else:
+            store_element(f32s[0], u16s[0], FORMATS[0], ROUNDING == STOCHASTIC, keys[0],  # noqa: F821
+                          e, x)
+    # each slot with its constant index, so its format folds
+    _store_slot(f32s[2], u16s[2], u8s[2], absmax[2], FORMATS[2], keys[2], scratch[2], start, n)  # noqa: F821
+    _store_slot(f32s[3], u16s[3], u8s[3], absmax[3], FORMATS[3], keys[3], scratch[3], start, n)  # noqa: F821
+    _store_slot(f32s[4], u16s[4], u8s[4], absmax[4], FORMATS[4], keys[4], scratch[4], start, n)  # noqa: F821
+    _store_slot(f32s[5], u16s[5], u8s[5], absmax[5], FORMATS[5], keys[5], scratch[5], start, n)  # noqa: F821
 
 
-def _coded_segment(stored, formats, absmax, tables, rounding, mode, seed, draw, scratch,
-                   start, n, scale_grads, grad_multiplier, n_arrays):
-    """Load the rule's rows of one sub-block (the gradients scaled, and stored back, when
-    asked)."""
-    if mode == MASTER:
-        load_row(stored[n_arrays], NATIVE, absmax[0], tables, start, n, scratch[0])
-    else:
-        load_row(stored[0], formats[0], absmax[0], tables, start, n, scratch[0])
-        if mode == KAHAN:
-            for i in range(n):
-                scratch[n_arrays][i] = scratch[0][i]
-    load_row(stored[1], formats[1], absmax[1], tables, start, n, scratch[1])
-    if scale_grads:
-        for i in range(n):
-            scratch[1][i] = scratch[1][i] * grad_multiplier
-        store_row(stored[1], formats[1], NEAREST, absmax[1], start, n, scratch[1], seed,
-                  draw, uint64(1))
-    for j in range(2, n_arrays):
-        load_row(stored[j], formats[j], absmax[j], tables, start, n, scratch[j])
+def _views(stored):
+    """Each stored array's float32 and uint16 views (every one's byte length is a multiple of
+    four), made once per call: a view made inside a loop costs a reference count there."""
+    f32s = (stored[0].view(np.float32), stored[1].view(np.float32),
+            stored[2].view(np.float32), stored[3].view(np.float32),
+            stored[4].view(np.float32), stored[5].view(np.float32),
+            stored[6].view(np.float32), stored[7].view(np.float32))
+    u16s = (stored[0].view(np.uint16), stored[1].view(np.uint16),
+            stored[2].view(np.uint16), stored[3].view(np.uint16),
+            stored[4].view(np.uint16), stored[5].view(np.uint16),
+            stored[6].view(np.uint16), stored[7].view(np.uint16))
+    return f32s, u16s
 
 
-def _store_segment(stored, formats, absmax, tables, rounding, mode, seed, draw, scratch, start,
-                   n, n_arrays):
-    """Store the rows the rule updated: the parameters (as ``mode`` says) and the state."""
-    p = scratch[0]
-    if mode == MASTER:
-        store_row(stored[n_arrays], NATIVE, NEAREST, absmax[0], start, n, p, seed, draw,
-                  uint64(0))
-        store_half(stored[0], formats[0], absmax[0], start, n, p)
-    elif mode == KAHAN:
-        # torch-optimi's Kahan summation in float32, one rounding per stored value: the
-        # compensation takes the update, the parameter moves by it, and what the 16-bit
-        # parameter could not take stays in the compensation
-        old = scratch[n_arrays]
-        carry = scratch[n_arrays + 1]
-        load_row(stored[n_arrays + 1], formats[0], absmax[0], tables, start, n, carry)
-        for i in range(n):
-            carry[i] = carry[i] + (p[i] - old[i])
-            p[i] = old[i] + carry[i]
-        store_half(stored[0], formats[0], absmax[0], start, n, p)
-        load_row(stored[0], formats[0], absmax[0], tables, start, n, p)
-        for i in range(n):
-            carry[i] = carry[i] - (p[i] - old[i])
-        store_half(stored[n_arrays + 1], formats[0], absmax[0], start, n, carry)
-    else:
-        store_row(stored[0], formats[0], rounding, absmax[0], start, n, p, seed, draw,
-                  uint64(0))
-    for j in range(2, n_arrays):
-        if formats[j] != UNUSED:
-            store_row(stored[j], formats[j], STOCHASTIC, absmax[j], start, n, scratch[j],
-                      seed, draw, uint64(j))
+def _keys(seed, draw):
+    """The stochastic rounding key of each position for this step (``mix32``'s stream is the
+    position)."""
+    return (mix32_key(seed, draw, 0), mix32_key(seed, draw, 1), mix32_key(seed, draw, 2),
+            mix32_key(seed, draw, 3), mix32_key(seed, draw, 4), mix32_key(seed, draw, 5),
+            mix32_key(seed, draw, 6), mix32_key(seed, draw, 7))
 
 
-def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
-                     columns, flags, present, offsets, sizes, chunk_first, chunk_size, total,
-                     grad_multiplier, scale_grads):
+def _coded_step_walk(stored, absmax, tables, seed, draw, scalars, columns, flags, present,
+                     offsets, sizes, chunk_first, chunk_size, total, grad_multiplier,
+                     scale_grads):
     """The plain walk's chunks and overlaps (``kernels/cpu.py``), each overlap in sub-blocks
-    loaded, stepped by the rule's span and stored."""
+    loaded, stepped by the rule's own span and stored."""
     n_params = offsets.size
-    n_arrays = len(formats) - 2
+    f32s, u16s = _views(stored)
+    keys = _keys(seed, draw)
     one = uint64(1)
     for c in prange(chunk_first.size):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
-        scratch = np.empty((n_arrays + 2, SUB), np.float32)
+        scratch = np.empty((POSITIONS - 1, SUB), np.float32)
         rows = as_rows(scratch)  # noqa: F821 (bound: the rule's arrays)
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
@@ -177,23 +242,23 @@ def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw
                 last = min(hi, offsets[k] + sizes[k])
                 for start in range(first, last, SUB):
                     n = min(SUB, last - start)
-                    _coded_segment(stored, formats, absmax, tables, rounding, mode, seed, draw,
-                                   scratch, start, n, scale_grads, grad_multiplier, n_arrays)
+                    load_phase(f32s, u16s, stored, absmax, tables, scratch, start, n,  # noqa: F821
+                               scale_grads, grad_multiplier)
                     span(rows, scalars, columns, flags, k, uint64(0), uint64(n), one)  # noqa: F821
-                    _store_segment(stored, formats, absmax, tables, rounding, mode, seed,
-                                   draw, scratch, start, n, n_arrays)
+                    store_phase(f32s, u16s, stored, absmax, tables, keys, scratch,  # noqa: F821
+                                start, n)
             k += 1
 
 
-def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
-                       columns, flags, present, offsets, sizes, chunk_first, chunk_size, total,
-                       sums, grad_multiplier, scale_grads):
+def _coded_reduce_walk(stored, absmax, tables, seed, draw, scalars, columns, flags, present,
+                       offsets, sizes, chunk_first, chunk_size, total, sums, grad_multiplier,
+                       scale_grads):
     """``kernels/cpu.py``'s reduce walk over loaded sub-blocks: partial totals per segment
     (each sub-block's added in order), combined per parameter in chunk order."""
     n_chunks = chunk_first.size
     n_params = offsets.size
-    n_arrays = len(formats) - 2
     n_sums = sums.shape[1]
+    f32s, u16s = _views(stored)
     first_segment = np.empty(n_chunks + 1, np.int64)
     first_segment[0] = 0
     for c in range(n_chunks):
@@ -204,7 +269,7 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
     for c in prange(n_chunks):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
-        scratch = np.empty((n_arrays + 2, SUB), np.float32)
+        scratch = np.empty((POSITIONS - 1, SUB), np.float32)
         rows = as_rows(scratch)  # noqa: F821
         k = chunk_first[c]
         segment = first_segment[c]
@@ -216,8 +281,8 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
                     partial[segment, j] = 0.0
                 for start in range(first, last, SUB):
                     n = min(SUB, last - start)
-                    _coded_segment(stored, formats, absmax, tables, rounding, mode, seed, draw,
-                                   scratch, start, n, scale_grads, grad_multiplier, n_arrays)
+                    load_phase(f32s, u16s, stored, absmax, tables, scratch, start, n,  # noqa: F821
+                               scale_grads, grad_multiplier)
                     values = reduce(rows, scalars, columns, flags, k, uint64(0),  # noqa: F821
                                     uint64(n), one)
                     for j in range(n_sums):
@@ -247,15 +312,17 @@ def _functions(module) -> list:
 CODEC_FUNCTIONS = tuple(_functions(storage))
 """The codec: ``kernels/storage.py``'s formats, plain functions compiled for each backend as
 rules are (``kernels/_bind.py``)."""
-ROW_FUNCTIONS = (load_row, store_row, store_half, _coded_segment, _store_segment)
-"""The CPU's loops over sub-blocks of rows. Compiled once (not inlined into every rule's
-walk): inlining every format's loop at every call site made each rule's walk take a minute
-to compile; a call per 2,048-element row costs nothing measurable."""
-CODEC = bind_functions("the storage codec", CODEC_FUNCTIONS,
+ELEMENT_FUNCTIONS = (load_element, encode_half, store_element, _store_slot)
+"""The CPU walk's element and row helpers over the codec (inlined where called)."""
+CODEC = bind_functions("the storage codec", (*CODEC_FUNCTIONS, *ELEMENT_FUNCTIONS),
                        njit(inline="always", error_model="numpy"))
-CODEC.update(bind_functions("the storage codec's rows", ROW_FUNCTIONS,
+# called, not inlined: inlined into a parallel walk, the views confuse Numba's parfor
+# array analysis ("Dimension mismatch")
+CODEC.update(bind_functions("the storage codec's setup", (_views, _keys),
                             njit(cache=True, error_model="numpy"), primitives=CODEC))
-"""The codec and its row loops compiled for the CPU, by name."""
+CODEC["load_row"] = njit(cache=True, error_model="numpy")(
+    instantiate(load_row, "load_row", **CODEC))
+"""The codec compiled for the CPU, by name (and ``load_row``, for 16-bit gradient norms)."""
 CODEC_FINGERPRINT = hashlib.sha256(
     (inspect.getsource(storage) + inspect.getsource(sys.modules[__name__])).encode()
 ).hexdigest()[:12]
@@ -287,10 +354,23 @@ def _rows6(s):
 ROWS = {2: _rows2, 3: _rows3, 4: _rows4, 5: _rows5, 6: _rows6}
 
 
+class Layout(NamedTuple):
+    """How a buffer's arrays are stored, for the walks' constants: ``formats`` of the
+    ``POSITIONS`` arrays, the parameters' ``mode`` and ``rounding``."""
+
+    formats: tuple
+    mode: int
+    rounding: int
+
+    @property
+    def key(self) -> str:
+        return "".join(map(str, self.formats)) + f"m{self.mode}r{self.rounding}"
+
+
 class CodedKernels:
-    """A rule's step (and reduce) walks over coded buffers (``arrays``: the leading arguments
-    ``flatopt._codec.CodedPlan.arguments`` gives); prepare and finalize read only columns,
-    so they are the plain kernels' (``plain``)."""
+    """A rule's step (and reduce) walks over buffers stored as one :class:`Layout`
+    (``arrays``: the leading arguments ``flatopt._codec.CodedPlan.arguments`` gives);
+    prepare and finalize read only columns, so they are the plain kernels' (``plain``)."""
 
     def __init__(self, step, reduce, plain):
         self.step_kernel, self.reduce_kernel = step, reduce
@@ -312,19 +392,26 @@ class CodedKernels:
 _compiled: dict[str, CodedKernels] = {}
 
 
-def compile_coded(rule: Rule, overlaps, plain) -> CodedKernels:
-    """The coded walks of ``rule`` (one set per rule and fingerprint, per process), beside its
-    ``plain`` kernels; ``overlaps`` is the CPU walk's count of a chunk's parameters."""
-    key = f"{rule.name}_{rule.fingerprint}_{CODEC_FINGERPRINT}"
+def compile_coded(rule: Rule, layout: Layout, overlaps, plain) -> CodedKernels:
+    """The coded walks of ``rule`` for buffers stored as ``layout`` (one set per rule,
+    fingerprint and layout, per process), beside its ``plain`` kernels; ``overlaps`` is the
+    CPU walk's count of a chunk's parameters. The layout's formats are constants of the
+    compiled phases, so each array's load and store is the one its format needs."""
+    key = f"{rule.name}_{rule.fingerprint}_{CODEC_FINGERPRINT}_{layout.key}"
     compiled = _compiled.get(key)
     if compiled is None:
         n_arrays = 2 + len(rule.slots)
         if n_arrays not in ROWS:
             raise TypeError(f"rule {rule.name!r} has {n_arrays} arrays; the codec walk takes "
                             f"{min(ROWS)} to {max(ROWS)}")
+        constants = {"FORMATS": tuple(layout.formats), "MODE": layout.mode,
+                     "ROUNDING": layout.rounding, **CODEC}
+        phases = {name: njit(cache=True, error_model="numpy")(
+            instantiate(function, f"{name}_{layout.key}_{CODEC_FINGERPRINT}", **constants))
+            for name, function in (("load_phase", _load_phase), ("store_phase", _store_phase))}
         functions = bind(rule, njit(inline="always", error_model="numpy"))
         helpers = {"as_rows": njit(inline="always")(ROWS[n_arrays]), "overlaps": overlaps,
-                   **CODEC}
+                   **CODEC, **phases}
         step = Threaded(_coded_step_walk, f"coded_step_{key}", cache=True,
                         error_model="numpy",
                         bound={"span": functions[rule.span.__name__], **helpers})

@@ -365,9 +365,10 @@ class CpuBackend:
         return compile_rule(rule)
 
     @staticmethod
-    def compile_coded(rule: Rule):
-        """The rule's walks over reduced-precision buffers (``kernels/coded.py``)."""
-        return compile_coded(rule, _overlaps, compile_rule(rule))
+    def compile_coded(rule: Rule, layout):
+        """The rule's walks over reduced-precision buffers stored as ``layout``
+        (``kernels/coded.py``)."""
+        return compile_coded(rule, layout, _overlaps, compile_rule(rule))
 
     @staticmethod
     def zeros(n_elements: int, dtype):

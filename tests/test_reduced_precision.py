@@ -73,6 +73,8 @@ def test_rules_without_an_8bit_form_are_refused_by_name():
         flatopt.Rprop({"w": np.zeros(4, np.float32)}, state_dtype="int8")
     with pytest.raises(HyperparameterError, match="Muon.*whole matrices"):
         flatopt.Muon({"w": np.zeros((4, 4), BF16)})
+    with pytest.raises(HyperparameterError, match="ScheduleFreeAdamW.*train"):
+        flatopt.ScheduleFreeAdamW({"w": np.zeros(4, np.float32)}, state_dtype="bfloat16")
 
 
 def test_small_tensors_keep_float32_state_under_int8(rng):

@@ -237,6 +237,7 @@ class _ScheduleFree(Optimizer):
 
 
 SGD_SCHEMA = Schema(
+    reduced_precision=False,
     name="ScheduleFreeSGD", rule=rule.RULE_SGD, record=ScheduleFreeSGDParamState,
     hyperparameters={
         "lr": Hyperparameter(1.0, non_negative, (1.0, 0.1)),
@@ -283,6 +284,7 @@ class ScheduleFreeSGD(_ScheduleFree):
 
 
 ADAMW_SCHEMA = Schema(
+    reduced_precision=False,
     name="ScheduleFreeAdamW", rule=rule.RULE_ADAM, record=ScheduleFreeAdamWParamState,
     hyperparameters={**_ADAM, **_WARMUP, **_AVERAGING, **_COUNTERS},
     columns=_MARKER, slots={"z": Slot(), "exp_avg_sq": Slot(nonnegative=True)})
@@ -314,6 +316,7 @@ class ScheduleFreeAdamW(_ScheduleFree):
 
 
 RADAM_SCHEMA = Schema(
+    reduced_precision=False,
     name="ScheduleFreeRAdam", rule=rule.RULE_ADAM, record=ScheduleFreeRAdamParamState,
     hyperparameters={
         **_ADAM,
