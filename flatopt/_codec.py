@@ -82,6 +82,15 @@ def coded_plan(buf: FlatBuffer, schema, used) -> CodedPlan:
 def new_slot(buf: FlatBuffer, schema, name: str, initial: float) -> np.ndarray:
     """Slot ``name`` of ``buf`` holding ``initial`` everywhere, in its stored format (an int8
     slot's block scales go into ``buf.absmax[name]``)."""
+    flat, scales = fresh_slot(buf, schema, name, initial)
+    if scales is not None:
+        buf.absmax[name] = scales
+    return flat
+
+
+def fresh_slot(buf: FlatBuffer, schema, name: str, initial: float):
+    """``(stored array, int8 block scales or None)`` of slot ``name`` of ``buf`` holding
+    ``initial`` everywhere; ``buf`` is left as it is (a restore builds its arrays aside)."""
     length = buf.layout(name).length
     fmt = slot_format(buf, schema, name)
     if fmt in (Q8_SIGNED, Q8_UNSIGNED):
@@ -93,12 +102,11 @@ def new_slot(buf: FlatBuffer, schema, name: str, initial: float) -> np.ndarray:
         if initial:
             scales.fill(abs(np.float32(initial)))
             codes.fill(int(np.argmin(np.abs(table - np.sign(initial)))))
-        buf.absmax[name] = scales
-        return codes
+        return codes, scales
     flat = aligned_zeros(length, buf.storage.state_array_dtype)
     if initial:
         flat.fill(initial)
-    return flat
+    return flat, None
 
 
 def read_slot(buf: FlatBuffer, schema, name: str, slot: int) -> np.ndarray:

@@ -10,12 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from . import _codec, _restore
+from . import _codec, _lossless, _restore
 from .errors import StateDictError, raise_problems
 from .schema import describe_group
 
 STATE_DICT_FORMAT = "flatopt.state_dict"
-STATE_DICT_VERSION = 1
+STATE_DICT_VERSION = 2
+"""The newest version this flatopt reads; it writes 2 only for an optimizer with
+reduced-precision buffers (its ``"storage"`` list and lossless entries), 1 otherwise."""
 
 
 def build(opt, state: dict) -> dict[str, Any]:
@@ -26,8 +28,51 @@ def build(opt, state: dict) -> dict[str, Any]:
         saved = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
         saved["params"] = list(group["params"])
         groups.append(saved)
-    return {"format": STATE_DICT_FORMAT, "version": STATE_DICT_VERSION,
-            "optimizer": opt.schema.name, "param_groups": groups, "state": state}
+    out = {"format": STATE_DICT_FORMAT, "version": 1,
+           "optimizer": opt.schema.name, "param_groups": groups, "state": state}
+    coded = [buf for buf in opt.buffers if buf.coded]
+    if coded:
+        out["version"] = 2
+        out["storage"] = [{"paths": list(buf.paths), **_lossless.describe(buf),
+                           "draws": int(buf.draws)} for buf in coded]
+    return out
+
+
+def saved_entry(opt, buf, slot: int) -> dict | None:
+    """``state_dict()``'s entry of parameter ``slot`` of ``buf``: lossless for a coded buffer
+    (its stored arrays, see ``flatopt._lossless``), else :func:`param_state`'s copies."""
+    if not buf.coded:
+        return param_state(opt, buf, slot, copy=True)
+    if not opt.schema.stateful({name: column[slot] for name, column in buf.columns.items()
+                                if name in opt.schema.columns}):
+        return None
+    return _lossless.path_entry(opt, buf, slot)
+
+
+STORAGE_FIELDS = {"paths": list, "param": str, "grad": str, "state": str, "master": bool,
+                  "rounding": str, "seed": int, "draws": int}
+
+
+def saved_storage(state_dict: Mapping, problems: list[str]) -> dict[str, tuple[dict, int]]:
+    """A version-2 state dict's ``"storage"`` list: path -> (storage, draws), checked."""
+    raw = state_dict.get("storage", [])
+    out: dict[str, tuple[dict, int]] = {}
+    if not isinstance(raw, (list, tuple)):
+        problems.append("state dict 'storage' must be a list of buffer storages")
+        return out
+    for number, item in enumerate(raw):
+        if not isinstance(item, Mapping) or set(item) != set(STORAGE_FIELDS) or not all(
+                isinstance(item[key], kind) for key, kind in STORAGE_FIELDS.items()) or \
+                item["param"] not in _lossless.NUMPY_DTYPES or item["draws"] < 0 or \
+                item["state"] not in ("float32", "float64", "bfloat16", "int8") or \
+                not all(isinstance(path, str) for path in item["paths"]):
+            problems.append(f"state dict 'storage' entry {number} is not a buffer storage "
+                            f"({sorted(STORAGE_FIELDS)}, as state_dict() writes them)")
+            continue
+        desc = {key: item[key] for key in STORAGE_FIELDS if key not in ("paths", "draws")}
+        for path in item["paths"]:
+            out[path] = (desc, item["draws"])
+    return out
 
 
 def param_state(opt, buf, slot: int, copy: bool) -> dict | None:
@@ -52,11 +97,13 @@ def param_state(opt, buf, slot: int, copy: bool) -> dict | None:
     return entry
 
 
-def parse(opt, state_dict: Any, hyperparameters: str):
-    """``(state, settings)`` for ``opt.restore`` from a snapshot: its structure, format,
-    version and optimizer checked, and with ``hyperparameters="saved"`` each live group's
-    values taken from the saved group with exactly its parameters (``settings`` None with
-    ``"live"``). Every problem, including restore's own, in one StateDictError."""
+def parse(opt, state_dict: Any, hyperparameters: str, convert: bool = False):
+    """``(state, settings, staged)`` for ``opt.restore`` from a snapshot: its structure,
+    format, version and optimizer checked, and with ``hyperparameters="saved"`` each live
+    group's values taken from the saved group with exactly its parameters (``settings`` None
+    with ``"live"``); ``staged``: the coded buffers' new contents (``_lossless.stage``), whose
+    storage must be the saved one unless ``convert``. Every problem, including restore's own,
+    in one StateDictError."""
     if hyperparameters not in ("saved", "live"):
         raise ValueError("hyperparameters must be 'saved' or 'live', got "
                          f"{hyperparameters!r}")
@@ -86,9 +133,22 @@ def parse(opt, state_dict: Any, hyperparameters: str):
         settings = _saved_settings(opt, saved_groups, problems)
     elif opt.schema.group_state:  # "live": the optimizer's per-group state is still loaded
         settings = _saved_settings(opt, saved_groups, problems, only=opt.schema.group_state)
-    problems += _restore.restore_problems(opt, state, settings, None, None)
+    storage = saved_storage(state_dict, problems) if version >= 2 else {}
+    saved = {}
+    for path, entry in state.items():
+        desc, draws = storage.get(path, (None, None))
+        info = opt.index.get(path) if isinstance(path, str) else None
+        if desc is None and info is not None:
+            desc = _lossless.plain(opt.buffers[info.buffer].dtype.name)
+        saved[path] = _lossless.Saved(desc, entry, None, draws)
+    for path, (desc, draws) in storage.items():  # a coded buffer's parameters without state
+        if path not in saved:
+            saved[path] = _lossless.Saved(desc, None, None, draws)
+    staged, state, _ = _lossless.stage(opt, saved, settings, convert, problems)
+    problems += _restore.restore_problems(opt, {**state, **{
+        path: None for path in saved if path not in opt.index}}, settings, None, None)
     raise_problems(problems, StateDictError)
-    return state, settings
+    return state, settings, staged
 
 
 def _saved_settings(opt, saved_groups: Any, problems: list[str],

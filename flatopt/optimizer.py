@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _codec, _device, _params, _restore, _state_dict, _stepping, _storage, distributed
+from . import (_codec, _device, _lossless, _params, _restore, _state_dict, _stepping, _storage,
+               distributed)
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._plan import Plan, make_plan, update_together
 from ._restore import BufferState
@@ -507,15 +508,14 @@ class Optimizer:
         self.host_buffers()
         state = {}
         for info in self.index:
-            entry = _state_dict.param_state(self, self.buffers[info.buffer], info.slot,
-                                            copy=True)
+            entry = _state_dict.saved_entry(self, self.buffers[info.buffer], info.slot)
             if entry is not None:
                 state[info.path] = entry
         return _state_dict.build(self, state)
 
     @_locked
     def load_state_dict(self, state_dict: Mapping[str, Any], *,
-                        hyperparameters: str = "saved") -> None:
+                        hyperparameters: str = "saved", convert: bool = False) -> None:
         """Load a :meth:`state_dict` snapshot, matched by path, never by position.
 
         Every difference (kind, paths, shapes, dtypes, state slots and values, grouping) is
@@ -523,17 +523,19 @@ class Optimizer:
         ``hyperparameters="saved"`` (torch's behaviour) takes each group's hyperparameters from
         the snapshot, which then needs the same grouping; ``"live"`` keeps the optimizer's own
         and loads state only. Data is copied: the snapshot and the optimizer never share memory.
+        Reduced-precision buffers load losslessly (stored arrays, master weights,
+        compensation, the rounding stream's draws); a saved storage other than the live one
+        is refused by path unless ``convert=True`` (through float32 values).
         """
         if self._sharding is not None:
             self._sharding.refuse("load_state_dict()")
-        if any(buf.coded for buf in self.buffers):
-            raise StateDictError(f"{type(self).__name__}.load_state_dict(): this optimizer "
-                                 "keeps reduced-precision buffers, whose state cannot be "
-                                 "loaded from a state dict yet (state_dict() gives float32 "
-                                 "values)")
-        state, settings = _state_dict.parse(self, state_dict, hyperparameters)
+        if not isinstance(convert, (bool, np.bool_)):
+            raise StateDictError(f"convert must be True or False, got {convert!r}")
+        state, settings, staged = _state_dict.parse(self, state_dict, hyperparameters,
+                                                    convert)
         with self.host_side():
             _restore.apply(self, state, settings, None, None)
+            _lossless.commit(self, staged)
 
     @_locked
     def load_torch_state_dict(self, state_dict: Mapping[str, Any], names: Any, *,

@@ -181,6 +181,8 @@ def reseal(data: bytes) -> bytes:
             label = g.attrs.get("label")
             groups.append({"hyperparameters": _plain(g.attrs["hyperparameters"]),
                            "label": None if label is None else _plain(label)})
+            if "storage" in g.attrs:  # format 5: reduced-precision storage
+                groups[-1]["storage"] = _plain(g.attrs["storage"])
             for dtype in g:
                 for slot in g[dtype]:
                     try:  # hostile edits may have put links or groups here

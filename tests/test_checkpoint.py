@@ -216,7 +216,7 @@ def test_newer_format_version_is_refused_naming_both(tmp_path):
     data = edit((tmp_path / "ck.h5").read_bytes(),
                 lambda f: f.attrs.__setitem__("format_version", 7))
     live = fresh_like()
-    with pytest.raises(flatopt.CheckpointMismatch, match=r"format version 7.*up to 4"):
+    with pytest.raises(flatopt.CheckpointMismatch, match=r"format version 7.*up to 5"):
         flatopt.load(data, live)
 
 

@@ -34,7 +34,6 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
     a run, as the member itself). Returns the absolute path.
     """
     opt, lookahead = unwrapped(opt, lookahead)
-    _full_precision(opt, "save", path)
     if _several(opt, scheduler, schedulers, lookahead):
         return run.save(path, opt, schedulers=schedulers, metadata=metadata, arrays=arrays,
                         ema=ema, scaler=scaler, background=background)
@@ -48,18 +47,22 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
 
 def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str | None = None,
          regroup: bool = False, scheduler: Any = None, schedulers: Any = None, ema: Any = None,
-         scaler: Any = None, lookahead: Any = None,
-         staging: int | None = None) -> "LoadResult | dict[str, LoadResult]":
+         scaler: Any = None, lookahead: Any = None, staging: int | None = None,
+         convert: bool = False) -> "LoadResult | dict[str, LoadResult]":
     """Load a checkpoint into an optimizer, or a run's into a dict ``{name: optimizer}``.
 
     One optimizer: see :func:`flatopt.checkpoint.loader.load`. Several: every optimizer given
     must be in the run (and, unless ``strict=False``, every saved one given); all are
     verified and compared first, then loaded in one commit (any failure puts every optimizer,
     scheduler, EMA and scaler back). Returns ``{name: LoadResult}``; the run's metadata and
-    arrays are in its first optimizer's result.
+    arrays are in its first optimizer's result. ``convert=True`` (one optimizer) converts
+    parameters saved with another storage (reduced precision) through float32 values.
     """
     opt, lookahead = unwrapped(opt, lookahead)
-    _full_precision(opt, "load", source)
+    check_flags(convert=convert)
+    if convert and (isinstance(opt, Mapping) or _sharded(opt)):
+        raise CheckpointOptionError("convert=True is for one optimizer holding all of its "
+                                    "state; nothing was loaded")
     options = dict(strict=strict, rename=rename, hyperparameters=hyperparameters,
                    regroup=regroup, ema=ema, scaler=scaler, staging=staging)
     if _several(opt, scheduler, schedulers, lookahead):
@@ -76,7 +79,8 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
         return sharded.load(source, opt, strict=strict, rename=rename,
                             hyperparameters=hyperparameters, regroup=regroup,
                             scheduler=scheduler, staging=staging)
-    return loader.load(source, opt, scheduler=scheduler, lookahead=lookahead, **options)
+    return loader.load(source, opt, scheduler=scheduler, lookahead=lookahead, convert=convert,
+                       **options)
 
 
 def _several(opt, scheduler, schedulers, lookahead) -> bool:
@@ -103,22 +107,6 @@ def unwrapped(opt, lookahead):
             raise CheckpointOptionError("lookahead= names another Lookahead than the one given")
         return opt.optimizer, opt
     return opt, lookahead
-
-
-def _full_precision(opt, what: str, path) -> None:
-    """Refuse optimizers with reduced-precision buffers before any file is touched: their
-    lossless format (codes, block scales, master weights, the rounding stream) is not
-    written yet."""
-    members = opt.items() if isinstance(opt, Mapping) else [(None, opt)]
-    for name, member in members:
-        if isinstance(member, Lookahead):
-            member = member.optimizer
-        if isinstance(member, Optimizer) and any(buf.coded for buf in member.buffers):
-            which = f"optimizer {name!r}" if name is not None else type(member).__name__
-            raise CheckpointOptionError(
-                f"{what}({str(path)!r}): {which} keeps reduced-precision buffers (16-bit "
-                "parameters, master_weights or state_dtype), which checkpoints cannot hold "
-                "yet; nothing was written", path=str(path))
 
 
 def _sharded(opt) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _lossless
 from ..optimizer import Optimizer
 from ..schema import describe_group
 from .difference import Difference
@@ -16,6 +17,7 @@ PATH_MATCHING = "path matching"   # reported for information, never blocking
 PARTIAL = "strict=False"
 REGROUP = "regroup=True"
 HYPER = "hyperparameters='saved' or 'live'"
+CONVERT = "convert=True"
 
 
 @dataclass
@@ -71,8 +73,9 @@ def _match_paths(mapped: dict[str, SavedParam], opt: Optimizer, result: Comparis
         if entry.shape != info.shape:
             diffs.append(Difference("shape", info.path, entry.shape, info.shape))
             bad = True
-        if entry.dtype != info.dtype.name:
-            diffs.append(Difference("dtype", info.path, entry.dtype, info.dtype.name))
+        computed = opt.buffers[info.buffer].dtype.name  # a 16-bit one's: the storage's
+        if entry.dtype != computed:
+            diffs.append(Difference("dtype", info.path, entry.dtype, computed))
             bad = True
         if entry.group != info.group:
             diffs.append(Difference("group", info.path, entry.group, info.group,
@@ -147,6 +150,20 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
         result.new_settings.append(chosen or None)
 
 
+def _compare_storage(ck: Contents, opt: Optimizer, result: Comparison) -> None:
+    """Each matched parameter's saved storage (reduced precision, or its dtype) against the
+    live buffer's: a load needs them equal, or ``convert=True``."""
+    for info, entry in result.matches:
+        stored = ck.storage.get(entry.path)
+        saved = stored[0] if stored is not None else _lossless.plain(entry.dtype)
+        live = _lossless.describe(opt.buffers[info.buffer])
+        if not _lossless.same(saved, live):
+            result.differences.append(Difference(
+                "storage", info.path, _lossless.fmt(saved), _lossless.fmt(live),
+                relaxed_by=CONVERT, note="load(..., convert=True) converts through float32 "
+                                         "values"))
+
+
 def compare(ck: Contents, opt: Optimizer, *, rename, hyperparameters: str | None,
             regroup: bool, scheduler) -> Comparison:
     """Every difference between ``ck`` and ``opt``, and the load plan."""
@@ -156,6 +173,7 @@ def compare(ck: Contents, opt: Optimizer, *, rename, hyperparameters: str | None
             "optimizer", "file", ck.schema.name, opt.schema.name,
             note="state of one optimizer kind cannot be loaded into another"))
     _match_paths(_renamed(ck, rename, result.differences), opt, result)
+    _compare_storage(ck, opt, result)
     _compare_groups(ck, opt, result, hyperparameters=hyperparameters, regroup=regroup,
                     scheduler=scheduler)
     if scheduler is not None and ck.scheduler_state is None:
@@ -166,7 +184,8 @@ def compare(ck: Contents, opt: Optimizer, *, rename, hyperparameters: str | None
     return result
 
 
-def is_relaxed(diff: Difference, *, strict: bool, hyperparameters, regroup: bool) -> bool:
+def is_relaxed(diff: Difference, *, strict: bool, hyperparameters, regroup: bool,
+               convert: bool = False) -> bool:
     """Whether the options given accept ``diff``. ``strict`` governs only missing and
     unexpected parameters and scheduler state; a changed id never blocks (state follows the
     path) and is listed in ``LoadResult.differences``."""
@@ -176,6 +195,8 @@ def is_relaxed(diff: Difference, *, strict: bool, hyperparameters, regroup: bool
         return not strict
     if diff.relaxed_by == REGROUP:
         return regroup
+    if diff.relaxed_by == CONVERT:
+        return convert
     if diff.relaxed_by == HYPER:
         return hyperparameters in ("saved", "live")
     return False

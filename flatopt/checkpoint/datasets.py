@@ -34,9 +34,12 @@ def read_groups(ck: Contents) -> dict[str, list]:
         g = member(ck, groups_obj, str(number), "group")
         hyper_text = attr(ck, g, "hyperparameters", str)
         label = attr(ck, g, "label", str, required=False)
-        if set(g.attrs) - {"hyperparameters", "label"}:
+        known = {"hyperparameters", "label", *(("storage",) if ck.version >= 5 else ())}
+        if set(g.attrs) - known:
             raise ck.corrupt(f"{g.name} has unexpected attributes")
         ck.raw_groups.append({"hyperparameters": hyper_text, "label": label})
+        if "storage" in g.attrs:  # version 5: reduced-precision buffers as stored
+            ck.raw_groups[-1]["storage"] = attr(ck, g, "storage", str)
         for dtype_name in g:
             if dtype_name not in DTYPES:
                 raise ck.corrupt(f"{g.name}/{dtype_name}: buffers are float32 or float64")

@@ -35,6 +35,11 @@ with ``save(ema=, scaler=)``: ``flatopt:ema/<g>/<dtype>`` (the EMA's averages, p
 group's parameter buffer), ``flatopt:ema/decay|warmup|num_updates`` and
 ``flatopt:scaler/<key>`` (0-d arrays). Only files with such names are written as version 4.
 
+Version 5 is version 4 holding reduced-precision buffers (16-bit parameters, master
+weights, bfloat16 or int8 state): the buffers above hold their float32 values and each such
+group's attribute ``storage`` and the extra arrays ``flatopt:storage/...`` hold them as stored
+(see ``flatopt.checkpoint.precision``). Only such files are written as version 5.
+
 Version 1 (flatopt 0.1.0) stored each buffer in 1 MiB chunks with HDF5's fletcher32 filter and
 attr digest = "crc32:<hex>" (zlib CRC-32 of the buffer), and had no /arrays; it is still read.
 """
@@ -56,7 +61,7 @@ from ..errors import CheckpointError, CheckpointOptionError
 from ..schema import Schema
 
 FORMAT = "flatopt.checkpoint"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """The newest version this flatopt reads; it writes 4 only for nested extra arrays, 3 only for
 shaped slots (see above)."""
 PLAIN_FORMAT_VERSION = 2

@@ -11,11 +11,12 @@ from typing import Any, Callable
 import numpy as np
 
 from .._layout import aligned_zeros
+from .. import _lossless
 from .._restore import Fill
 from ..errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                       CheckpointOptionError, StateDictError)
 from ..optimizer import BufferState, Optimizer
-from . import extras, files, manifest, validate
+from . import extras, files, manifest, precision, validate
 from .compare import Comparison, Difference, compare, is_relaxed, mismatch_message
 from .format import DTYPES, check_flags, nested_arrays
 from .files import open_file
@@ -268,7 +269,8 @@ def load(source, opt: Optimizer, *, strict: bool = True,
          rename: Mapping[str, str] | Callable[[str], str | None] | None = None,
          hyperparameters: str | None = None, regroup: bool = False,
          scheduler: Any = None, ema: Any = None, scaler: Any = None,
-         lookahead: Any = None, staging: int | None = None) -> LoadResult:
+         lookahead: Any = None, staging: int | None = None, convert: bool = False
+         ) -> LoadResult:
     """Load a checkpoint into ``opt`` in place, matched by path, never by position.
 
     The whole file is verified (structure, sizes, digests, every buffer's checksums and
@@ -285,6 +287,12 @@ def load(source, opt: Optimizer, *, strict: bool = True,
       ``"saved"`` takes them from the file (torch's behaviour), ``"live"`` keeps the
       optimizer's own.
     - ``regroup=True``: the optimizer may group parameters differently; state follows the path.
+    - ``convert=True``: a parameter saved with another storage than the live one (16-bit
+      parameters, master weights, bfloat16 or int8 state; see ``flatopt.checkpoint.precision``)
+      is converted through float32 values: the saved state decoded and encoded in the live
+      format, the saved parameter (or its master weights) the live parameter and master,
+      Kahan compensation zero. Without it such a parameter is a mismatch naming both formats;
+      with the same storage a load is lossless (stored arrays, the rounding stream's draws).
 
     A parameter whose id changed (the model was built in another order) still loads by path,
     whatever ``strict`` says; the change is listed in the result's ``differences``.
@@ -305,7 +313,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     regrouped load takes per path).
     """
     check_options(opt, rename, hyperparameters, staging)
-    check_flags(strict=strict, regroup=regroup)
+    check_flags(strict=strict, regroup=regroup, convert=convert)
     if opt.sharding is not None:
         raise CheckpointOptionError("loader.load() loads an optimizer that holds all of its "
                                     "state; flatopt.load sends a sharded one to sharded.load")
@@ -313,7 +321,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
         prepared = Prepared.of(ck, opt, workers, strict=strict, rename=rename,
                                hyperparameters=hyperparameters, regroup=regroup,
                                scheduler=scheduler, ema=ema, scaler=scaler,
-                               lookahead=lookahead)
+                               lookahead=lookahead, convert=convert)
         prepared.apply(staging, lambda: extras.load_states(prepared.wanted, ck.name))
         return prepared.result()
 
@@ -331,25 +339,39 @@ class Prepared:
     pending: Any
     wanted: list
     """(what, object, state) for the scheduler, EMA and scaler (``extras.wanted_states``)."""
+    staged: dict = field(default_factory=dict)
+    """The reduced-precision buffers' new contents (``_lossless.stage``), committed last."""
 
     @classmethod
     def of(cls, ck: Contents, opt: Optimizer, workers, *, strict: bool, rename,
            hyperparameters, regroup: bool, scheduler, ema=None, scaler=None,
-           lookahead=None) -> "Prepared":
+           lookahead=None, convert: bool = False) -> "Prepared":
         plan, relaxed, settings = checked_plan(ck, opt, strict=strict, rename=rename,
                                                hyperparameters=hyperparameters,
-                                               regroup=regroup, scheduler=scheduler)
+                                               regroup=regroup, scheduler=scheduler,
+                                               convert=convert)
         arrays = guarded(ck, lambda: ck.read_arrays())
         wanted = extras.wanted_states(ck, extras.split(arrays)[1], plan.matches, strict=strict,
                                       ema=ema, scaler=scaler, scheduler=scheduler,
                                       lookahead=lookahead)
-        state, params, buffers = _restore_arguments(ck, opt, plan, workers)
+        coded = [m for m in plan.matches if opt.buffers[m[0].buffer].coded]
+        plain = Comparison(plan.differences, [m for m in plan.matches
+                                              if not opt.buffers[m[0].buffer].coded],
+                           plan.unused, plan.new_settings)
+        state, params, buffers = _restore_arguments(ck, opt, plain, workers)
+        problems: list[str] = []
+        records = precision.saved_records(ck, opt, coded, arrays,
+                                          _float32_entries(ck, workers), convert)
+        staged, _, _ = _lossless.stage(opt, records, settings, convert, problems,
+                                       f"checkpoint {ck.name}")
         try:
+            if problems:
+                raise StateDictError("; ".join(problems[:20]))
             pending = opt.prepare_restore(state, settings=settings, params=params,
                                           buffers=buffers)
         except StateDictError as exc:
             raise ck.corrupt(str(exc)) from exc
-        return cls(ck, opt, plan, relaxed, arrays, pending, wanted)
+        return cls(ck, opt, plan, relaxed, arrays, pending, wanted, staged)
 
     def apply(self, staging: int | None, before_commit) -> None:
         """Make the load; ``before_commit`` runs last (its error undoes the load too)."""
@@ -359,6 +381,7 @@ class Prepared:
             # the spill goes to tempfile's directory ($TMPDIR): the checkpoint's own may be
             # read-only or full, and a load must not write beside what it reads
             self.pending.apply(staging=budget, spill_dir=None, before_commit=before_commit)
+            _lossless.commit(self.opt, self.staged)  # assignments only: it cannot fail
         except StateDictError as exc:  # a value check of data read into place
             raise ck.corrupt(str(exc)) from exc
         except (OSError, MemoryError) as exc:  # the undo copy: a full disk, or memory
@@ -372,6 +395,25 @@ class Prepared:
 
     def result(self) -> LoadResult:
         return LoadResult.of(self.ck, self.opt, self.plan, self.relaxed, self.arrays)
+
+
+def _float32_entries(ck: Contents, workers) -> Callable:
+    """``entry -> (parameter values, state entry or None)`` from the file's float32 buffers
+    (for a plain saved parameter loaded into a reduced-precision buffer), read and verified
+    once per buffer when first asked."""
+    staged: dict = {}
+
+    def values(entry):
+        key = (entry.group, entry.dtype)
+        if (key, "params") not in staged:
+            staged.update(verify_buffers(ck, [key], workers, {
+                (key, slot) for slot in ck.buffers[key].datasets}))
+        window = slice(entry.offset, entry.offset + entry.size)
+        params = staged[key, "params"][window].reshape(entry.shape)
+        state = (saved_state_entry(ck, entry, staged, entry.shape)
+                 if ck.schema.stateful(entry.columns) else None)
+        return params, state
+    return values
 
 
 def check_options(opt, rename, hyperparameters, staging) -> None:
@@ -404,7 +446,8 @@ def load_scheduler(ck: Contents, scheduler) -> None:
 
 
 def checked_plan(ck: Contents, opt: Optimizer, *, strict: bool, rename, hyperparameters,
-                 regroup: bool, scheduler) -> tuple[Comparison, list, list[dict | None]]:
+                 regroup: bool, scheduler, convert: bool = False
+                 ) -> tuple[Comparison, list, list[dict | None]]:
     """The file compared with ``opt``: the plan, the differences the options accept, and the
     groups' new values; every other difference raised in one CheckpointMismatch."""
     plan = compare(ck, opt, rename=rename, hyperparameters=hyperparameters, regroup=regroup,
@@ -412,7 +455,7 @@ def checked_plan(ck: Contents, opt: Optimizer, *, strict: bool, rename, hyperpar
     relaxed, blocking = [], []
     for diff in plan.differences:
         accepted = is_relaxed(diff, strict=strict, hyperparameters=hyperparameters,
-                              regroup=regroup)
+                              regroup=regroup, convert=convert)
         (relaxed if accepted else blocking).append(diff)
     if blocking:
         raise CheckpointMismatch(mismatch_message(ck.name, opt, blocking, relaxed),

@@ -99,6 +99,9 @@ class Contents:
         self.scheduler_state: Any = None
         self.raw_columns: dict[str, list] = {}
         self.raw_groups: list[dict] = []
+        self.storage: dict[str, tuple] = {}
+        """Version 5: path -> (storage settings, draws, its stored arrays' names, offset)
+        for parameters saved in reduced precision (``precision.interpret``)."""
         self.declared = 0   # bytes of buffers and arrays the structure declares
         self.digest: str | None = None  # the commit digest, once verified
 

@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import _lossless
 from ..errors import CheckpointError
-from . import files
+from . import files, precision
 from .format import check_flags
 from .loader import Scratch, guarded, open_checkpoint, saved_values, verify_one
 
@@ -51,7 +52,11 @@ def inspect_checkpoint(source, *, tensors: bool = False) -> dict:
                 "parameters": len(members), "elements": sum(e.size for e in members),
                 "dtypes": sorted({b.dtype for b in buffers}),
                 "slots": sorted({slot for b in buffers for slot in b.datasets}),
-                "bytes": nbytes, **_state_summary(schema, members)})
+                "bytes": nbytes, **_state_summary(schema, members),
+                # reduced precision: each coded buffer's settings; plain: the dtype's
+                "storage": precision.group_storage(ck, number) or [
+                    {"storage": _lossless.fmt(_lossless.plain(b.dtype)),
+                     **_lossless.plain(b.dtype)} for b in buffers]})
         info = {"path": ck.name, "format": ck.header["format"],
                 "format_version": ck.header["format_version"],
                 "flatopt_version": ck.header["flatopt_version"],

@@ -11,6 +11,7 @@ import numpy as np
 
 from .._layout import SlotLayout, aligned_offsets
 from ..schema import slot_value_problems
+from . import precision
 from .format import DTYPES, json_depth_problem, schema_named
 from .reader import Contents, SavedParam
 
@@ -49,6 +50,7 @@ def interpret(ck: Contents) -> None:
     _json_texts(ck)
     _rows(ck)
     _packing_and_state(ck)
+    precision.interpret(ck)
 
 
 def _groups(ck: Contents) -> None:

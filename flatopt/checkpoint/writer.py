@@ -34,7 +34,7 @@ from .._version import __version__
 from ..errors import CheckpointError, CheckpointOptionError
 from ..optimizer import Optimizer
 from ..schema import column_problems, slot_value_problems
-from . import files
+from . import files, precision
 from .extras import own_arrays
 from .h5write import fragment_array, set_text, write_buffer, write_column
 from .format import (BLOCK_BYTES, FORMAT, LIBVER, NEST, NESTED_FORMAT_VERSION,
@@ -111,8 +111,16 @@ class Snapshot:
         of the data (see ``manifest``)."""
         self.groups = _groups(opt)
         self.columns = _index_columns(opt)
-        self.arrays = checked_arrays(arrays, own_arrays(opt, ema, scaler, lookahead))
-        version = (NESTED_FORMAT_VERSION if any(NEST in name for name in self.arrays) else
+        own = own_arrays(opt, ema, scaler, lookahead)
+        coded = precision.coded(opt)
+        if coded:  # reduced precision: the stored arrays beside the float32 view
+            texts, stored = precision.storage_texts_and_arrays(opt)
+            own.update(stored)
+            for number, text in texts.items():
+                self.groups[number]["storage"] = text
+        self.arrays = checked_arrays(arrays, own)
+        version = (precision.PRECISION_FORMAT_VERSION if coded else
+                   NESTED_FORMAT_VERSION if any(NEST in name for name in self.arrays) else
                    SHAPED_FORMAT_VERSION if self.schema.shaped_slots else PLAIN_FORMAT_VERSION)
         self.header = {"format": FORMAT, "format_version": version,
                        "flatopt_version": __version__, "h5py_version": h5py.version.version,
@@ -137,7 +145,11 @@ class Snapshot:
                                   + "; ".join(problems[:20]))
         self.buffers = []
         self.copy_seconds = 0.0
-        for buf in opt.host_buffers():  # on CUDA: copied to the host mirror first
+        if coded:
+            self.buffers, offsets = precision.view_buffers(opt, _Buffer)
+            self.columns["offset"] = [offsets[path] for path in self.columns["path"]]
+            self.columns["dtype"] = [opt.buffers[info.buffer].dtype.name for info in opt.index]
+        for buf in () if coded else opt.host_buffers():  # CUDA: the host mirror first
             saved = _Buffer(buf.number, buf.group, buf.dtype, int(buf.length), buf.offsets,
                             buf.sizes, buf.paths,
                             {name: column.copy() for name, column in buf.columns.items()},
@@ -310,6 +322,8 @@ class Snapshot:
             set_text(g, "hyperparameters", group["hyperparameters"])
             if group["label"] is not None:
                 set_text(g, "label", group["label"])
+            if "storage" in group:
+                set_text(g, "storage", group["storage"])
             for saved in self.buffers:
                 if saved.group != number:
                     continue

@@ -1,0 +1,420 @@
+"""Reduced-precision buffers held losslessly outside the optimizer (state dicts, checkpoints):
+each buffer's storage described, each parameter's stored arrays taken out as they are (16-bit
+bit patterns, 8-bit codes with their block scales, master weights, Kahan compensation),
+checked, converted through float32 values when asked, and put back all at once.
+
+A lossless entry of one parameter (``state_dict()["state"][path]`` of a coded buffer) holds
+its state-dict columns, each state slot as stored (a float32 or ``ml_dtypes.bfloat16`` array
+of the slot's shape; for int8 a dict ``{"codes": uint8 array, "absmax": float32 array}``, one
+scale per 256-element block from the parameter's first element), and ``master`` (float32) and
+``compensation`` (the parameter's 16-bit dtype) where the buffer keeps them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import _codec
+from ._storage import BFLOAT16, FLOAT16, FLOAT32, dtype_name
+from .kernels.coded import TABLES
+from .kernels.storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
+
+EXTRAS = ("master", "compensation")
+COMPARED = ("param", "state", "master", "rounding", "seed")
+"""The storage settings a lossless load needs equal (the gradient dtype holds no state)."""
+NUMPY_DTYPES = {"float32": FLOAT32, "float64": np.dtype(np.float64), "bfloat16": BFLOAT16,
+                "float16": FLOAT16}
+
+
+def describe(buf) -> dict[str, Any]:
+    """A buffer's storage as JSON-able settings (a plain buffer: everything its dtype)."""
+    s = buf.storage
+    if s is None:
+        name = buf.dtype.name
+        return {"param": name, "grad": name, "state": name, "master": False,
+                "rounding": "nearest", "seed": 0}
+    return {"param": dtype_name(s.param), "grad": dtype_name(s.grad), "state": s.state,
+            "master": bool(s.master), "rounding": s.rounding, "seed": int(s.seed)}
+
+
+def plain(dtype_text: str) -> dict[str, Any]:
+    return {"param": dtype_text, "grad": dtype_text, "state": dtype_text, "master": False,
+            "rounding": "nearest", "seed": 0}
+
+
+def fmt(desc: Mapping) -> str:
+    """A storage description in words (for errors and ``inspect``)."""
+    parts = [f"params {desc['param']}"]
+    if desc.get("grad") not in (None, desc["param"]):
+        parts.append(f"grads {desc['grad']}")
+    if desc["master"]:
+        parts.append("float32 master weights")
+    elif desc["param"] in ("bfloat16", "float16"):
+        parts.append(f"rounding {desc['rounding']}")
+    parts.append(f"state {desc['state']}")
+    if desc["param"] in ("bfloat16", "float16") or desc["state"] == "bfloat16":
+        parts.append(f"seed {desc['seed']}")
+    return ", ".join(parts)
+
+
+def same(a: Mapping, b: Mapping) -> bool:
+    return all(a.get(key) == b.get(key) for key in COMPARED)
+
+
+def blocks(size: int) -> int:
+    return -(-int(size) // BLOCK)
+
+
+def signed(schema, name: str) -> bool:
+    return not schema.slots[name].nonnegative
+
+
+# ----------------------------------------------------------------------------- codecs
+def decode(value: Any, state: str, is_signed: bool, size: int) -> np.ndarray:
+    """A stored slot value (array, or int8's dict) as float32 values of its shape."""
+    if state == "int8":
+        codes = np.asarray(value["codes"])
+        scales = np.repeat(np.asarray(value["absmax"], np.float32), BLOCK)[:size]
+        table = TABLES[0 if is_signed else 1]
+        return (table[codes.reshape(-1)] * scales).reshape(codes.shape)
+    return np.asarray(value).astype(np.float32)
+
+
+def _q8_encode(x: np.ndarray, is_signed: bool) -> dict:
+    """bitsandbytes' CPU blockwise quantization of ``x`` (float32, per 256-element block from
+    its first element): the code nearest to each normalized value on its 1/65535 grid."""
+    flat = np.ascontiguousarray(x, np.float32).reshape(-1)
+    n = flat.size
+    padded = np.zeros(blocks(n) * BLOCK, np.float32)
+    padded[:n] = flat
+    absmax = np.abs(padded.reshape(-1, BLOCK)).max(axis=1).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        v = (padded.reshape(-1, BLOCK) * (np.float32(1) / absmax)[:, None]).reshape(-1)[:n]
+        c = np.clip(v, np.float32(-1), np.float32(1)).astype(np.float32)
+        t = ((c + np.float32(1)) * np.float32(0.5) * np.float32(65535)
+             + np.float32(0.5)).astype(np.float32)
+    k = np.where(np.isnan(t), 0, np.nan_to_num(t)).astype(np.int64)
+    grid = (np.float32(-1) + np.float32(2) * k.astype(np.float32) / np.float32(65535))
+    code = (DYNAMIC_SIGNED if is_signed else DYNAMIC_UNSIGNED).astype(np.float32)
+    mid = (np.float32(0.5) * (code[:-1] + code[1:])).astype(np.float32)
+    codes = np.searchsorted(mid, grid.astype(np.float32), side="left").astype(np.uint8)
+    return {"codes": codes.reshape(x.shape), "absmax": absmax}
+
+
+def encode(values: np.ndarray, state: str, is_signed: bool) -> Any:
+    """float32 ``values`` in the stored format ``state`` (nearest rounding)."""
+    if state == "int8":
+        return _q8_encode(values, is_signed)
+    return np.asarray(values, np.float32).astype(NUMPY_DTYPES[state])
+
+
+# ----------------------------------------------------------------------------- out
+def path_entry(opt, buf, slot: int, columns: Mapping[str, Any] | None = None) -> dict:
+    """Parameter ``slot`` of coded ``buf``: its state-dict columns and stored arrays (copies)."""
+    schema = opt.schema
+    entry = dict(columns) if columns is not None else {
+        name: buf.columns[name][slot].item() for name in schema.state_dict_columns}
+    start, size = int(buf.offsets[slot]), int(buf.sizes[slot])
+    for name in schema.slots:
+        if name not in buf.state:
+            continue
+        view = buf.state[name][start:start + size].reshape(buf.shapes[slot]).copy()
+        if name in buf.absmax:
+            first = start // BLOCK
+            entry[name] = {"codes": view,
+                           "absmax": buf.absmax[name][first:first + blocks(size)].copy()}
+        else:
+            entry[name] = view
+    for name in EXTRAS:
+        flat = getattr(buf, name)
+        if flat is not None:
+            entry[name] = buf.view(flat, slot).copy()
+    return entry
+
+
+# ----------------------------------------------------------------------------- checks
+def _array_problem(value: Any, shape: tuple, dtype: np.dtype) -> str | None:
+    if not isinstance(value, np.ndarray):
+        return f"must be an array, got {type(value).__name__}"
+    if value.dtype != dtype or tuple(value.shape) != tuple(shape):
+        return (f"must be {dtype_name(dtype)} of shape {tuple(shape)}, is "
+                f"{dtype_name(value.dtype)} {tuple(value.shape)}")
+    return None
+
+
+def entry_problems(opt, path: str, entry: Any, desc: Mapping, shape: tuple,
+                   settings: Mapping) -> list[str]:
+    """Why ``entry`` is not a lossless entry of a parameter of ``shape`` stored as ``desc``
+    (its stored arrays' dtypes and shapes, int8 codes and scales, then the schema's own checks
+    of the decoded float32 values)."""
+    schema = opt.schema
+    if not isinstance(entry, Mapping):
+        return [f"state for {path!r} must be a dict, got {type(entry).__name__}"]
+    problems = []
+    size = int(np.prod(shape, dtype=np.int64))
+    decoded = {key: value for key, value in entry.items() if key not in EXTRAS}
+    for name in schema.slots:
+        value = entry.get(name)
+        if value is None:
+            continue
+        where = f"state for {path!r}: {name}"
+        if desc["state"] == "int8":
+            if not isinstance(value, Mapping) or set(value) != {"codes", "absmax"}:
+                problems.append(f"{where} must be a dict with 'codes' and 'absmax' (int8)")
+                continue
+            problem = (_array_problem(value["codes"], shape, np.dtype(np.uint8))
+                       or _array_problem(value["absmax"], (blocks(size),), FLOAT32))
+            if problem is None and not (np.isfinite(value["absmax"]).all()
+                                        and (value["absmax"] >= 0).all()):
+                problem = "has block scales that are negative or not finite"
+        else:
+            problem = _array_problem(value, shape, NUMPY_DTYPES[desc["state"]])
+        if problem:
+            problems.append(f"{where} {problem}")
+            continue
+        decoded[name] = decode(value, desc["state"], signed(schema, name), size)
+    wanted = {"master": desc["master"], "compensation": desc["rounding"] == "kahan"}
+    for name, kept in wanted.items():
+        dtype = FLOAT32 if name == "master" else NUMPY_DTYPES[desc["param"]]
+        if not kept:
+            if name in entry:
+                problems.append(f"state for {path!r} has {name!r}, which {fmt(desc)} lacks")
+        elif name not in entry:
+            problems.append(f"state for {path!r} lacks {name!r} ({fmt(desc)})")
+        else:
+            problem = _array_problem(entry[name], shape, dtype)
+            if problem:
+                problems.append(f"state for {path!r}: {name} {problem}")
+    if problems:
+        return problems
+    return schema.state_problems(path, decoded, shape, FLOAT32, settings)
+
+
+def to_float32(opt, entry: Mapping, desc: Mapping, shape: tuple) -> dict:
+    """A checked lossless entry as the float32 entry a plain buffer keeps (columns kept;
+    master and compensation dropped)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    out = {key: value for key, value in entry.items()
+           if key not in EXTRAS and key not in opt.schema.slots}
+    for name in opt.schema.slots:
+        if entry.get(name) is not None:
+            out[name] = decode(entry[name], desc["state"], signed(opt.schema, name), size)
+    return out
+
+
+def from_float32(opt, entry: Mapping, desc: Mapping, master: np.ndarray | None) -> dict:
+    """A float32 entry in the stored format ``desc`` (conversion; ``master``: float32 values
+    for a buffer with master weights, compensation zero)."""
+    out = {key: value for key, value in entry.items() if key not in opt.schema.slots}
+    for name in opt.schema.slots:
+        if entry.get(name) is not None:
+            out[name] = encode(np.asarray(entry[name], np.float32), desc["state"],
+                               signed(opt.schema, name))
+    if desc["master"] and master is not None:
+        out["master"] = np.asarray(master, np.float32).copy()
+    if desc["rounding"] == "kahan" and master is not None:
+        out["compensation"] = np.zeros(np.shape(master), NUMPY_DTYPES[desc["param"]])
+    return out
+
+
+# ----------------------------------------------------------------------------- in
+class Staged:
+    """New contents of one coded buffer, built aside from its live arrays; :meth:`commit`
+    puts them in (it cannot fail)."""
+
+    def __init__(self, opt, buf, settings: Mapping):
+        self.buf = buf
+        self.params = buf.params.copy()
+        self.master = None if buf.master is None else buf.master.copy()
+        self.compensation = None if buf.compensation is None else buf.compensation.copy()
+        self.columns = {name: np.zeros_like(column) for name, column in buf.columns.items()}
+        self.draws = buf.draws
+        self.loaded = False
+        """Whether a saved buffer's draws were taken (the largest of them is kept)."""
+        self.state: dict[str, np.ndarray] = {}
+        self.absmax: dict[str, np.ndarray] = {}
+        self.opt, self.settings = opt, settings
+        for name in buf.state:
+            self._fresh(name)
+
+    def _fresh(self, name: str) -> None:
+        initial = self.opt.schema.initial_value(name, self.settings) \
+            if self.opt.schema.eager else 0.0
+        self.state[name], scales = _codec.fresh_slot(self.buf, self.opt.schema, name, initial)
+        if scales is not None:
+            self.absmax[name] = scales
+
+    def set_params(self, slot: int, values: np.ndarray, master: np.ndarray | None = None,
+                   compensation: np.ndarray | None = None) -> None:
+        """A parameter's stored values (its dtype's bits); master weights and compensation
+        as given, else from the values and zero."""
+        buf = self.buf
+        buf.view(self.params, slot)[...] = values
+        if self.master is not None:
+            buf.view(self.master, slot)[...] = (master if master is not None
+                                                else buf.view(self.params, slot).astype(FLOAT32))
+        if self.compensation is not None:
+            buf.view(self.compensation, slot)[...] = (0 if compensation is None
+                                                      else compensation)
+
+    def set_state(self, slot: int, entry: Mapping) -> None:
+        """A checked lossless entry (in this buffer's format) for parameter ``slot``."""
+        buf, schema = self.buf, self.opt.schema
+        if schema.marker is not None:
+            self.columns[schema.marker][slot] = 1
+        for key, value in entry.items():
+            if key in self.columns:
+                self.columns[key][slot] = value
+        start, size = int(buf.offsets[slot]), int(buf.sizes[slot])
+        for name in schema.slots:
+            value = entry.get(name)
+            if value is None:
+                continue
+            if name not in self.state:
+                self._fresh(name)
+            if isinstance(value, Mapping):
+                self.state[name][start:start + size] = np.asarray(value["codes"]).reshape(-1)
+                first = start // BLOCK
+                self.absmax[name][first:first + blocks(size)] = value["absmax"]
+            else:
+                self.state[name][start:start + size] = np.asarray(value).reshape(-1)
+        for name in EXTRAS:
+            target = getattr(self, name)
+            if target is not None and entry.get(name) is not None:
+                buf.view(target, slot)[...] = entry[name]
+
+    def commit(self) -> None:
+        buf = self.buf
+        np.copyto(buf.params, self.params)  # the views handed out stay valid
+        for name in EXTRAS:
+            if getattr(buf, name) is not None:
+                np.copyto(getattr(buf, name), getattr(self, name))
+        for name, column in buf.columns.items():
+            column[...] = self.columns[name]
+        buf.state.clear()
+        buf.state.update(self.state)
+        buf.absmax.clear()
+        buf.absmax.update(self.absmax)
+        buf.draws = int(self.draws)
+
+
+def commit(opt, staged: Mapping[int, Staged]) -> None:
+    """Every staged buffer in, then the plans rebuilt (they hold the old arrays)."""
+    for item in staged.values():
+        item.commit()
+    if staged:
+        opt.invalidate_plans()
+
+
+# ----------------------------------------------------------------------------- loads
+class Saved:
+    """One saved parameter as a load hands it over: its storage ``desc``, its state ``entry``
+    (lossless in ``desc``'s format; float32 values for a plain one) or None, its stored
+    parameter values (``params``, ``desc["param"]``'s dtype; None: keep the live ones) and the
+    ``draws`` of the buffer it was saved from (None: a plain buffer)."""
+
+    def __init__(self, desc: Mapping, entry: Any = None, params: np.ndarray | None = None,
+                 draws: int | None = None):
+        self.desc, self.entry, self.params, self.draws = desc, entry, params, draws
+
+
+def mismatch(path: str, saved: Mapping, live: Mapping, what: str) -> str:
+    return (f"{path!r}: {what} stores {fmt(saved)}, this optimizer {fmt(live)}; pass "
+            "convert=True to convert through float32 values")
+
+
+def stage(opt, saved: Mapping[str, Saved], settings, convert: bool, problems: list,
+          what: str = "the state dict") -> tuple[dict[int, Staged], dict[str, Any],
+                                                dict[str, np.ndarray]]:
+    """``(staged coded buffers, float32 state entries and parameter values for the plain
+    buffers)`` for a load of ``saved`` (path -> :class:`Saved`); every coded buffer is staged
+    (parameters without a saved entry get fresh state). A storage that differs from the
+    live one is a problem naming the path and both formats unless ``convert``."""
+    live_settings = opt.settings()
+    effective = [new if new is not None else old
+                 for new, old in zip(settings or [None] * len(live_settings), live_settings)]
+    staged = {buf.number: Staged(opt, buf, effective[buf.group])
+              for buf in opt.buffers if buf.coded}
+    plain_state: dict[str, Any] = {}
+    plain_params: dict[str, np.ndarray] = {}
+    for path, item in saved.items():
+        info = opt.index.get(path) if isinstance(path, str) else None
+        if info is None:
+            continue  # the caller reports unknown paths
+        buf = opt.buffers[info.buffer]
+        live = describe(buf)
+        if not buf.coded and item.draws is None:
+            if item.entry is not None:
+                plain_state[path] = item.entry
+            if item.params is not None:
+                plain_params[path] = item.params
+            continue
+        exact = same(item.desc, live)
+        if not exact and not convert:
+            problems.append(mismatch(path, item.desc, live, what))
+            continue
+        found = _take(opt, buf, info, item, live, exact, effective[info.group], problems)
+        if found is None:
+            continue
+        entry, params, master, compensation = found
+        if not buf.coded:
+            if entry is not None:
+                plain_state[path] = entry
+            if params is not None:
+                plain_params[path] = params
+            continue
+        target = staged[buf.number]
+        if params is not None or master is not None:
+            values = params if params is not None else buf.view(buf.params, info.slot)
+            target.set_params(info.slot, values, master, compensation)
+        if entry is not None:
+            target.set_state(info.slot, entry)
+        if item.draws is not None:
+            target.draws = max(target.draws if target.loaded else 0, item.draws)
+            target.loaded = True
+    return staged, plain_state, plain_params
+
+
+def _take(opt, buf, info, item: Saved, live: Mapping, exact: bool, settings,
+          problems: list):
+    """``(entry, params, master, compensation)`` of one saved parameter in the live format
+    (converted through float32 values unless ``exact``), or None after adding its problems."""
+    entry, desc = item.entry, item.desc
+    if entry is not None:
+        more = entry_problems(opt, info.path, entry, desc, info.shape, settings) \
+            if desc is not None and item.draws is not None else []
+        if more:
+            problems += more
+            return None
+    if exact:
+        params = item.params
+        master = entry.get("master") if entry is not None else None
+        compensation = entry.get("compensation") if entry is not None else None
+        return entry, params, master, compensation
+    # conversion: the saved values (or master weights) become the live ones
+    values = None
+    if item.params is not None:
+        values = np.asarray(item.params).astype(FLOAT32)
+    if entry is not None and entry.get("master") is not None:
+        values = np.asarray(entry["master"], FLOAT32)
+    if entry is not None and item.draws is not None:
+        entry = to_float32(opt, entry, desc, info.shape)
+    params = None if values is None else values.astype(NUMPY_DTYPES[live["param"]]) \
+        if buf.coded else values.astype(buf.dtype)
+    if buf.coded:
+        master = values if values is not None else \
+            buf.view(buf.params, info.slot).astype(FLOAT32)
+        if entry is not None:
+            more = opt.schema.state_problems(info.path, entry, info.shape, FLOAT32, settings)
+            if more:
+                problems += more
+                return None
+            entry = from_float32(opt, entry, live, None)
+        return entry, params, (master if live["master"] else None), None
+    if entry is not None:
+        entry = {key: (np.asarray(value).astype(buf.dtype) if key in opt.schema.slots
+                       else value) for key, value in entry.items()}
+    return entry, params, None, None

@@ -1,0 +1,302 @@
+"""Reduced-precision optimizers in checkpoints and state dicts: lossless (bit-exact resume,
+in this process and in a fresh one), storage compared on load (refused by path and format,
+or converted with convert=True), inspect and read, hostile files refused."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flatopt
+from flatopt.checkpoint import inspect_checkpoint
+from flatopt.errors import CheckpointCorrupt, CheckpointMismatch, StateDictError
+from checkpoint_helpers import add_buffer, reseal
+from flatopt.checkpoint.h5write import set_text
+
+BF16 = ml_dtypes.bfloat16
+MODES = {
+    "bf16_nearest": (BF16, {}),
+    "bf16_stochastic": (BF16, {"rounding": "stochastic", "seed": 3}),
+    "bf16_kahan": (BF16, {"rounding": "kahan"}),
+    "fp16_master": (np.float16, {"master_weights": True}),
+    "bf16_master": (BF16, {"master_weights": True}),
+    "bf16_state": (np.float32, {"state_dtype": "bfloat16", "seed": 5}),
+    "int8_state": (np.float32, {"state_dtype": "int8"}),
+    "int8_master_g32": (BF16, {"state_dtype": "int8", "master_weights": True,
+                               "grad_dtype": "float32"}),
+}
+SPLIT, TOTAL = 3, 6
+
+
+def params(dtype):
+    rng = np.random.default_rng(0)
+    return {"w": rng.standard_normal((40, 128)).astype(dtype),
+            "b": rng.standard_normal(300).astype(dtype)}
+
+
+def build(mode):
+    dtype, kwargs = MODES[mode]
+    return flatopt.AdamW(params(dtype), lr=1e-2, **kwargs)
+
+
+def grads(opt, k):
+    rng = np.random.default_rng(100 + k)
+    return {p: rng.standard_normal(opt.params[p].shape).astype(opt.grads[p].dtype)
+            for p in opt.index.paths}
+
+
+def run(opt, start, stop):
+    for k in range(start, stop):
+        opt.step(grads(opt, k))
+
+
+def bits(opt):
+    return {p: opt.params[p].view(np.uint8).copy() for p in opt.index.paths}
+
+
+def assert_same_bits(a, b):
+    for path in a:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+
+
+def stored(opt):
+    """Every stored array of every buffer (and draws), to compare bit for bit."""
+    out = {}
+    for buf in opt.buffers:
+        arrays = {"params": buf.params, "master": buf.master, "comp": buf.compensation,
+                  **buf.state, **{f"{k}.absmax": v for k, v in buf.absmax.items()}}
+        for name, flat in arrays.items():
+            if flat is not None:
+                out[buf.number, name] = flat.view(np.uint8).copy()
+        if buf.coded:  # a plain buffer draws nothing: its counter is not state
+            out[buf.number, "draws"] = buf.draws
+    return out
+
+
+def uninterrupted(mode):
+    opt = build(mode)
+    run(opt, 0, TOTAL)
+    return bits(opt)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_resume_is_bit_exact(mode, tmp_path):
+    a = build(mode)
+    run(a, 0, SPLIT)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    b = build(mode)
+    flatopt.load(path, b)
+    sa, sb = stored(a), stored(b)
+    assert sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
+    run(b, SPLIT, TOTAL)
+    assert_same_bits(uninterrupted(mode), bits(b))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_dict_round_trip_is_bit_exact(mode):
+    a = build(mode)
+    run(a, 0, SPLIT)
+    sd = a.state_dict()
+    assert sd["version"] == 2 and sd["storage"][0]["draws"] == SPLIT
+    b = build(mode)
+    for path in b.index.paths:
+        b.params[path][...] = a.params[path]
+    b.load_state_dict(sd)
+    run(b, SPLIT, TOTAL)
+    assert_same_bits(uninterrupted(mode), bits(b))
+
+
+def test_state_dict_holds_stored_arrays():
+    opt = build("int8_master_g32")
+    run(opt, 0, 2)
+    entry = opt.state_dict()["state"]["w"]
+    assert entry["exp_avg"]["codes"].dtype == np.uint8
+    assert entry["exp_avg"]["absmax"].shape == (40 * 128 // 256,)
+    assert entry["master"].dtype == np.float32
+    assert opt.state_of("w").exp_avg.dtype == np.float32  # state_of: float32 values
+    sd = build("bf16_state")
+    run(sd, 0, 2)
+    assert sd.state_dict()["state"]["w"]["exp_avg"].dtype == BF16
+
+
+def test_draws_matter_for_stochastic_rounding():
+    """Without the saved draws the stochastic stream would repeat: the test above would
+    fail."""
+    a = build("bf16_stochastic")
+    run(a, 0, SPLIT)
+    sd = a.state_dict()
+    sd["storage"][0]["draws"] = 0
+    b = build("bf16_stochastic")
+    for path in b.index.paths:
+        b.params[path][...] = a.params[path]
+    b.load_state_dict(sd)
+    run(b, SPLIT, TOTAL)
+    assert any(not np.array_equal(x, y) for x, y in
+               zip(uninterrupted("bf16_stochastic").values(), bits(b).values()))
+
+
+def test_state_dict_storage_mismatch_refused_then_converted():
+    a = build("int8_state")
+    run(a, 0, SPLIT)
+    sd = a.state_dict()
+    b = flatopt.AdamW(params(np.float32), lr=1e-2)
+    before = b.state_dict()
+    with pytest.raises(StateDictError, match=r"'w'.*state int8.*state float32.*convert=True"):
+        b.load_state_dict(sd)
+    assert b.state_dict()["state"] == before["state"]
+    b.load_state_dict(sd, convert=True)
+    np.testing.assert_array_equal(b.state_of("w").exp_avg, a.state_of("w").exp_avg)
+
+
+def test_resume_in_a_fresh_process(tmp_path):
+    a = build("bf16_stochastic")
+    run(a, 0, SPLIT)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    script = f"""
+import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
+import numpy as np, flatopt
+from test_checkpoint_precision import build, run, SPLIT, TOTAL
+opt = build("bf16_stochastic")
+flatopt.load({str(path)!r}, opt)
+run(opt, SPLIT, TOTAL)
+np.savez({str(tmp_path / 'out.npz')!r}, **{{p: opt.params[p].view(np.uint16) for p in opt.index.paths}})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=600)
+    out = np.load(tmp_path / "out.npz")
+    for p, values in uninterrupted("bf16_stochastic").items():
+        np.testing.assert_array_equal(values.view(np.uint16), out[p], err_msg=p)
+
+
+def test_mismatch_refused_by_path_and_format_nothing_changed(tmp_path):
+    a = build("int8_state")
+    run(a, 0, SPLIT)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    b = build("bf16_state")
+    run(b, 0, 1)
+    before = stored(b)
+    with pytest.raises(CheckpointMismatch) as info:
+        flatopt.load(path, b)
+    text = str(info.value)
+    assert "storage" in text and "w:" in text and "state int8" in text \
+        and "state bfloat16" in text and "convert=True" in text
+    after = stored(b)
+    assert before.keys() == after.keys() and all(
+        np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_convert_int8_file_into_float32_optimizer_and_back(tmp_path):
+    a = build("int8_state")
+    run(a, 0, SPLIT)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    b = flatopt.AdamW(params(np.float32), lr=1e-2)
+    flatopt.load(path, b, convert=True)
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_array_equal(getattr(b.state_of("w"), name),
+                                      getattr(a.state_of("w"), name))
+    np.testing.assert_array_equal(b.params["w"], a.params["w"])
+    # float32 file -> int8 optimizer: the codes are the float32 values quantized
+    run(b, SPLIT, SPLIT + 1)
+    path2 = flatopt.save(tmp_path / "f32.h5", b)
+    assert inspect_checkpoint(path2)["format_version"] < 5  # plain files keep their version
+    c = build("int8_state")
+    with pytest.raises(CheckpointMismatch, match="convert=True"):
+        flatopt.load(path2, c)
+    flatopt.load(path2, c, convert=True)
+    assert c.buffers[0].state["exp_avg"].dtype == np.uint8
+    want = b.state_of("w").exp_avg
+    got = c.state_of("w").exp_avg
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 0.02 * scale
+    np.testing.assert_array_equal(c.params["w"], b.params["w"])
+
+
+def test_convert_16bit_params_into_master_weights(tmp_path):
+    a = build("bf16_nearest")
+    run(a, 0, SPLIT)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    b = build("bf16_master")
+    flatopt.load(path, b, convert=True)
+    buf = b.buffers[0]
+    np.testing.assert_array_equal(buf.view(buf.master, 0),
+                                  a.params[buf.paths[0]].astype(np.float32))
+    np.testing.assert_array_equal(b.state_of("w").exp_avg, a.state_of("w").exp_avg)
+
+
+def test_inspect_shows_storage_and_read_gives_float32(tmp_path):
+    a = build("int8_master_g32")
+    run(a, 0, SPLIT)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    info = inspect_checkpoint(path)
+    assert info["format_version"] == 5
+    storage = info["groups"][0]["storage"]
+    assert storage[0]["state"] == "int8" and storage[0]["master"] is True
+    assert "params bfloat16" in storage[0]["storage"] and storage[0]["draws"] == SPLIT
+    data = flatopt.read(path, state=True)
+    assert data.state["w"]["exp_avg"].dtype == np.float32
+    np.testing.assert_array_equal(data.state["w"]["exp_avg"], a.state_of("w").exp_avg)
+    assert data.params["w"].dtype == np.float32
+    np.testing.assert_array_equal(data.params["w"], a.params["w"].astype(np.float32))
+
+
+def _storage_array(f, suffix):
+    for key in f["arrays"]:
+        ds = f["arrays"][key]
+        if ds.attrs["name"].decode().endswith(suffix):
+            return key, ds
+    raise KeyError(suffix)
+
+
+def _replace_array(f, key, values):
+    old = f["arrays"][key]
+    name, dtype = old.attrs["name"], old.attrs["dtype"]
+    del f["arrays"][key]
+    ds = add_buffer(f["arrays"], key, values)
+    ds.attrs["name"], ds.attrs["dtype"] = name, dtype
+
+
+def _tampered(path, edit):
+    data = open(path, "rb").read()
+    bio = io.BytesIO(data)
+    with h5py.File(bio, "r+") as f:
+        edit(f)
+    return io.BytesIO(reseal(bio.getvalue()))
+
+
+@pytest.mark.parametrize("edit", ["dtype", "absmax", "codes"])
+def test_tampered_storage_is_corrupt(edit, tmp_path):
+    a = build("int8_master_g32")
+    run(a, 0, SPLIT)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+
+    def change(f):
+        if edit == "dtype":
+            g = f["groups"]["0"]
+            items = json.loads(g.attrs["storage"])
+            items[0]["param"] = "float32"
+            set_text(g, "storage", json.dumps(items))
+        else:
+            key, ds = _storage_array(f, "exp_avg.absmax" if edit == "absmax" else "/exp_avg")
+            _replace_array(f, key, ds[...][:-1])
+    b = build("int8_master_g32")
+    before = stored(b)
+    with pytest.raises(CheckpointCorrupt):
+        flatopt.load(_tampered(path, change), b)
+    assert all(np.array_equal(before[k], v) for k, v in stored(b).items())
+
+
+def test_older_reader_reports_newer_file(tmp_path, monkeypatch):
+    a = build("bf16_state")
+    run(a, 0, 1)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    from flatopt.checkpoint import reader
+    monkeypatch.setattr(reader, "FORMAT_VERSION", 4)
+    monkeypatch.setattr(reader.read_header, "__defaults__",
+                        (reader.FORMAT, 4, None, None))
+    with pytest.raises(CheckpointMismatch, match="newer|upgrade"):
+        flatopt.load(path, build("bf16_state"))
