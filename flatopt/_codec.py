@@ -45,42 +45,51 @@ class CodedPlan(NamedTuple):
     rounding: int
     mode: int
     seed: np.uint64
+    base: np.uint64 = np.uint64(0)
+    """The buffer element of the arrays' first (a ZeRO-1 rank's range starts there)."""
 
     def arguments(self, draw: int) -> tuple:
         """The coded walk's leading arguments for the step that draws ``draw``."""
         return (self.stored, self.formats, self.absmax, TABLES, self.rounding, self.mode,
-                self.seed, np.uint64(draw))
+                self.seed, np.uint64(draw), self.base)
 
 
-def coded_plan(buf: FlatBuffer, schema, used) -> CodedPlan:
-    """The kernel arguments of ``buf`` whose slots ``used`` are allocated."""
+def coded_plan(buf: FlatBuffer, schema, used, part=None) -> CodedPlan:
+    """The kernel arguments of ``buf`` whose slots ``used`` are allocated; with ``part`` (a
+    ZeRO-1 ``BufferShard``), of its range: its views of the parameters and gradients, its
+    state, block scales, master weights and compensation, and its first element as ``base``."""
     storage = buf.storage
-    stored = [buf.params.view(np.uint8), buf.grads.view(np.uint8)]
+    base = 0 if part is None else part.lo
+    src = buf if part is None else part  # the same names, for the range
+    stored = [src.params.view(np.uint8), src.grads.view(np.uint8)]
     formats = [half_format(storage.param), half_format(storage.grad)]
     absmax = [_NO_SCALES, _NO_SCALES]
     for name in schema.rule.slots:
         if name in used:
-            stored.append(buf.state[name].view(np.uint8))
+            stored.append(src.state[name].view(np.uint8))
             formats.append(slot_format(buf, schema, name))
-            absmax.append(buf.absmax.get(name, _NO_SCALES))
+            absmax.append(src.absmax.get(name, _NO_SCALES))
         else:
             stored.append(_NO_BYTES)
             formats.append(UNUSED)
             absmax.append(_NO_SCALES)
-    for extra, fmt in ((buf.master, NATIVE), (buf.compensation, formats[0])):
+    for extra, fmt in ((src.master, NATIVE), (src.compensation, formats[0])):
         stored.append(_NO_BYTES if extra is None else extra.view(np.uint8))
         formats.append(UNUSED if extra is None else fmt)
         absmax.append(_NO_SCALES)
     mode = MASTER if storage.master else KAHAN if storage.rounding == "kahan" else DIRECT
     rounding = STOCHASTIC if storage.rounding == "stochastic" else NEAREST
     return CodedPlan(tuple(stored), tuple(formats), tuple(absmax), rounding, mode,
-                     np.uint64(storage.seed))
+                     np.uint64(storage.seed), np.uint64(base))
 
 
-def new_slot(buf: FlatBuffer, schema, name: str, initial: float) -> np.ndarray:
+def new_slot(buf: FlatBuffer, schema, name: str, initial: float, length: int | None = None,
+             absmax: dict | None = None) -> np.ndarray:
     """Slot ``name`` of ``buf`` holding ``initial`` everywhere, in its stored format (an int8
-    slot's block scales go into ``buf.absmax[name]``)."""
-    length = buf.layout(name).length
+    slot's block scales go into ``buf.absmax[name]``); ``length`` elements and ``absmax`` for
+    a ZeRO-1 rank's range."""
+    length = buf.layout(name).length if length is None else length
+    absmax = buf.absmax if absmax is None else absmax
     fmt = slot_format(buf, schema, name)
     if fmt in (Q8_SIGNED, Q8_UNSIGNED):
         codes = aligned_zeros(length, np.uint8)
@@ -91,7 +100,7 @@ def new_slot(buf: FlatBuffer, schema, name: str, initial: float) -> np.ndarray:
         if initial:
             scales.fill(abs(np.float32(initial)))
             codes.fill(int(np.argmin(np.abs(table - np.sign(initial)))))
-        buf.absmax[name] = scales
+        absmax[name] = scales
         return codes
     flat = aligned_zeros(length, buf.storage.state_array_dtype)
     if initial:
@@ -120,7 +129,10 @@ def master_values(buf: FlatBuffer, slot: int) -> np.ndarray | None:
 
 def reset_parameter(buf: FlatBuffer, slot: int) -> None:
     """After a parameter's 16-bit values were written from outside: its master copy takes
-    them and its Kahan compensation is cleared."""
+    them and its Kahan compensation is cleared (under ZeRO-1, ``buf.part``'s range of them)."""
+    if buf.part is not None:
+        buf.part.reset_parameter(slot)
+        return
     if buf.master is not None:
         buf.view(buf.master, slot)[...] = buf.view(buf.params, slot).astype(np.float32)
     if buf.compensation is not None:
@@ -136,7 +148,8 @@ def scale_gradients(buf: FlatBuffer, factor: float) -> None:
 
 
 def memory(buffers) -> dict[str, int]:
-    """``Optimizer.memory``: bytes by kind over ``buffers``, and their total."""
+    """``Optimizer.memory``: bytes by kind over ``buffers`` (or ZeRO-1 shards, which count
+    their rank's state and master weights), and their total."""
     totals = {"params": 0, "grads": 0, "master": 0, "state": 0}
     for buf in buffers:
         for kind, size in buf.memory().items():

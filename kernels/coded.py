@@ -16,7 +16,9 @@ compensation. ``absmax[j]`` holds array ``j``'s 8-bit block scales (empty otherw
 Stochastic rounding draws from ``mix32(seed, draw, stream, element)``: ``draw`` counts the
 buffer's steps, ``stream`` is the array's position and ``element`` its index in the buffer,
 so the bits do not depend on threads, chunking, sub-blocks or world size, and a resumed run
-(which restores ``draw``) draws the same.
+(which restores ``draw``) draws the same. The walk's arrays may be a ZeRO-1 rank's range of
+the buffer (indexed from its start): ``base`` is then the range's first element, added to
+the index each draw hashes.
 """
 
 from __future__ import annotations
@@ -69,9 +71,11 @@ def load_row(raw, fmt, scales, tables, start, n, row):
                             row, b)
 
 
-def store_row(raw, fmt, rounding, scales, start, n, row, seed, draw, stream):
+def store_row(raw, fmt, rounding, scales, start, n, row, seed, draw, stream, base):
     """Elements ``[start, start + n)`` of ``raw`` = ``row[:n]`` in ``fmt``, rounded to
-    nearest or stochastically (16-bit formats); 8-bit blocks get a new scale each."""
+    nearest or stochastically (16-bit formats; element ``start + i`` draws as buffer element
+    ``base + start + i``: ``raw`` may be a ZeRO-1 rank's range); 8-bit blocks get a new
+    scale each."""
     if fmt == NATIVE:
         dst = raw.view(np.float32)
         for i in range(n):
@@ -80,7 +84,7 @@ def store_row(raw, fmt, rounding, scales, start, n, row, seed, draw, stream):
         bits = raw.view(np.uint16)
         if rounding == STOCHASTIC:
             for i in range(n):
-                r = mix32(seed, draw, stream, uint64(start + i))
+                r = mix32(seed, draw, stream, base + uint64(start + i))
                 if fmt == BF16:
                     bits[start + i] = bf16_encode_stochastic(row[i], r)
                 else:
@@ -101,11 +105,12 @@ def store_row(raw, fmt, rounding, scales, start, n, row, seed, draw, stream):
 def store_half(raw, fmt, scales, start, n, row):
     """Elements ``[start, start + n)`` of a 16-bit array = ``row[:n]`` rounded to nearest
     (``scales``: any float32 array, unread)."""
-    store_row(raw, fmt, NEAREST, scales, start, n, row, uint64(0), uint64(0), uint64(0))
+    store_row(raw, fmt, NEAREST, scales, start, n, row, uint64(0), uint64(0), uint64(0),
+              uint64(0))
 
 
-def _coded_segment(stored, formats, absmax, tables, rounding, mode, seed, draw, scratch,
-                   start, n, scale_grads, grad_multiplier, n_arrays):
+def _coded_segment(stored, formats, absmax, tables, rounding, mode, seed, draw, base,
+                   scratch, start, n, scale_grads, grad_multiplier, n_arrays):
     """Load the rule's rows of one sub-block (the gradients scaled, and stored back, when
     asked)."""
     if mode == MASTER:
@@ -120,18 +125,18 @@ def _coded_segment(stored, formats, absmax, tables, rounding, mode, seed, draw, 
         for i in range(n):
             scratch[1][i] = scratch[1][i] * grad_multiplier
         store_row(stored[1], formats[1], NEAREST, absmax[1], start, n, scratch[1], seed,
-                  draw, uint64(1))
+                  draw, uint64(1), base)
     for j in range(2, n_arrays):
         load_row(stored[j], formats[j], absmax[j], tables, start, n, scratch[j])
 
 
-def _store_segment(stored, formats, absmax, tables, rounding, mode, seed, draw, scratch, start,
-                   n, n_arrays):
+def _store_segment(stored, formats, absmax, tables, rounding, mode, seed, draw, base, scratch,
+                   start, n, n_arrays):
     """Store the rows the rule updated: the parameters (as ``mode`` says) and the state."""
     p = scratch[0]
     if mode == MASTER:
         store_row(stored[n_arrays], NATIVE, NEAREST, absmax[0], start, n, p, seed, draw,
-                  uint64(0))
+                  uint64(0), base)
         store_half(stored[0], formats[0], absmax[0], start, n, p)
     elif mode == KAHAN:
         # torch-optimi's Kahan summation in float32, one rounding per stored value: the
@@ -150,14 +155,14 @@ def _store_segment(stored, formats, absmax, tables, rounding, mode, seed, draw, 
         store_half(stored[n_arrays + 1], formats[0], absmax[0], start, n, carry)
     else:
         store_row(stored[0], formats[0], rounding, absmax[0], start, n, p, seed, draw,
-                  uint64(0))
+                  uint64(0), base)
     for j in range(2, n_arrays):
         if formats[j] != UNUSED:
             store_row(stored[j], formats[j], STOCHASTIC, absmax[j], start, n, scratch[j],
-                      seed, draw, uint64(j))
+                      seed, draw, uint64(j), base)
 
 
-def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
+def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, base, scalars,
                      columns, flags, present, offsets, sizes, chunk_first, chunk_size, total,
                      grad_multiplier, scale_grads):
     """The plain walk's chunks and overlaps (``kernels/cpu.py``), each overlap in sub-blocks
@@ -178,14 +183,16 @@ def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw
                 for start in range(first, last, SUB):
                     n = min(SUB, last - start)
                     _coded_segment(stored, formats, absmax, tables, rounding, mode, seed, draw,
-                                   scratch, start, n, scale_grads, grad_multiplier, n_arrays)
+                                   base, scratch, start, n, scale_grads, grad_multiplier,
+                                   n_arrays)
                     span(rows, scalars, columns, flags, k, uint64(0), uint64(n), one)  # noqa: F821
                     _store_segment(stored, formats, absmax, tables, rounding, mode, seed,
-                                   draw, scratch, start, n, n_arrays)
+                                   draw, base, scratch, start, n, n_arrays)
             k += 1
 
 
-def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
+def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, base,
+                       scalars,
                        columns, flags, present, offsets, sizes, chunk_first, chunk_size, total,
                        sums, grad_multiplier, scale_grads):
     """``kernels/cpu.py``'s reduce walk over loaded sub-blocks: partial totals per segment
@@ -217,7 +224,8 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
                 for start in range(first, last, SUB):
                     n = min(SUB, last - start)
                     _coded_segment(stored, formats, absmax, tables, rounding, mode, seed, draw,
-                                   scratch, start, n, scale_grads, grad_multiplier, n_arrays)
+                                   base, scratch, start, n, scale_grads, grad_multiplier,
+                                   n_arrays)
                     values = reduce(rows, scalars, columns, flags, k, uint64(0),  # noqa: F821
                                     uint64(n), one)
                     for j in range(n_sums):
