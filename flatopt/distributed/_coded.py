@@ -94,7 +94,7 @@ def average_half(comm, shard, rank: int, size: int) -> None:
 def consolidate_coded(sharding, shard, buf, root: int | None) -> None:
     """``consolidated`` for a reduced-precision buffer: every rank's range of its stored
     state, block scales, master weights and compensation into ``buf`` (the plain twin's, on
-    the ranks that get it; None elsewhere), and the stochastic rounding's step count."""
+    the ranks that get it; None elsewhere)."""
     here = buf is not None
     for name in sorted(shard.state):  # slots are allocated alike on every rank
         piece = shard.state[name]
@@ -118,5 +118,3 @@ def consolidate_coded(sharding, shard, buf, root: int | None) -> None:
         sharding.gather(shard, flat, root=root, piece=piece)
         if here:
             getattr(buf, kind)[...] = flat
-    if here:
-        buf.draws = shard.buffer.draws

@@ -46,6 +46,7 @@ def consolidated(opt, root: int | None = None):
             for name, column in mine.columns.items():
                 buf.columns[name][...] = column
             buf.state.clear()
+            buf.draws = mine.draws  # the stochastic rounding's step count
         if mine.coded:
             consolidate_coded(sharding, shard, buf, root)
             continue
@@ -76,9 +77,9 @@ def take_from(opt, twin) -> None:
         for name, column in buf.columns.items():
             mine.columns[name][...] = column
         shard.state.clear()
-        if mine.coded:  # the state as stored, the master weights, the rounding's step count
+        mine.draws = buf.draws  # the stochastic rounding's step count
+        if mine.coded:  # the state as stored, its block scales, the master weights
             take_range(shard, buf)
-            mine.draws = buf.draws
         for name, flat in buf.state.items() if not mine.coded else ():
             shard.state[name] = aligned_zeros(shard.slot_length(name), buf.dtype)
             shard.state[name][...] = shard.range_of(name, flat)
