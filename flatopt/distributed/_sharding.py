@@ -487,14 +487,15 @@ class Sharding:
         same steps everywhere)."""
         opt = self.opt
         kernels = None
+        if any(shard.buffer.coded and all(name in shard.state for name in slots)
+               for shard in self.shards):  # the same on every rank; nothing changed yet
+            raise DistributedError(f"{type(opt).__name__}: {rule.name} over the state is not "
+                                   "supported on sharded reduced-precision buffers")
         for shard in self.shards:
             buf = shard.buffer
             args = arguments(buf)
             if args is None or any(name not in shard.state for name in slots):
                 continue
-            if buf.coded:  # the same on every rank: no rank has started
-                raise DistributedError(f"{type(opt).__name__}: this state change is not "
-                                       "supported on sharded reduced-precision buffers")
             scalars, flags = args
             present = np.asarray(opt.schema.stateful(buf.columns), np.uint8) & shard.overlaps
             layout = WalkLayout(present, shard.offsets, shard.sizes, shard.chunk_first,
