@@ -46,52 +46,61 @@ class CodedPlan(NamedTuple):
     absmax: tuple
     layout: Layout
     seed: np.uint64
+    base: np.uint64 = np.uint64(0)
+    """The buffer element of the arrays' first (a ZeRO-1 rank's range starts there)."""
 
     def arguments(self, draw: int) -> tuple:
         """The coded walk's leading arguments for the step that draws ``draw``."""
-        return (self.stored, self.absmax, TABLES, self.seed, np.uint64(draw))
+        return (self.stored, self.absmax, TABLES, self.seed, np.uint64(draw), self.base)
 
 
-def coded_plan(buf: FlatBuffer, schema, used) -> CodedPlan:
-    """The kernel arguments of ``buf`` whose slots ``used`` are allocated."""
+def coded_plan(buf: FlatBuffer, schema, used, part=None) -> CodedPlan:
+    """The kernel arguments of ``buf`` whose slots ``used`` are allocated; with ``part`` (a
+    ZeRO-1 ``BufferShard``), of its range: its views of the parameters and gradients, its
+    state, block scales, master weights and compensation, and its first element as ``base``."""
     storage = buf.storage
     if len(schema.rule.slots) > POSITIONS - 4:
         raise TypeError(f"rule {schema.rule.name!r} has more state slots than the codec walk "
                         f"takes ({POSITIONS - 4})")
+    base = 0 if part is None else part.lo
+    src = buf if part is None else part  # the same names, for the range
     stored = [_NO_BYTES] * POSITIONS
     formats = [UNUSED] * POSITIONS
     absmax = [_NO_SCALES] * POSITIONS
-    stored[0], formats[0] = buf.params.view(np.uint8), half_format(storage.param)
-    stored[1], formats[1] = buf.grads.view(np.uint8), half_format(storage.grad)
+    stored[0], formats[0] = src.params.view(np.uint8), half_format(storage.param)
+    stored[1], formats[1] = src.grads.view(np.uint8), half_format(storage.grad)
     for position, name in enumerate(schema.rule.slots, start=2):
         if name in used:
-            stored[position] = buf.state[name].view(np.uint8)
+            stored[position] = src.state[name].view(np.uint8)
             formats[position] = slot_format(buf, schema, name)
-            absmax[position] = buf.absmax.get(name, _NO_SCALES)
-    if buf.master is not None:
-        stored[MASTER_AT], formats[MASTER_AT] = buf.master.view(np.uint8), NATIVE
-    if buf.compensation is not None:
-        stored[COMPENSATION_AT] = buf.compensation.view(np.uint8)
+            absmax[position] = src.absmax.get(name, _NO_SCALES)
+    if src.master is not None:
+        stored[MASTER_AT], formats[MASTER_AT] = src.master.view(np.uint8), NATIVE
+    if src.compensation is not None:
+        stored[COMPENSATION_AT] = src.compensation.view(np.uint8)
         formats[COMPENSATION_AT] = formats[0]
     mode = MASTER if storage.master else KAHAN if storage.rounding == "kahan" else DIRECT
     rounding = STOCHASTIC if storage.rounding == "stochastic" else NEAREST
     return CodedPlan(tuple(stored), tuple(absmax), Layout(tuple(formats), mode, rounding),
-                     np.uint64(storage.seed))
+                     np.uint64(storage.seed), np.uint64(base))
 
 
-def new_slot(buf: FlatBuffer, schema, name: str, initial: float) -> np.ndarray:
+def new_slot(buf: FlatBuffer, schema, name: str, initial: float, length: int | None = None,
+             absmax: dict | None = None) -> np.ndarray:
     """Slot ``name`` of ``buf`` holding ``initial`` everywhere, in its stored format (an int8
-    slot's block scales go into ``buf.absmax[name]``)."""
-    flat, scales = fresh_slot(buf, schema, name, initial)
+    slot's block scales go into ``absmax[name]``, by default ``buf.absmax``); ``length``
+    elements and ``absmax`` for a ZeRO-1 rank's range."""
+    flat, scales = fresh_slot(buf, schema, name, initial, length)
     if scales is not None:
-        buf.absmax[name] = scales
+        (buf.absmax if absmax is None else absmax)[name] = scales
     return flat
 
 
-def fresh_slot(buf: FlatBuffer, schema, name: str, initial: float):
+def fresh_slot(buf: FlatBuffer, schema, name: str, initial: float, length: int | None = None):
     """``(stored array, int8 block scales or None)`` of slot ``name`` of ``buf`` holding
-    ``initial`` everywhere; ``buf`` is left as it is (a restore builds its arrays aside)."""
-    length = buf.layout(name).length
+    ``initial`` everywhere (``length`` elements, by default the slot's); ``buf`` is left as it
+    is (a restore builds its arrays aside)."""
+    length = buf.layout(name).length if length is None else length
     fmt = slot_format(buf, schema, name)
     if fmt in (Q8_SIGNED, Q8_UNSIGNED):
         codes = aligned_zeros(length, np.uint8)
@@ -130,7 +139,10 @@ def master_values(buf: FlatBuffer, slot: int) -> np.ndarray | None:
 
 def reset_parameter(buf: FlatBuffer, slot: int) -> None:
     """After a parameter's 16-bit values were written from outside: its master copy takes
-    them and its Kahan compensation is cleared."""
+    them and its Kahan compensation is cleared (under ZeRO-1, ``buf.part``'s range of them)."""
+    if buf.part is not None:
+        buf.part.reset_parameter(slot)
+        return
     if buf.master is not None:
         buf.view(buf.master, slot)[...] = buf.view(buf.params, slot).astype(np.float32)
     if buf.compensation is not None:
@@ -146,7 +158,8 @@ def scale_gradients(buf: FlatBuffer, factor: float) -> None:
 
 
 def memory(buffers) -> dict[str, int]:
-    """``Optimizer.memory``: bytes by kind over ``buffers``, and their total."""
+    """``Optimizer.memory``: bytes by kind over ``buffers`` (or ZeRO-1 shards, which count
+    their rank's state and master weights), and their total."""
     totals = {"params": 0, "grads": 0, "master": 0, "state": 0}
     for buf in buffers:
         for kind, size in buf.memory().items():

@@ -189,7 +189,7 @@ class HostDevice(Device):
         if buf.coded and kernels is None:
             kernels, arrays = self.coded(buf, arrays)
         if part is not None:
-            part.reduce(self.kernels, plan, arrays, multiplier, scale)
+            part.reduce(kernels or self.kernels, plan, arrays, multiplier, scale)
         else:
             (kernels or self.kernels).reduce(arrays, plan.scalars, buf.kernel_columns,
                                              plan.flags, buf, plan.sums, multiplier, scale)

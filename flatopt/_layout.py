@@ -210,6 +210,7 @@ class FlatBuffer:
         self.compensation = None
         self.absmax: dict[str, np.ndarray] = {}
         self.draws = 0
+        self.part = None  # a ZeRO-1 rank's shard holding its master and compensation
         if storage is not None and storage.master:
             self.master = aligned_zeros(self.length, self.dtype)
         if storage is not None and storage.rounding == "kahan":

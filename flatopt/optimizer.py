@@ -112,8 +112,9 @@ class Optimizer:
     def memory(self) -> dict[str, int]:
         """Bytes this optimizer holds, by kind: ``params``, ``grads``, ``master`` (float32
         master weights and Kahan compensation), ``state`` (with 8-bit block scales), and
-        ``total``. State is counted once it is allocated (at the first step)."""
-        return _codec.memory(self.buffers)
+        ``total``. State is counted once it is allocated (at the first step); sharded, this
+        rank's part of the state and master weights."""
+        return _codec.memory(self.buffers if self._sharding is None else self._sharding.shards)
 
     @property
     def sharding(self):

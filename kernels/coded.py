@@ -16,7 +16,9 @@ compensation. ``absmax[j]`` holds array ``j``'s 8-bit block scales (empty otherw
 Stochastic rounding draws from ``mix32(seed, draw, stream, element)``: ``draw`` counts the
 buffer's steps, ``stream`` is the array's position and ``element`` its index in the buffer,
 so the bits do not depend on threads, chunking, sub-blocks or world size, and a resumed run
-(which restores ``draw``) draws the same.
+(which restores ``draw``) draws the same. The walk's arrays may be a ZeRO-1 rank's range of
+the buffer (indexed from its start): ``base`` is then the range's first element, added to
+the index each draw hashes.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def load_element(f32, u16, u8, fmt, scales, tables, e):
 
 def encode_half(fmt, x, stochastic, key, e):
     """float32 ``x`` as a 16-bit pattern of ``fmt`` (BF16 or F16), rounded to nearest or
-    stochastically with ``mix32_at(key, e)``."""
+    stochastically with ``mix32_at(key, e)`` (``e``: the element's index in the buffer)."""
     if fmt == BF16:
         if stochastic:
             return bf16_encode_stochastic(x, mix32_at(key, e))
@@ -110,13 +112,13 @@ def encode_half(fmt, x, stochastic, key, e):
     return f16_encode_nearest(x)
 
 
-def store_element(f32, u16, fmt, stochastic, key, e, x):
-    """Element ``e`` of a NATIVE, BF16 or F16 array = ``x`` (8-bit blocks are stored a block
-    at a time: :func:`_store_phase`)."""
+def store_element(f32, u16, fmt, stochastic, key, e, x, base):
+    """Element ``e`` of a NATIVE, BF16 or F16 array = ``x``, drawing as buffer element
+    ``base + e`` (8-bit blocks are stored a block at a time: :func:`_store_phase`)."""
     if fmt == NATIVE:
         f32[e] = x
     elif fmt == BF16 or fmt == F16:
-        u16[e] = encode_half(fmt, x, stochastic, key, e)
+        u16[e] = encode_half(fmt, x, stochastic, key, base + e)
 
 
 def _load_phase(f32s, u16s, u8s, absmax, tables, scratch, start, n, scale_grads,
@@ -149,10 +151,11 @@ def _load_phase(f32s, u16s, u8s, absmax, tables, scratch, start, n, scale_grads,
             s3[i] = load_element(f32s[5], u16s[5], u8s[5], FORMATS[5], absmax[5], tables, e)  # noqa: F821
     if scale_grads:  # the gradient buffer holds what the update used, as in the plain walk
         for i in range(uint64(n)):
-            store_element(f32s[1], u16s[1], FORMATS[1], False, uint64(0), u + i, g[i])  # noqa: F821
+            store_element(f32s[1], u16s[1], FORMATS[1], False, uint64(0), u + i, g[i],  # noqa: F821
+                          uint64(0))
 
 
-def _store_slot(f32, u16, u8, scales, fmt, key, row, start, n):
+def _store_slot(f32, u16, u8, scales, fmt, key, row, start, n, base):
     """State slot rows back: bfloat16 rounded stochastically, 8-bit a block at a time (a new
     scale per block), float32 as it is."""
     if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
@@ -162,10 +165,10 @@ def _store_slot(f32, u16, u8, scales, fmt, key, row, start, n):
     elif fmt != UNUSED:
         u = uint64(start)
         for i in range(uint64(n)):
-            store_element(f32, u16, fmt, True, key, u + i, row[i])
+            store_element(f32, u16, fmt, True, key, u + i, row[i], base)
 
 
-def _store_phase(f32s, u16s, u8s, absmax, tables, keys, scratch, start, n):
+def _store_phase(f32s, u16s, u8s, absmax, tables, keys, base, scratch, start, n):
     """The rows the rule updated, stored: the parameters as ``MODE`` says (with master
     weights the float32 master and its nearest 16-bit value; with Kahan summation the
     compensation; else rounded as ``ROUNDING``), then every state slot."""
@@ -191,12 +194,16 @@ def _store_phase(f32s, u16s, u8s, absmax, tables, keys, scratch, start, n):
                                                    uint64(0), e)
         else:
             store_element(f32s[0], u16s[0], FORMATS[0], ROUNDING == STOCHASTIC, keys[0],  # noqa: F821
-                          e, x)
+                          e, x, base)
     # each slot with its constant index, so its format folds
-    _store_slot(f32s[2], u16s[2], u8s[2], absmax[2], FORMATS[2], keys[2], scratch[2], start, n)  # noqa: F821
-    _store_slot(f32s[3], u16s[3], u8s[3], absmax[3], FORMATS[3], keys[3], scratch[3], start, n)  # noqa: F821
-    _store_slot(f32s[4], u16s[4], u8s[4], absmax[4], FORMATS[4], keys[4], scratch[4], start, n)  # noqa: F821
-    _store_slot(f32s[5], u16s[5], u8s[5], absmax[5], FORMATS[5], keys[5], scratch[5], start, n)  # noqa: F821
+    _store_slot(f32s[2], u16s[2], u8s[2], absmax[2], FORMATS[2], keys[2], scratch[2],  # noqa: F821
+                start, n, base)
+    _store_slot(f32s[3], u16s[3], u8s[3], absmax[3], FORMATS[3], keys[3], scratch[3],  # noqa: F821
+                start, n, base)
+    _store_slot(f32s[4], u16s[4], u8s[4], absmax[4], FORMATS[4], keys[4], scratch[4],  # noqa: F821
+                start, n, base)
+    _store_slot(f32s[5], u16s[5], u8s[5], absmax[5], FORMATS[5], keys[5], scratch[5],  # noqa: F821
+                start, n, base)
 
 
 def _views(stored):
@@ -221,8 +228,8 @@ def _keys(seed, draw):
             mix32_key(seed, draw, 6), mix32_key(seed, draw, 7))
 
 
-def _coded_step_walk(stored, absmax, tables, seed, draw, scalars, columns, flags, present,
-                     offsets, sizes, chunk_first, chunk_size, total, grad_multiplier,
+def _coded_step_walk(stored, absmax, tables, seed, draw, base, scalars, columns, flags,
+                     present, offsets, sizes, chunk_first, chunk_size, total, grad_multiplier,
                      scale_grads):
     """The plain walk's chunks and overlaps (``kernels/cpu.py``), each overlap in sub-blocks
     loaded, stepped by the rule's own span and stored."""
@@ -245,14 +252,14 @@ def _coded_step_walk(stored, absmax, tables, seed, draw, scalars, columns, flags
                     load_phase(f32s, u16s, stored, absmax, tables, scratch, start, n,  # noqa: F821
                                scale_grads, grad_multiplier)
                     span(rows, scalars, columns, flags, k, uint64(0), uint64(n), one)  # noqa: F821
-                    store_phase(f32s, u16s, stored, absmax, tables, keys, scratch,  # noqa: F821
-                                start, n)
+                    store_phase(f32s, u16s, stored, absmax, tables, keys, base,  # noqa: F821
+                                scratch, start, n)
             k += 1
 
 
-def _coded_reduce_walk(stored, absmax, tables, seed, draw, scalars, columns, flags, present,
-                       offsets, sizes, chunk_first, chunk_size, total, sums, grad_multiplier,
-                       scale_grads):
+def _coded_reduce_walk(stored, absmax, tables, seed, draw, base, scalars, columns, flags,
+                       present, offsets, sizes, chunk_first, chunk_size, total, sums,
+                       grad_multiplier, scale_grads):
     """``kernels/cpu.py``'s reduce walk over loaded sub-blocks: partial totals per segment
     (each sub-block's added in order), combined per parameter in chunk order."""
     n_chunks = chunk_first.size

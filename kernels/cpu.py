@@ -232,6 +232,34 @@ def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power,
 _load_row = CODEC["load_row"]
 
 
+@njit(inline="always", error_model="numpy")
+def _reduce_coded_chunk(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
+                        power, mode, c):
+    """_reduce_chunk over 16-bit gradients: each segment loaded as float32 in sub-blocks."""
+    row = np.empty(SUB, np.float32)
+    scales = np.empty(0, np.float32)
+    lo = c * chunk_size
+    hi = min(lo + chunk_size, total)
+    k = chunk_first[c]
+    value = 0.0
+    bad = 0
+    while k < offsets.size and offsets[k] < hi:
+        if present[k] != 0:
+            last = min(hi, offsets[k] + sizes[k])
+            for start in range(max(lo, offsets[k]), last, SUB):
+                n = min(SUB, last - start)
+                _load_row(raw, fmt, scales, TABLES, start, n, row)
+                v, count = _reduce_segment(row, 0, n, power, mode)
+                if mode == MAX_ABS:
+                    if not (v <= value):
+                        value = v
+                else:
+                    value += v
+                bad += count
+        k += 1
+    return value, bad
+
+
 @threaded(cache=True, error_model="numpy")
 def reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
                            power, mode):
@@ -241,30 +269,10 @@ def reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk
     n_chunks = chunk_first.size
     partial = np.empty(n_chunks)
     partial_bad = np.empty(n_chunks, np.int64)
-    scales = np.empty(0, np.float32)
     for c in prange(n_chunks):
-        row = np.empty(SUB, np.float32)
-        lo = c * chunk_size
-        hi = min(lo + chunk_size, total)
-        k = chunk_first[c]
-        value = 0.0
-        bad = 0
-        while k < offsets.size and offsets[k] < hi:
-            if present[k] != 0:
-                last = min(hi, offsets[k] + sizes[k])
-                for start in range(max(lo, offsets[k]), last, SUB):
-                    n = min(SUB, last - start)
-                    _load_row(raw, fmt, scales, TABLES, start, n, row)
-                    v, count = _reduce_segment(row, 0, n, power, mode)
-                    if mode == MAX_ABS:
-                        if not (v <= value):
-                            value = v
-                    else:
-                        value += v
-                    bad += count
-            k += 1
-        partial[c] = value
-        partial_bad[c] = bad
+        partial[c], partial_bad[c] = _reduce_coded_chunk(raw, fmt, present, offsets, sizes,
+                                                         chunk_first, chunk_size, total,
+                                                         power, mode, c)
     value = 0.0
     bad = 0
     for c in range(n_chunks):
@@ -275,6 +283,20 @@ def reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk
             value += partial[c]
         bad += partial_bad[c]
     return value, bad
+
+
+@threaded(cache=True, error_model="numpy")
+def coded_gradient_chunk_partials(raw, fmt, present, offsets, sizes, chunk_first, chunk_size,
+                                  total, power, mode, first_chunk, stop_chunk):
+    """gradient_chunk_partials over 16-bit gradients (a ZeRO-1 rank's chunks)."""
+    n = stop_chunk - first_chunk
+    partial = np.empty(n)
+    bad = np.empty(n, np.int64)
+    for j in prange(n):
+        partial[j], bad[j] = _reduce_coded_chunk(raw, fmt, present, offsets, sizes,
+                                                 chunk_first, chunk_size, total, power, mode,
+                                                 first_chunk + j)
+    return partial, bad
 
 
 @threaded(cache=True, error_model="numpy")
@@ -358,6 +380,7 @@ class CpuBackend:
     reduce_gradients = staticmethod(reduce_gradients)
     reduce_coded_gradients = staticmethod(reduce_coded_gradients)
     gradient_chunk_partials = staticmethod(gradient_chunk_partials)
+    coded_gradient_chunk_partials = staticmethod(coded_gradient_chunk_partials)
     lerp = staticmethod(lerp_into)
 
     @staticmethod
@@ -380,4 +403,4 @@ class CpuBackend:
 
 
 __all__ = ["CpuBackend", "CompiledRule", "compile_rule", "reduce_gradients",
-           "gradient_chunk_partials"]
+           "gradient_chunk_partials", "coded_gradient_chunk_partials"]

@@ -45,10 +45,12 @@ pytestmark = [pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_re
               pytest.mark.mpi, pytest.mark.slow]
 
 
-def run_job(size: int, *modes: str, succeed: bool = True) -> list[str]:
-    """Run the worker at ``size`` ranks; its reports (the job must end in time, and exit 0
-    when ``succeed``)."""
-    process = subprocess.Popen([_mpiexec(), "-n", str(size), sys.executable, str(WORKER),
+def run_job(size: int, *modes: str, succeed: bool = True, worker: str | None = None
+            ) -> list[str]:
+    """Run the worker (``worker``: another file beside this one) at ``size`` ranks; its
+    reports (the job must end in time, and exit 0 when ``succeed``)."""
+    script = WORKER if worker is None else WORKER.with_name(worker)
+    process = subprocess.Popen([_mpiexec(), "-n", str(size), sys.executable, str(script),
                                 *modes], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:

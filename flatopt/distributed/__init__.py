@@ -26,7 +26,9 @@ gradients; ``step()`` then
    see ``Sharding.gather``), so every rank holds all of them.
 
 The result is bit-identical to one process stepping on the mean gradient summed in rank order,
-at any world size, for every rule with an element-wise span. Rules that work on whole matrices
+at any world size, for every rule with an element-wise span, reduced precision included (16-bit
+parameters, master weights, stochastic rounding, Kahan, bfloat16 and 8-bit state: see
+``_coded.py``; 16-bit gradients are averaged in float32, then rounded to their dtype). Rules that work on whole matrices
 (``Rule.per_parameter``, Muon) run replicated instead: the averaged gradients are all-gathered
 and every rank updates every parameter with full state (memory does not fall for them).
 

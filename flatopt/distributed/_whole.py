@@ -4,6 +4,7 @@ checkpoints and consolidation go through."""
 from __future__ import annotations
 
 from .._layout import aligned_zeros
+from ._coded import consolidate_coded, take_range
 
 
 # ------------------------------------------------------------------------ state as a whole
@@ -18,10 +19,11 @@ def state_nbytes(opt) -> int:
 def plain_copy(opt):
     """A plain single-process optimizer of ``opt``'s class, groups, settings and parameter
     values, with fresh state (what a load starts from: a load replaces every state it does
-    not reset)."""
+    not reset). Groups keep their storage settings (reduced precision)."""
     settings = opt.settings()
-    groups = [{**values, "params": {path: opt.params[path] for path in group["params"]}}
-              for values, group in zip(settings, opt.param_groups)]
+    groups = [{**values, **({} if storage.default else storage.as_dict()),
+               "params": {path: opt.params[path] for path in group["params"]}}
+              for values, group, storage in zip(settings, opt.param_groups, opt.storage)]
     twin = type(opt)(groups)
     twin.defaults = dict(opt.defaults)
     return twin
@@ -44,6 +46,10 @@ def consolidated(opt, root: int | None = None):
             for name, column in mine.columns.items():
                 buf.columns[name][...] = column
             buf.state.clear()
+            buf.draws = mine.draws  # the stochastic rounding's step count
+        if mine.coded:
+            consolidate_coded(sharding, shard, buf, root)
+            continue
         for name in opt.schema.rule.slots:  # slots are allocated alike on every rank
             if name not in shard.state:
                 continue
@@ -71,7 +77,10 @@ def take_from(opt, twin) -> None:
         for name, column in buf.columns.items():
             mine.columns[name][...] = column
         shard.state.clear()
-        for name, flat in buf.state.items():
+        mine.draws = buf.draws  # the stochastic rounding's step count
+        if mine.coded:  # the state as stored, its block scales, the master weights
+            take_range(shard, buf)
+        for name, flat in buf.state.items() if not mine.coded else ():
             shard.state[name] = aligned_zeros(shard.slot_length(name), buf.dtype)
             shard.state[name][...] = shard.range_of(name, flat)
         shard.arrays = shard.arrays_plan = None
