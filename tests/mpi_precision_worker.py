@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import traceback
 
 import ml_dtypes
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flatopt  # noqa: E402
 from flatopt import distributed  # noqa: E402
+from flatopt.errors import CheckpointOptionError  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # several tensors of at least 4096 elements (8-bit state), sizes not multiples of the
@@ -140,6 +142,14 @@ def run_case(case: str) -> None:
     digests = COMM.allgather(b"".join(opt.params[p].tobytes() for p, _ in SHAPES))
     if len(set(digests)) > 1:
         problems.append("the ranks hold different parameters")
+    if SIZE > 1:  # a sharded checkpoint cannot hold them yet: refused, nothing written
+        target = os.path.join(tempfile.gettempdir(), f"flatopt-mpi-precision-{os.getpid()}")
+        try:
+            flatopt.save(target, opt)
+            problems.append("a sharded save of reduced-precision buffers was not refused")
+        except CheckpointOptionError:
+            if os.path.exists(target):
+                problems.append("the refused sharded save wrote something")
     memory = opt.memory()
     held = COMM.allgather(memory["state"] + memory["master"])
     if reference is not None:

@@ -38,7 +38,8 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
         return run.save(path, opt, schedulers=schedulers, metadata=metadata, arrays=arrays,
                         ema=ema, scaler=scaler, background=background)
     if _sharded(opt):   # comm= over several ranks: collective
-        _no_training_state(ema, scaler, "save")   # (a Lookahead refuses sharded optimizers)
+        _no_training_state(ema, scaler, "save")
+        _not_coded(opt, "save", path)   # (a Lookahead refuses sharded optimizers)
         return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
                             background=background)
     return writer.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
@@ -74,6 +75,7 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
                                  path=str(source))
     if _sharded(opt):   # comm= over several ranks: collective
         _no_training_state(ema, scaler, "load")
+        _not_coded(opt, "load", source)
         loader.check_options(opt, rename, hyperparameters, staging)
         check_flags(strict=strict, regroup=regroup)
         return sharded.load(source, opt, strict=strict, rename=rename,
@@ -107,6 +109,16 @@ def unwrapped(opt, lookahead):
             raise CheckpointOptionError("lookahead= names another Lookahead than the one given")
         return opt.optimizer, opt
     return opt, lookahead
+
+
+def _not_coded(opt, what: str, path) -> None:
+    """Sharded checkpoints do not hold reduced-precision buffers yet: refused before any file
+    is touched (a plain optimizer's checkpoint does, see ``checkpoint/precision.py``)."""
+    if any(buf.coded for buf in opt.buffers):
+        raise CheckpointOptionError(
+            f"{what}({str(path)!r}): {type(opt).__name__} is sharded over ranks and keeps "
+            "reduced-precision buffers, which sharded checkpoints cannot hold yet; nothing "
+            "was written or read", path=str(path))
 
 
 def _sharded(opt) -> bool:
