@@ -28,9 +28,8 @@ import numpy as np
 
 from ._bind import bind, instantiate
 from ._cuda_import import numba_cuda, simulated
-from .arithmetic import simulated_fma
 from .cpu import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
-from .cuda_coded import CudaCodedKernels
+from .cuda_coded import CudaCodedKernels, fma_primitive
 from .cuda_coded import compile_coded as compile_coded_walks
 from .rule import Rule
 
@@ -192,8 +191,7 @@ def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
     key = _key(rule, exact)
     compiled = _compiled.get(key)
     if compiled is None:
-        functions = bind(rule, cuda.jit(device=True),
-                         {"fma": simulated_fma if simulated() else cuda.fma})
+        functions = bind(rule, cuda.jit(device=True), {"fma": fma_primitive()})
         prepare = cuda.jit(instantiate(_prepare_walk, f"prepare_{key}",
                                        prepare=functions[rule.prepare.__name__]))
         step = cuda.jit(instantiate(_step_walk, f"step_{key}",

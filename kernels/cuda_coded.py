@@ -58,6 +58,17 @@ def cuda_f32_from_bits(u):
     return cuda.libdevice.int_as_float(int32(uint32(u)))
 
 
+def cuda_fma(a, b, c):
+    """``fma`` on a GPU. A device function around ``cuda.fma``: numba-cuda 0.30 types the
+    intrinsic as an attribute of the module, not as a global name bound to it."""
+    return cuda.fma(a, b, c)
+
+
+def fma_primitive():
+    """What ``fma`` is bound to in rule functions compiled for CUDA."""
+    return simulated_fma if simulated() else cuda.jit(device=True)(cuda_fma)
+
+
 # ----------------------------------------------------------------------------- elements
 def load_value(raw, fmt, scales, tables, i):
     """The float32 value of element ``i`` of ``raw`` (0 for an unused array)."""
@@ -337,7 +348,7 @@ def compile_coded(rule: Rule, plain, key: str) -> CudaCodedKernels:
         if n_arrays + 2 > ROWS_MAX:
             raise TypeError(f"rule {rule.name!r}: too many arrays for the CUDA codec walk")
         device = cuda.jit(device=True)
-        functions = bind(rule, device, {"fma": simulated_fma if simulated() else cuda.fma})
+        functions = bind(rule, device, {"fma": fma_primitive()})
         bound = {"as_rows": device(ROWS[n_arrays]), **codec()}
         step = cuda.jit(instantiate(_coded_step_walk, f"coded_step_{key}",
                                     span=functions[rule.span.__name__], **bound))
@@ -351,4 +362,4 @@ def compile_coded(rule: Rule, plain, key: str) -> CudaCodedKernels:
     return compiled
 
 
-__all__ = ["CudaCodedKernels", "compile_coded", "codec", "ELEMENT_FUNCTIONS"]
+__all__ = ["CudaCodedKernels", "compile_coded", "codec", "fma_primitive", "ELEMENT_FUNCTIONS"]
