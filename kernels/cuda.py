@@ -28,8 +28,9 @@ import numpy as np
 
 from ._bind import bind, instantiate
 from ._cuda_import import numba_cuda, simulated
-from .arithmetic import simulated_fma
 from .cpu import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
+from .cuda_coded import CudaCodedKernels, fma_primitive
+from .cuda_coded import compile_coded as compile_coded_walks
 from .rule import Rule
 
 cuda = numba_cuda()
@@ -171,16 +172,26 @@ def _install_no_fma_compile() -> None:
     nvvm.compile_ir = compile_ir
 
 
-def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
-    """The rule's CUDA kernels; ``exact=True``: compiled without multiply-add contraction."""
+def _key(rule: Rule, exact: bool) -> str:
+    """The name of a rule's kernels (and their cache key); ``exact`` ones carry the marker."""
     key = f"{rule.name}_{rule.fingerprint}"
     if exact:
         _install_no_fma_compile()
         key = f"{key}_{NO_FMA_MARKER}"
+    return key
+
+
+def compile_coded(rule: Rule, exact: bool = False) -> CudaCodedKernels:
+    """The rule's walks over reduced-precision buffers (``kernels/cuda_coded.py``)."""
+    return compile_coded_walks(rule, compile_rule(rule, exact), _key(rule, exact))
+
+
+def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
+    """The rule's CUDA kernels; ``exact=True``: compiled without multiply-add contraction."""
+    key = _key(rule, exact)
     compiled = _compiled.get(key)
     if compiled is None:
-        functions = bind(rule, cuda.jit(device=True),
-                         {"fma": simulated_fma if simulated() else cuda.fma})
+        functions = bind(rule, cuda.jit(device=True), {"fma": fma_primitive()})
         prepare = cuda.jit(instantiate(_prepare_walk, f"prepare_{key}",
                                        prepare=functions[rule.prepare.__name__]))
         step = cuda.jit(instantiate(_step_walk, f"step_{key}",
@@ -309,6 +320,11 @@ class CudaBackend:
         return compile_rule(rule, exact)
 
     @staticmethod
+    def compile_coded(rule: Rule, exact: bool = False) -> CudaCodedKernels:
+        """The rule's walks over reduced-precision buffers (``kernels/cuda_coded.py``)."""
+        return compile_coded(rule, exact)
+
+    @staticmethod
     def zeros(n_elements: int, dtype):
         return np.zeros(n_elements, dtype)
 
@@ -316,6 +332,6 @@ class CudaBackend:
         return "CudaBackend()"
 
 
-__all__ = ["CudaBackend", "CompiledRule", "compile_rule", "THREADS_PER_BLOCK", "NO_FMA_MARKER",
+__all__ = ["CudaBackend", "CompiledRule", "compile_rule", "compile_coded", "THREADS_PER_BLOCK", "NO_FMA_MARKER",
            "no_fma_options", "lerp_kernel", "add_kernel", "fill_kernel", "reduce_gradients", "combine_reduction",
            "launch_elementwise"]

@@ -1,0 +1,170 @@
+"""Reduced-precision buffers on the CUDA backend (run by Numba's CUDA simulator here, over host
+arrays: ``Optimizer._set_backend("cuda")``): the storage codec around a rule gives the CPU's
+bits (stochastic rounding streams, bfloat16 and 8-bit state, master weights, Kahan) for the
+same float32 inputs, whatever the block and grid sizes; whole optimizer steps agree with the
+CPU's up to the simulator's rounding of the rule itself (its ``fma`` rounds twice)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("numba_cuda")
+
+import flatopt  # noqa: E402
+from flatopt._layout import WalkLayout, chunk_table  # noqa: E402
+from flatopt.kernels import backend  # noqa: E402
+from flatopt.kernels.coded import (BF16, DIRECT, F16, KAHAN, MASTER, NATIVE, NEAREST,  # noqa: E402
+                                   Q8_SIGNED, Q8_UNSIGNED, STOCHASTIC, TABLES, UNUSED)
+from flatopt.kernels.rule import Rule  # noqa: E402
+from flatopt.kernels.tools import untouched_prepare  # noqa: E402
+
+# The simulator runs the codec's uint64 hash on NumPy scalars, which warn when they wrap
+# (the wrap is the hash); its threads do not see np.errstate.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+BF = ml_dtypes.bfloat16
+
+
+# ----------------------------------------------------------------------------- the codec alone
+def probe_span(arrays, scalars, columns, flags, k, start, stop, stride):
+    """A rule whose arithmetic rounds the same everywhere (one add, one multiply per value),
+    so that CPU and simulator hand the codec the same float32 values."""
+    p, g, m, v = arrays
+    for i in range(start, stop, stride):
+        p[i] = p[i] - g[i]
+        m[i] = m[i] + g[i]
+        v[i] = g[i] * g[i]
+
+
+PROBE = Rule(name="codec_probe", span=probe_span, prepare=untouched_prepare, helpers=(),
+             slots=("m", "v"), columns={})
+
+# (params format, parameter mode, rounding, grads format, state formats)
+PROBES = {
+    "bf16-stochastic-bf16-state": (BF16, DIRECT, STOCHASTIC, BF16, (BF16, BF16)),
+    "f16-stochastic-int8-state": (F16, DIRECT, STOCHASTIC, NATIVE, (Q8_SIGNED, Q8_UNSIGNED)),
+    "bf16-master-int8-state": (BF16, MASTER, NEAREST, BF16, (Q8_SIGNED, Q8_UNSIGNED)),
+    "bf16-kahan-float32-state": (BF16, KAHAN, NEAREST, F16, (NATIVE, NATIVE)),
+    "f16-nearest-bf16-state": (F16, DIRECT, NEAREST, F16, (BF16, BF16)),
+}
+SIZES = np.array([2 * 256 + 77, 100])  # ragged tails; offsets 256-aligned
+OFFSETS = np.array([0, 3 * 256])
+LENGTH = 4 * 256
+CHUNK = 512  # two chunks for the first parameter, a multiple of the 8-bit block
+
+
+def _stored(fmt, values, rng):
+    if fmt == NATIVE:
+        return values.astype(np.float32).view(np.uint8)
+    if fmt in (BF16, F16):
+        return values.astype(BF if fmt == BF16 else np.float16).view(np.uint8)
+    codes = rng.integers(0, 256, values.size).astype(np.uint8)
+    return codes
+
+
+def probe_arguments(case, seed=5):
+    """The coded walk's leading arguments over fresh random arrays (one copy per call)."""
+    param, mode, rounding, grad, state = PROBES[case]
+    rng = np.random.default_rng(seed)
+    values = lambda: (rng.standard_normal(LENGTH) * 3).astype(np.float32)  # noqa: E731
+    stored = [_stored(param, values(), rng), _stored(grad, values(), rng)]
+    absmax = [np.zeros(0, np.float32)] * 2
+    for fmt in state:
+        stored.append(_stored(fmt, values(), rng))
+        q8 = fmt in (Q8_SIGNED, Q8_UNSIGNED)
+        absmax.append(rng.random(LENGTH // 256).astype(np.float32) * 4 if q8
+                      else np.zeros(0, np.float32))
+    master = values() if mode == MASTER else None
+    stored.append(np.zeros(0, np.uint8) if master is None else master.view(np.uint8))
+    compensation = (values() * np.float32(1e-3)).astype(BF if param == BF16 else np.float16)
+    stored.append(compensation.view(np.uint8) if mode == KAHAN else np.zeros(0, np.uint8))
+    formats = (param, grad, *state, NATIVE if mode == MASTER else UNUSED,
+               param if mode == KAHAN else UNUSED)
+    absmax += [np.zeros(0, np.float32)] * 2
+    return [tuple(stored), formats, tuple(absmax), TABLES, rounding, mode, np.uint64(seed)]
+
+
+def run_probe(kernels, arguments, steps=2, **launch):
+    layout = WalkLayout(np.array([1, 1], np.uint8), OFFSETS, SIZES,
+                        chunk_table(OFFSETS, SIZES, LENGTH, CHUNK), CHUNK, LENGTH)
+    for draw in range(steps):
+        kernels.step((*arguments, np.uint64(draw)), np.zeros(0, np.float32), (), (), layout,
+                     np.float32(0.5), draw == 0, **launch)
+    return [np.array(a) for a in (*arguments[0], *arguments[2])]
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)
+                                  if case == "bf16-master-int8-state" else case
+                                  for case in PROBES])  # the simulator is slow
+def test_codec_gives_the_cpu_bits_whatever_the_launch(case):
+    cpu = run_probe(backend("cpu").compile_coded(PROBE), probe_arguments(case))
+    cuda = backend("cuda").compile_coded(PROBE)
+    for launch in ({}, {"threads": 64, "blocks": 1}):  # 8-bit walks: always 256 threads
+        ours = run_probe(cuda, probe_arguments(case), **launch)
+        for j, (a, b) in enumerate(zip(ours, cpu)):
+            np.testing.assert_array_equal(a, b, err_msg=f"{case} {launch} array {j}")
+    # the walk did store: the parameters moved and the 8-bit scales were recomputed
+    assert not np.array_equal(cpu[0], probe_arguments(case)[0][0])
+
+
+# ----------------------------------------------------------------------------- whole steps
+N = 2 * 256 + 77  # 8-bit state for tensors from 256 elements here (see the test)
+CONFIGS = {
+    "bf16-stochastic-bf16-state": (BF, dict(rounding="stochastic", state_dtype="bfloat16",
+                                            seed=11)),
+    "bf16-int8-state": (BF, dict(rounding="stochastic", state_dtype="int8")),
+    "bf16-master-weights": (BF, dict(master_weights=True)),
+    "bf16-kahan": (BF, dict(rounding="kahan")),
+    "f16-stochastic": (np.float16, dict(rounding="stochastic", seed=3)),
+    "bf16-cautious-bf16-state": (BF, dict(state_dtype="bfloat16", caution=True)),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_adamw_on_the_cuda_backend_matches_the_cpu(config, monkeypatch):
+    """The simulator's AdamW rounds its fma twice (the CPU once), so a float32 value the codec
+    stores may differ in its last bits (a moment's lerp that cancels: 0 against 3.6e-10): the
+    16-bit values then round to the same or a neighbouring value, an 8-bit code to the
+    same or the neighbouring code. The test compares values with one 16-bit rounding's
+    tolerance and asserts that almost all bits are equal. (8-bit state is kept for tensors
+    from 256 elements instead of 4096, so that the simulated buffers stay small.)"""
+    monkeypatch.setattr(flatopt._storage, "MIN_8BIT_SIZE", 256)
+    dtype, kwargs = CONFIGS[config]
+    rng = np.random.default_rng(1)
+    w = {"a": rng.standard_normal(N).astype(dtype), "b": rng.standard_normal(100).astype(dtype)}
+    cpu, sim = (flatopt.AdamW({k: v.copy() for k, v in w.items()}, lr=1e-2, weight_decay=0.1,
+                              **kwargs) for _ in range(2))
+    sim._set_backend("cuda")
+    for step in range(2):
+        grads = {k: rng.standard_normal(v.shape).astype(dtype) for k, v in w.items()}
+        cpu.step(grads, grad_scale=2.0 if step else None)
+        sim.step(grads, grad_scale=2.0 if step else None)
+    assert not np.array_equal(sim.params["a"], w["a"])  # it stepped
+    rtol = 2.0 ** -7 if dtype == BF else 2.0 ** -10  # one 16-bit ulp, relative
+    for ours, theirs in zip(sim.buffers, cpu.buffers):
+        assert ours.coded and ours.draws == theirs.draws == 2
+        assert_close(ours.params, theirs.params, rtol)
+        if ours.master is not None:
+            np.testing.assert_allclose(ours.master, theirs.master, rtol=1e-5, atol=1e-6)
+        if ours.compensation is not None:
+            assert_close(ours.compensation, theirs.compensation, 1e-2, same=0.9)
+        for name, flat in theirs.state.items():
+            mine = ours.state[name]
+            if flat.dtype == np.uint8:  # the same or the neighbouring code, scales close
+                assert np.abs(mine.astype(int) - flat.astype(int)).max() <= 1, name
+                assert (mine != flat).mean() < 0.01, name
+                np.testing.assert_allclose(ours.absmax[name], theirs.absmax[name], rtol=1e-5)
+            elif flat.dtype == np.float32:  # the last bits of float32 state may differ
+                np.testing.assert_allclose(mine, flat, rtol=1e-5, atol=1e-6, err_msg=name)
+            else:
+                assert_close(mine, flat, rtol, name)
+
+
+def assert_close(ours, theirs, rtol, name="", same=0.99):
+    """Values within ``rtol`` (and a small absolute tolerance for moments that cancel), and
+    at least the fraction ``same`` of them bit for bit equal."""
+    np.testing.assert_allclose(ours.astype(np.float32), theirs.astype(np.float32), rtol=rtol,
+                               atol=1e-6, err_msg=name)
+    assert (ours.view(np.uint8) == theirs.view(np.uint8)).mean() >= same, name
