@@ -181,9 +181,34 @@ def _key(rule: Rule, exact: bool) -> str:
     return key
 
 
-def compile_coded(rule: Rule, exact: bool = False) -> CudaCodedKernels:
-    """The rule's walks over reduced-precision buffers (``kernels/cuda_coded.py``)."""
-    return compile_coded_walks(rule, compile_rule(rule, exact), _key(rule, exact))
+class LayoutKernels:
+    """The CUDA coded walks for buffers stored as one ``kernels.coded.Layout``: they take
+    the formats, mode and rounding as arguments (the CPU compiles them in), so this puts
+    them between the CPU walk's leading arguments ``(stored, absmax, tables, seed, draw,
+    base)``. ``base`` is 0 on one device (ZeRO-1 is host-only)."""
+
+    def __init__(self, kernels: CudaCodedKernels, layout):
+        self.kernels, self.layout = kernels, layout
+        self.prepare, self.finalize = kernels.prepare, kernels.finalize
+
+    def _arguments(self, arrays) -> tuple:
+        stored, absmax, tables, seed, draw, _ = arrays
+        layout = self.layout
+        return (stored, layout.formats, absmax, tables, layout.rounding, layout.mode, seed,
+                draw)
+
+    def step(self, arrays, *args, **options) -> None:
+        self.kernels.step(self._arguments(arrays), *args, **options)
+
+    def reduce(self, arrays, *args, **options) -> None:
+        self.kernels.reduce(self._arguments(arrays), *args, **options)
+
+
+def compile_coded(rule: Rule, layout, exact: bool = False) -> LayoutKernels:
+    """The rule's walks over reduced-precision buffers stored as ``layout``
+    (``kernels/cuda_coded.py``)."""
+    return LayoutKernels(compile_coded_walks(rule, compile_rule(rule, exact),
+                                             _key(rule, exact)), layout)
 
 
 def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
@@ -320,9 +345,10 @@ class CudaBackend:
         return compile_rule(rule, exact)
 
     @staticmethod
-    def compile_coded(rule: Rule, exact: bool = False) -> CudaCodedKernels:
-        """The rule's walks over reduced-precision buffers (``kernels/cuda_coded.py``)."""
-        return compile_coded(rule, exact)
+    def compile_coded(rule: Rule, layout, exact: bool = False) -> LayoutKernels:
+        """The rule's walks over reduced-precision buffers stored as ``layout``
+        (``kernels/cuda_coded.py``)."""
+        return compile_coded(rule, layout, exact)
 
     @staticmethod
     def zeros(n_elements: int, dtype):

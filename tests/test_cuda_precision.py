@@ -15,8 +15,9 @@ pytest.importorskip("numba_cuda")
 import flatopt  # noqa: E402
 from flatopt._layout import WalkLayout, chunk_table  # noqa: E402
 from flatopt.kernels import backend  # noqa: E402
-from flatopt.kernels.coded import (BF16, DIRECT, F16, KAHAN, MASTER, NATIVE, NEAREST,  # noqa: E402
-                                   Q8_SIGNED, Q8_UNSIGNED, STOCHASTIC, TABLES, UNUSED)
+from flatopt.kernels.coded import (BF16, COMPENSATION_AT, DIRECT, F16, KAHAN, MASTER,  # noqa: E402
+                                   MASTER_AT, NATIVE, NEAREST, POSITIONS, Q8_SIGNED,
+                                   Q8_UNSIGNED, STOCHASTIC, TABLES, UNUSED, Layout)
 from flatopt.kernels.rule import Rule  # noqa: E402
 from flatopt.kernels.tools import untouched_prepare  # noqa: E402
 
@@ -65,48 +66,52 @@ def _stored(fmt, values, rng):
 
 
 def probe_arguments(case, seed=5):
-    """The coded walk's leading arguments over fresh random arrays (one copy per call)."""
+    """The coded walk's leading arguments over fresh random arrays (one copy per call):
+    ``(stored, absmax, tables, seed)`` in the walk's ``POSITIONS``, and their layout."""
     param, mode, rounding, grad, state = PROBES[case]
     rng = np.random.default_rng(seed)
     values = lambda: (rng.standard_normal(LENGTH) * 3).astype(np.float32)  # noqa: E731
-    stored = [_stored(param, values(), rng), _stored(grad, values(), rng)]
-    absmax = [np.zeros(0, np.float32)] * 2
-    for fmt in state:
-        stored.append(_stored(fmt, values(), rng))
-        q8 = fmt in (Q8_SIGNED, Q8_UNSIGNED)
-        absmax.append(rng.random(LENGTH // 256).astype(np.float32) * 4 if q8
-                      else np.zeros(0, np.float32))
-    master = values() if mode == MASTER else None
-    stored.append(np.zeros(0, np.uint8) if master is None else master.view(np.uint8))
-    compensation = (values() * np.float32(1e-3)).astype(BF if param == BF16 else np.float16)
-    stored.append(compensation.view(np.uint8) if mode == KAHAN else np.zeros(0, np.uint8))
-    formats = (param, grad, *state, NATIVE if mode == MASTER else UNUSED,
-               param if mode == KAHAN else UNUSED)
-    absmax += [np.zeros(0, np.float32)] * 2
-    return [tuple(stored), formats, tuple(absmax), TABLES, rounding, mode, np.uint64(seed)]
+    none, no_scales = np.zeros(0, np.uint8), np.zeros(0, np.float32)
+    stored = [none] * POSITIONS
+    absmax = [no_scales] * POSITIONS
+    formats = [UNUSED] * POSITIONS
+    stored[0], formats[0] = _stored(param, values(), rng), param
+    stored[1], formats[1] = _stored(grad, values(), rng), grad
+    for position, fmt in enumerate(state, start=2):
+        stored[position], formats[position] = _stored(fmt, values(), rng), fmt
+        if fmt in (Q8_SIGNED, Q8_UNSIGNED):
+            absmax[position] = rng.random(LENGTH // 256).astype(np.float32) * 4
+    if mode == MASTER:
+        stored[MASTER_AT], formats[MASTER_AT] = values().view(np.uint8), NATIVE
+    if mode == KAHAN:
+        compensation = (values() * np.float32(1e-3)).astype(BF if param == BF16 else np.float16)
+        stored[COMPENSATION_AT], formats[COMPENSATION_AT] = compensation.view(np.uint8), param
+    return ((tuple(stored), tuple(absmax), TABLES, np.uint64(seed)),
+            Layout(tuple(formats), mode, rounding))
 
 
 def run_probe(kernels, arguments, steps=2, **launch):
     layout = WalkLayout(np.array([1, 1], np.uint8), OFFSETS, SIZES,
                         chunk_table(OFFSETS, SIZES, LENGTH, CHUNK), CHUNK, LENGTH)
     for draw in range(steps):
-        kernels.step((*arguments, np.uint64(draw)), np.zeros(0, np.float32), (), (), layout,
-                     np.float32(0.5), draw == 0, **launch)
-    return [np.array(a) for a in (*arguments[0], *arguments[2])]
+        kernels.step((*arguments, np.uint64(draw), np.uint64(0)), np.zeros(0, np.float32), (),
+                     (), layout, np.float32(0.5), draw == 0, **launch)
+    return [np.array(a) for a in (*arguments[0], *arguments[1])]
 
 
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)
                                   if case == "bf16-master-int8-state" else case
                                   for case in PROBES])  # the simulator is slow
 def test_codec_gives_the_cpu_bits_whatever_the_launch(case):
-    cpu = run_probe(backend("cpu").compile_coded(PROBE), probe_arguments(case))
-    cuda = backend("cuda").compile_coded(PROBE)
+    arguments, layout = probe_arguments(case)
+    cpu = run_probe(backend("cpu").compile_coded(PROBE, layout), arguments)
+    cuda = backend("cuda").compile_coded(PROBE, layout)
     for launch in ({}, {"threads": 64, "blocks": 1}):  # 8-bit walks: always 256 threads
-        ours = run_probe(cuda, probe_arguments(case), **launch)
+        ours = run_probe(cuda, probe_arguments(case)[0], **launch)
         for j, (a, b) in enumerate(zip(ours, cpu)):
             np.testing.assert_array_equal(a, b, err_msg=f"{case} {launch} array {j}")
     # the walk did store: the parameters moved and the 8-bit scales were recomputed
-    assert not np.array_equal(cpu[0], probe_arguments(case)[0][0])
+    assert not np.array_equal(cpu[0], probe_arguments(case)[0][0][0])
 
 
 # ----------------------------------------------------------------------------- whole steps
