@@ -239,3 +239,55 @@ def test_what_is_not_supported_yet_is_refused_before_anything_changes(rng, tmp_p
     # checkpoints and state dicts hold it (tests/test_checkpoint_precision.py); CUDA not yet
     with pytest.raises((DeviceError, HyperparameterError)):
         flatopt.Adam({"w": w}, device="cuda")
+
+
+# ----------------------------------------------------------------------------- training parity
+MODES = {
+    "float32": (np.float32, {}),
+    "bf16 master": (BF16, {"master_weights": True, "grad_dtype": "float32"}),
+    "bf16 stochastic": (BF16, {"rounding": "stochastic", "grad_dtype": "float32"}),
+    "bf16 kahan": (BF16, {"rounding": "kahan", "grad_dtype": "float32"}),
+    "int8 state": (np.float32, {"state_dtype": "int8"}),
+    "bf16 state": (np.float32, {"state_dtype": "bfloat16"}),
+}
+
+
+def train_mlp(seed: int, dtype, storage: dict, steps: int = 150) -> float:
+    """A two-layer tanh MLP fitting a random teacher with AdamW; the final training loss."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((256, 32)).astype(np.float32)
+    y = np.tanh(x @ rng.standard_normal((32, 4)).astype(np.float32))
+    params = {"w1": (rng.standard_normal((32, 160)) / np.sqrt(32)).astype(dtype),
+              "w2": (rng.standard_normal((160, 4)) / np.sqrt(160)).astype(dtype)}
+    opt = flatopt.AdamW(params, lr=3e-3, weight_decay=0.01, seed=seed, **storage)
+    for _ in range(steps):
+        w1, w2 = (opt.params[k].astype(np.float32) for k in ("w1", "w2"))
+        h = np.tanh(x @ w1)
+        error = h @ w2 - y
+        loss = float((error ** 2).mean())
+        d_out = (2 / error.size) * error
+        d_h = (d_out @ w2.T) * (1 - h * h)
+        grads = {"w1": x.T @ d_h, "w2": h.T @ d_out}
+        grad_dtype = opt.grads["w1"].dtype
+        opt.step({k: g.astype(grad_dtype) for k, g in grads.items()})
+    return loss
+
+
+def test_an_mlp_trains_as_well_in_every_mode():
+    """Over 5 seeds no mode trains worse than float32: every final loss within float32's
+    worst seed (plus 10% of the band's width), and the mean within 10% of float32's mean.
+    Round to nearest with bfloat16 weights is the control that fails this (its weights stop
+    moving once updates fall under half an ulp). 8-bit state may end lower than the band."""
+    seeds = range(5)
+    band = [train_mlp(seed, *MODES["float32"]) for seed in seeds]
+    high = max(band) + 0.1 * (max(band) - min(band))
+    mean = float(np.mean(band))
+
+    def as_good(losses):
+        return max(losses) <= high and float(np.mean(losses)) <= 1.1 * mean
+
+    for mode, (dtype, storage) in MODES.items():
+        losses = [train_mlp(seed, dtype, storage) for seed in seeds]
+        assert as_good(losses), (mode, losses, band)
+    nearest = [train_mlp(seed, BF16, {"grad_dtype": "float32"}) for seed in seeds]
+    assert not as_good(nearest), (nearest, band)
