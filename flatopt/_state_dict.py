@@ -55,8 +55,12 @@ STORAGE_FIELDS = {"paths": list, "param": str, "grad": str, "state": str, "maste
 
 def saved_storage(state_dict: Mapping, problems: list[str]) -> dict[str, tuple[dict, int]]:
     """A version-2 state dict's ``"storage"`` list: path -> (storage, draws), checked."""
-    raw = state_dict.get("storage", [])
     out: dict[str, tuple[dict, int]] = {}
+    if "storage" not in state_dict:  # state_dict() writes version 2 only with it
+        problems.append("state dict version 2 has no 'storage' list; was it made by "
+                        "flatopt's state_dict()?")
+        return out
+    raw = state_dict["storage"]
     if not isinstance(raw, (list, tuple)):
         problems.append("state dict 'storage' must be a list of buffer storages")
         return out
