@@ -12,6 +12,7 @@ chosen here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -164,9 +165,12 @@ def resolve(storage: Storage, dtype: np.dtype, size: int, where: str) -> BufferS
     if state == "int8" and size < MIN_8BIT_SIZE:
         state = "float32"
     grad = FLOAT32 if storage.grad_dtype == "float32" else dtype
-    return BufferStorage(dtype, grad, compute, state, storage.master_weights and half,
-                         storage.rounding if half and not storage.master_weights
-                         else "nearest", storage.seed)
+    resolved = BufferStorage(dtype, grad, compute, state, storage.master_weights and half,
+                             storage.rounding if half and not storage.master_weights
+                             else "nearest", storage.seed)
+    # a buffer stored as it is computed draws nothing: its seed is no part of what it is
+    # (a checkpoint compares plain buffers with seed 0)
+    return dataclasses.replace(resolved, seed=0) if resolved.plain else resolved
 
 
 def rule_problem(schema, storage: Storage) -> str | None:

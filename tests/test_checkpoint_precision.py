@@ -300,3 +300,30 @@ def test_older_reader_reports_newer_file(tmp_path, monkeypatch):
                         (reader.FORMAT, 4, None, None))
     with pytest.raises(CheckpointMismatch, match="newer|upgrade"):
         flatopt.load(path, build("bf16_state"))
+
+
+def test_a_seed_does_not_make_plain_buffers_differ(tmp_path):
+    """A float32 buffer beside 16-bit ones draws nothing: the seed given to the optimizer is
+    no part of its storage, so an identically built optimizer loads the file."""
+    def make():
+        return flatopt.Adam({"h": np.ones(8, ml_dtypes.bfloat16), "f": np.ones(8, np.float32)},
+                            lr=1e-2, seed=5, rounding="stochastic")
+    opt = make()
+    opt.step({"h": np.ones(8, ml_dtypes.bfloat16), "f": np.ones(8, np.float32)})
+    path = flatopt.save(tmp_path / "seeded.h5", opt)
+    other = make()
+    flatopt.load(path, other)
+    np.testing.assert_array_equal(other.params["h"].view(np.uint16),
+                                  opt.params["h"].view(np.uint16))
+
+
+def test_an_ema_of_a_reduced_precision_optimizer_is_refused_before_writing(tmp_path):
+    opt = flatopt.AdamW({"w": np.ones(5000, np.float32)}, state_dtype="int8")
+    ema = flatopt.EMA(opt)
+    target = tmp_path / "ema.h5"
+    with pytest.raises(flatopt.errors.CheckpointOptionError, match="EMA"):
+        flatopt.save(target, opt, ema=ema)
+    assert not target.exists()
+    with pytest.raises(flatopt.errors.CheckpointOptionError, match="EMA"):
+        flatopt.save(tmp_path / "run", {"a": opt}, ema=[ema])
+    assert not (tmp_path / "run").exists()
