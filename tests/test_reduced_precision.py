@@ -12,7 +12,7 @@ from flatopt.kernels import threads
 
 BF16 = ml_dtypes.bfloat16
 RULES_8BIT = ["SGD", "Adam", "AdamW", "Lion", "RMSprop", "Adagrad", "LAMB", "Adamax", "NAdam",
-              "RAdam"]
+              "RAdam", "AdEMAMix"]
 EXTRA = {"SGD": {"momentum": 0.9}, "RMSprop": {"momentum": 0.5, "centered": True}}
 
 
