@@ -248,7 +248,7 @@ def from_torch(opt, torch_state_dict: Any, names: Any) -> dict[str, Any]:
         state[path] = {name: _from_tensor(opt.schema, name, value)
                        for name, value in entry.items()}
     raise_problems(problems, StateDictError)
-    return {"format": STATE_DICT_FORMAT, "version": STATE_DICT_VERSION,
+    return {"format": STATE_DICT_FORMAT, "version": 1,  # float32 values: no storage list
             "optimizer": opt.schema.name, "param_groups": groups, "state": state}
 
 
