@@ -210,6 +210,9 @@ class FlatBuffer:
         self.compensation = None
         self.absmax: dict[str, np.ndarray] = {}
         self.draws = 0
+        self.coded = storage is not None and not storage.plain
+        """Whether the buffer is stored otherwise than it is computed (reduced precision);
+        an attribute, as every step asks it of every buffer."""
         self.part = None  # a ZeRO-1 rank's shard holding its master and compensation
         if storage is not None and storage.master:
             self.master = aligned_zeros(self.length, self.dtype)
@@ -269,11 +272,6 @@ class FlatBuffer:
         if flat is None:
             flat = self.state[name] = aligned_zeros(self.layout(name).length, self.dtype)
         return flat
-
-    @property
-    def coded(self) -> bool:
-        """Whether the buffer is stored otherwise than it is computed (reduced precision)."""
-        return self.storage is not None and not self.storage.plain
 
     def memory(self) -> dict[str, int]:
         """Bytes by kind: parameters, gradients, master weights (and Kahan compensation),
