@@ -34,7 +34,6 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
     a run, as the member itself). Returns the absolute path.
     """
     opt, lookahead = unwrapped(opt, lookahead)
-    _no_coded_ema(ema, "save", path)
     if _several(opt, scheduler, schedulers, lookahead):
         return run.save(path, opt, schedulers=schedulers, metadata=metadata, arrays=arrays,
                         ema=ema, scaler=scaler, background=background)
@@ -65,7 +64,6 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
     if convert and (isinstance(opt, Mapping) or _sharded(opt)):
         raise CheckpointOptionError("convert=True is for one optimizer holding all of its "
                                     "state; nothing was loaded")
-    _no_coded_ema(ema, "load", source)
     options = dict(strict=strict, rename=rename, hyperparameters=hyperparameters,
                    regroup=regroup, ema=ema, scaler=scaler, staging=staging)
     if _several(opt, scheduler, schedulers, lookahead):
@@ -111,21 +109,6 @@ def unwrapped(opt, lookahead):
             raise CheckpointOptionError("lookahead= names another Lookahead than the one given")
         return opt.optimizer, opt
     return opt, lookahead
-
-
-def _no_coded_ema(ema, what: str, path) -> None:
-    """An EMA of an optimizer with reduced-precision buffers is not saved yet (its averages
-    are filed by group and dtype, which such an optimizer may split into several buffers):
-    refused before any file is touched."""
-    emas = ema.values() if isinstance(ema, Mapping) else \
-        ema if isinstance(ema, (list, tuple)) else [ema]
-    for one in emas:
-        optimizer = getattr(one, "opt", None)
-        if isinstance(optimizer, Optimizer) and any(buf.coded for buf in optimizer.buffers):
-            raise CheckpointOptionError(
-                f"{what}({str(path)!r}, ema=...): an EMA of an optimizer with reduced-precision "
-                "buffers cannot be checkpointed yet; save its averages (ema.params) through "
-                "arrays=; nothing was written or read", path=str(path))
 
 
 def _not_coded(opt, what: str, path) -> None:

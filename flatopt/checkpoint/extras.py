@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import CheckpointError, CheckpointMismatch, StateDictError
+from . import precision
 from .format import NEST, OWN_PREFIX
 
 EMA_KEY = OWN_PREFIX + "ema"
@@ -51,12 +52,7 @@ def own_arrays(opt, ema: Any, scaler: Any, lookahead: Any = None) -> dict[str, n
         state = ema.state_dict()
         for key in EMA_SETTINGS:
             out[NEST.join((EMA_KEY, key))] = np.asarray(state[key])
-        for buf in opt.buffers:
-            packed = np.zeros(buf.length, buf.dtype)
-            for path in buf.paths:
-                info = opt.index[path]
-                packed[info.offset:info.offset + info.size] = state["averages"][path].ravel()
-            out[_buffer_key(buf.group, buf.dtype.name)] = packed
+        out.update(_packed_averages(opt, state["averages"]))
     if scaler is not None:
         if not callable(getattr(scaler, "state_dict", None)) \
                 or not callable(getattr(scaler, "is_enabled", None)):
@@ -83,6 +79,29 @@ def own_arrays(opt, ema: Any, scaler: Any, lookahead: Any = None) -> dict[str, n
                     info = opt.index[path]
                     packed[info.offset:info.offset + info.size] = state["slow"][path].ravel()
             out[_buffer_key(buf.group, buf.dtype.name, LOOKAHEAD_KEY)] = packed
+    return out
+
+
+def _packed_averages(opt, averages: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The EMA's averages packed as the file's index packs the parameters: each buffer as it
+    is, or for an optimizer with reduced-precision buffers the float32 view's packing (one
+    buffer per group and compute dtype, which such an optimizer may split)."""
+    out = {}
+    if precision.coded(opt):
+        for group, dtype, members, layout in precision.view_packing(opt):
+            packed = np.zeros(layout.length, dtype)
+            for k, (buf, slot) in enumerate(members):
+                start = int(layout.offsets[k])
+                packed[start:start + int(layout.sizes[k])] = \
+                    averages[buf.paths[slot]].ravel()
+            out[_buffer_key(group, dtype)] = packed
+        return out
+    for buf in opt.buffers:
+        packed = np.zeros(buf.length, buf.dtype)
+        for path in buf.paths:
+            info = opt.index[path]
+            packed[info.offset:info.offset + info.size] = averages[path].ravel()
+        out[_buffer_key(buf.group, buf.dtype.name)] = packed
     return out
 
 

@@ -71,18 +71,28 @@ def storage_texts_and_arrays(opt) -> tuple[dict[int, str], dict[str, np.ndarray]
     return texts, arrays
 
 
-def view_buffers(opt, make):
-    """The float32 view of a coded optimizer: one buffer per group and compute dtype, packed
-    as a plain optimizer packs it, with decoded values; ``make`` builds writer._Buffer.
-    Returns (buffers, path -> offset in its view buffer)."""
+def view_packing(opt) -> list[tuple[int, str, list, SlotLayout]]:
+    """How the float32 view of a coded optimizer packs it: (group, compute dtype name, its
+    members (buffer, slot) in id order, their layout), one per group and compute dtype, as a
+    plain optimizer packs them (a coded optimizer may split such a group into several
+    buffers: 16-bit and float32 parameters, tensors too small for 8-bit state)."""
     keyed: dict[tuple, list] = {}
     for buf in opt.buffers:
         for slot in range(len(buf)):
             keyed.setdefault((buf.group, buf.dtype.name), []).append((buf, slot))
-    out, offsets = [], {}
-    for number, ((group, dtype), members) in enumerate(sorted(keyed.items())):
+    out = []
+    for (group, dtype), members in sorted(keyed.items()):
         members.sort(key=lambda m: int(m[0].ids[m[1]]))
-        layout = SlotLayout([m[0].shapes[m[1]] for m in members], np.dtype(dtype))
+        out.append((group, dtype, members,
+                    SlotLayout([m[0].shapes[m[1]] for m in members], np.dtype(dtype))))
+    return out
+
+
+def view_buffers(opt, make):
+    """The float32 view of a coded optimizer (:func:`view_packing`) with decoded values;
+    ``make`` builds writer._Buffer. Returns (buffers, path -> offset in its view buffer)."""
+    out, offsets = [], {}
+    for number, (group, dtype, members, layout) in enumerate(view_packing(opt)):
         names = sorted({name for buf, _ in members for name in buf.state},
                        key=list(opt.schema.slots).index)
         arrays = {name: np.zeros(layout.length, dtype) for name in ("params", *names)}
