@@ -172,7 +172,7 @@ class FlatBuffer:
     ``grads`` may be 16-bit, state slots bfloat16 or 8-bit codes (``absmax[name]``: a float32
     scale per 256-element block), ``master`` a float32 copy of 16-bit parameters,
     ``compensation`` their Kahan compensation, and ``draws`` counts the steps whose
-    stochastic rounding this buffer has drawn. ``dtype`` is always what the kernels compute
+    stochastic rounding this buffer has drawn (0 for a buffer stored as computed). ``dtype`` is always what the kernels compute
     in (float32 or float64): scalars, columns and decoded state values.
 
     Treat every array as read-only outside the optimizer: it changes them in place.

@@ -444,7 +444,8 @@ class Optimizer:
                 continue  # nothing to step: no state is allocated
             if layer.prepare(buf, plan):
                 stepped = True
-                buf.draws += 1  # the stochastic rounding stream of this step
+                if buf.coded:  # the stochastic rounding stream of this step (a plain
+                    buf.draws += 1  # buffer draws nothing, and saves no count)
                 if together:
                     staged.append((buf, plan, arrays))
                 else:

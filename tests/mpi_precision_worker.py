@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flatopt  # noqa: E402
 from flatopt import distributed  # noqa: E402
-from flatopt.errors import CheckpointOptionError  # noqa: E402
+from flatopt.errors import CheckpointError  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # several tensors of at least 4096 elements (8-bit state), sizes not multiples of the
@@ -117,6 +117,58 @@ def buffer_differences(twin, reference) -> list[str]:
     return problems
 
 
+def checkpoint_problems(case: str, opt, reference) -> list[str]:
+    """Saved at this world size (one file, gathered on rank 0), the checkpoint resumes bit
+    for bit in one process and in a fresh sharded optimizer; one process's file resumes in a
+    sharded optimizer at this world size. Each resumed run takes one more step on the same
+    gradients as the uninterrupted ones and must match them."""
+    problems = []
+    where = COMM.bcast(tempfile.mkdtemp(prefix="flatopt-mpi-precision-") if RANK == 0 else None)
+    mine = os.path.join(where, "sharded.h5")
+    single = os.path.join(where, "single.h5")
+    try:  # refused on rank 0 (metadata that is not JSON): raised on every rank, no file
+        flatopt.save(mine, opt, metadata={"bad": object()})
+        problems.append("a save with unserializable metadata was not refused")
+    except CheckpointError:
+        if os.path.exists(mine):
+            problems.append("the refused save wrote a file")
+    saved = flatopt.save(mine, opt, metadata={"size": SIZE})
+    if RANK == 0:
+        if not os.path.isfile(saved):
+            problems.append(f"the sharded save wrote {saved!r}, not one file")
+        flatopt.save(single, reference)
+    COMM.Barrier()
+    step, options = len(STEP_OPTIONS), {"max_grad_norm": 1.0}
+    resumed = build(case, COMM)
+    result = flatopt.load(mine, resumed)
+    if result.metadata != {"size": SIZE}:
+        problems.append(f"metadata {result.metadata!r}")
+    from_single = build(case, COMM)
+    flatopt.load(single, from_single)
+    for sharded in (opt, resumed, from_single):
+        sharded.step(local_gradients(sharded, step, RANK), **options)
+    twins = [distributed.consolidated(o, root=0) for o in (opt, resumed, from_single)]
+    if RANK == 0:
+        alone = build(case)
+        flatopt.load(mine, alone)
+        gradients = mean_gradients(reference, step, SIZE)
+        for one in (reference, alone):
+            one.step(gradients, **options)
+        for label, twin, want in (("resumed from the sharded save", twins[1], twins[0]),
+                                  ("resumed from one process's file", twins[2], twins[0]),
+                                  ("one process resumed from the sharded save", alone,
+                                   reference)):
+            problems += [f"{label}: parameter {path} differs" for path, _ in SHAPES
+                         if not same(twin.params[path], want.params[path])]
+            problems += [f"{label}: {p}" for p in buffer_differences(twin, want)]
+        # the uninterrupted sharded run still is one process's, bit for bit
+        problems += [f"after the save: {p}" for p in buffer_differences(twins[0], reference)]
+        for path in (mine, single):
+            os.remove(path)
+        os.rmdir(where)
+    return problems
+
+
 def run_case(case: str) -> None:
     opt = build(case, COMM)
     reference = build(case) if RANK == 0 else None
@@ -142,14 +194,7 @@ def run_case(case: str) -> None:
     digests = COMM.allgather(b"".join(opt.params[p].tobytes() for p, _ in SHAPES))
     if len(set(digests)) > 1:
         problems.append("the ranks hold different parameters")
-    if SIZE > 1:  # a sharded checkpoint cannot hold them yet: refused, nothing written
-        target = os.path.join(tempfile.gettempdir(), f"flatopt-mpi-precision-{os.getpid()}")
-        try:
-            flatopt.save(target, opt)
-            problems.append("a sharded save of reduced-precision buffers was not refused")
-        except CheckpointOptionError:
-            if os.path.exists(target):
-                problems.append("the refused sharded save wrote something")
+    problems += checkpoint_problems(case, opt, reference)
     memory = opt.memory()
     held = COMM.allgather(memory["state"] + memory["master"])
     if reference is not None:

@@ -3,7 +3,9 @@ tests/mpi_precision_worker.py. At world sizes 1, 2 and 3, bfloat16 parameters wi
 rounding and bfloat16 state, 8-bit blockwise state (float32, bfloat16 and float16 parameters),
 master weights with float32 gradients, and LAMB with Kahan summation give one process's bits
 on the average gradient (parameters, stored state, block scales, master weights,
-compensation), and each rank holds only its range of the state and master weights."""
+compensation), and each rank holds only its range of the state and master weights. Saved
+(one file, gathered on rank 0) and loaded at the job's world size, into one process, and from
+one process's file, the resumed runs continue bit for bit."""
 
 from __future__ import annotations
 

@@ -39,8 +39,8 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
                         ema=ema, scaler=scaler, background=background)
     if _sharded(opt):   # comm= over several ranks: collective
         _no_training_state(ema, scaler, "save")
-        _not_coded(opt, "save", path)   # (a Lookahead refuses sharded optimizers)
-        return sharded.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
+        save_sharded = sharded.save_consolidated if _coded(opt) else sharded.save
+        return save_sharded(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
                             background=background)
     return writer.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
                        ema=ema, scaler=scaler, lookahead=lookahead, background=background)
@@ -61,9 +61,9 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
     """
     opt, lookahead = unwrapped(opt, lookahead)
     check_flags(convert=convert)
-    if convert and (isinstance(opt, Mapping) or _sharded(opt)):
-        raise CheckpointOptionError("convert=True is for one optimizer holding all of its "
-                                    "state; nothing was loaded")
+    if convert and (isinstance(opt, Mapping) or _sharded(opt) and not _coded(opt)):
+        raise CheckpointOptionError("convert=True is for one optimizer (or a sharded one with "
+                                    "reduced-precision buffers); nothing was loaded")
     options = dict(strict=strict, rename=rename, hyperparameters=hyperparameters,
                    regroup=regroup, ema=ema, scaler=scaler, staging=staging)
     if _several(opt, scheduler, schedulers, lookahead):
@@ -75,7 +75,9 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
                                  path=str(source))
     if _sharded(opt):   # comm= over several ranks: collective
         _no_training_state(ema, scaler, "load")
-        _not_coded(opt, "load", source)
+        if _coded(opt):
+            return sharded.load_whole(source, opt, scheduler=scheduler, convert=convert,
+                                      **options)
         loader.check_options(opt, rename, hyperparameters, staging)
         check_flags(strict=strict, regroup=regroup)
         return sharded.load(source, opt, strict=strict, rename=rename,
@@ -111,14 +113,10 @@ def unwrapped(opt, lookahead):
     return opt, lookahead
 
 
-def _not_coded(opt, what: str, path) -> None:
-    """Sharded checkpoints do not hold reduced-precision buffers yet: refused before any file
-    is touched (a plain optimizer's checkpoint does, see ``checkpoint/precision.py``)."""
-    if any(buf.coded for buf in opt.buffers):
-        raise CheckpointOptionError(
-            f"{what}({str(path)!r}): {type(opt).__name__} is sharded over ranks and keeps "
-            "reduced-precision buffers, which sharded checkpoints cannot hold yet; nothing "
-            "was written or read", path=str(path))
+def _coded(opt) -> bool:
+    """Whether ``opt`` keeps reduced-precision buffers (its checkpoint is a version-5 file;
+    sharded, it is consolidated on rank 0: ``sharded.save_consolidated``)."""
+    return any(buf.coded for buf in opt.buffers)
 
 
 def _sharded(opt) -> bool:

@@ -41,6 +41,7 @@ from .loader import (LoadResult, checked_plan, guarded, load_scheduler, parse, s
                      whole_matches)
 from .loader import load as load_plain
 from .writer import Snapshot
+from .writer import save as save_file
 
 
 def _collectively(comm, action, where: str, root: int | None = None):
@@ -172,6 +173,29 @@ def save(path, opt, *, scheduler: Any = None, metadata: Any = None,
     return directory
 
 
+def save_consolidated(path, opt, *, scheduler: Any = None, metadata: Any = None,
+                      arrays: dict | None = None, background: bool = False) -> str:
+    """flatopt.save for a sharded optimizer with reduced-precision buffers: the ranks' ranges
+    of the stored state, block scales, master weights and compensation are gathered on rank
+    0 (``distributed.consolidated``), which writes ONE file (format version 5, lossless) at
+    ``path``. Collective; an error on any rank raises on every rank, with nothing written.
+    The parts-and-manifest directory holds float32 ranges only, so these buffers go whole
+    through rank 0 (it holds the full state for the duration of the save)."""
+    comm = opt.comm
+    if background:
+        raise distributed.DistributedError(
+            f"flatopt.save(..., background=True) is not available for {type(opt).__name__} "
+            "sharded over ranks: save in the foreground")
+    where = f"flatopt.save({str(path)[:200]!r})"
+    with opt.lock:
+        real = os.path.realpath(os.fspath(path))
+        _agree(comm, real, real, "checkpoint paths", where, str(path))
+        twin = distributed.consolidated(opt, root=0)   # collective
+        return _collectively(comm, lambda: save_file(path, twin, scheduler=scheduler,
+                                                     metadata=metadata, arrays=arrays),
+                             where, root=0)
+
+
 # ------------------------------------------------------------------------ load
 def load(source, opt, **options: Any):
     """flatopt.load for a sharded optimizer (see above)."""
@@ -199,6 +223,16 @@ def load(source, opt, **options: Any):
             for ck in opened:
                 ck.close()
         return _load_whole(source, opt, options, where)
+
+
+def load_whole(source, opt, **options: Any):
+    """flatopt.load for a sharded optimizer with reduced-precision buffers: every rank loads
+    the checkpoint (one file, or a sharded directory of a float32 optimizer) into a
+    single-process copy of the optimizer, storage and all, and keeps its range; the
+    lossless and converting paths of a plain load apply (``convert=``)."""
+    with opt.lock:
+        opt.sharding.sync_shards()
+        return _load_whole(source, opt, options, f"flatopt.load({str(source)[:200]!r})")
 
 
 def _load_whole(source, opt, options: dict, where: str):

@@ -400,7 +400,8 @@ def save(path: str | os.PathLike, opt: Optimizer, *, scheduler: Any = None,
     For an optimizer sharded over several ranks (``comm=``), ``save`` is collective: every
     rank calls it, and ``path`` becomes a directory holding one file per rank and a
     ``manifest.h5`` that commits them (see ``flatopt.checkpoint.sharded``); it returns the
-    directory's absolute path.
+    directory's absolute path. One with reduced-precision buffers is gathered on rank 0 and
+    saved as one file instead (``sharded.save_consolidated``).
     """
     check_flags(background=background)
     if isinstance(opt, Optimizer) and opt.sharding is not None:
