@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt.errors import CheckpointMismatch, StateDictError
+from flatopt.errors import CheckpointMismatch, CheckpointOptionError, StateDictError
 from flatopt.kernels.storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
 from test_checkpoint_precision import bits, stored as stored_bytes
 
@@ -274,6 +274,9 @@ def test_save_load_read_resume_is_bit_exact(mix, seed, tmp_path):
     b = build(mix, seed)
     flatopt.load(path, b)
     assert_same_optimizer(a, b)
+    converted = build(mix, seed)  # convert=True changes nothing where the storage matches
+    flatopt.load(path, converted, convert=True)
+    assert_same_optimizer(a, converted)
 
     data = flatopt.read(path, state=True)
     for p in a.index.paths:
@@ -318,6 +321,18 @@ def test_run_of_two_coded_optimizers_resumes_bit_exact(tmp_path):
     for k, opt in enumerate(live.values()):
         run(opt, seed + k, 0, 2)
     target = flatopt.save(tmp_path / "run", live)
+
+    # one member stored otherwise: the whole run is refused, every member left as it was
+    other = {names[0]: build(names[0], seed), names[1]: build("sgd_f16_master_g32", seed)}
+    for k, opt in enumerate(other.values()):
+        run(opt, seed + 50 + k, 0, 1)
+    unchanged = {name: snapshot(opt)[1:] for name, opt in other.items()}
+    with pytest.raises(CheckpointMismatch, match="convert=True"):
+        flatopt.load(target, other)
+    with pytest.raises(CheckpointOptionError, match="one optimizer"):
+        flatopt.load(target, other, convert=True)  # documented: convert is for one optimizer
+    for name, opt in other.items():
+        assert_same(unchanged[name], snapshot(opt)[1:], f"{name} after a refused run load")
     fresh = {name: build(name, seed) for name in names}
     flatopt.load(target, fresh)
     for k, name in enumerate(names):
@@ -325,6 +340,27 @@ def test_run_of_two_coded_optimizers_resumes_bit_exact(tmp_path):
         run(live[name], seed + k, 2, 2 + AFTER)
         run(fresh[name], seed + k, 2, 2 + AFTER)
         assert_same_optimizer(live[name], fresh[name])
+
+
+@pytest.mark.parametrize("mix", CODED)
+def test_ema_of_a_coded_optimizer_is_refused_on_load_unchanged(mix, tmp_path):
+    """Documented refusal (README, "Reduced precision"): an EMA of a coded optimizer is not
+    checkpointed yet; a load with one is refused before anything changes (the save side is
+    test_checkpoint_precision's)."""
+    seed = 1
+    a = build(mix, seed)
+    run(a, seed, 0, 2)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    b = build(mix, seed)
+    run(b, seed + 1, 0, 1)
+    ema = flatopt.EMA(b, decay=0.9)
+    ema.update()
+    unchanged = snapshot(b)[1:], [np.array(x, copy=True) for x in ema.buffers]
+    with pytest.raises(CheckpointOptionError, match="EMA") as info:
+        flatopt.load(path, b, ema=ema)
+    assert str(path) in str(info.value)
+    assert_same(unchanged, (snapshot(b)[1:], [np.array(x, copy=True) for x in ema.buffers]),
+                "after a refused load with an EMA")
 
 
 # ----------------------------------------------------------------------------- 2. convert
