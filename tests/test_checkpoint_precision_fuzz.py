@@ -3,7 +3,7 @@
 Every storage mix compiles its own coded kernels (about 15 s each here), so the mixes are a
 small FIXED set (one compile per coded layout, shared by every test of this file); what is
 random, from seeded NumPy generators, is everything else: shapes, parameter values and their
-scales (16-bit subnormals included), hyperparameters, step counts (0 included), gradient
+scales (float16 subnormals included), hyperparameters, step counts (0 included), gradient
 scales, gradients missing for some parameters some steps and int8 blocks of zeros.
 
 Properties: whatever ``flatopt.save`` writes, ``flatopt.load`` accepts into an identically
@@ -128,7 +128,7 @@ def build(mix: str, seed: int):
 
 def gradients(opt, seed: int, step: int) -> dict:
     """Random gradients in the optimizer's gradient dtypes and of random scales; some paths
-    missing, some with a run of zeros (whole int8 blocks of zero state)."""
+    missing, some with a run of zeros (up to two int8 blocks' worth)."""
     rng = np.random.default_rng([13, seed, step])
     out = {}
     for path in opt.index.paths:
