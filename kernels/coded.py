@@ -29,10 +29,11 @@ import sys
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange, uint64
+from numba import njit, prange, uint32, uint64
 
-from . import storage
+from . import arithmetic, storage
 from ._bind import bind, bind_functions, instantiate
+from .arithmetic import add32, hash32
 from .rule import Rule
 from .storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
 from .threads import Threaded
@@ -100,25 +101,50 @@ def load_element(f32, u16, u8, fmt, scales, tables, e):
     return np.float32(0)
 
 
-def encode_half(fmt, x, stochastic, key, e):
+def encode_half(fmt, x, stochastic, r):
     """float32 ``x`` as a 16-bit pattern of ``fmt`` (BF16 or F16), rounded to nearest or
-    stochastically with ``mix32_at(key, e)`` (``e``: the element's index in the buffer)."""
+    stochastically with the random word ``r`` (uint32)."""
     if fmt == BF16:
         if stochastic:
-            return bf16_encode_stochastic(x, mix32_at(key, e))
+            return bf16_encode_stochastic(x, r)
         return bf16_encode_nearest(x)
     if stochastic:
-        return f16_encode_stochastic(x, mix32_at(key, e))
+        return f16_encode_stochastic(x, r)
     return f16_encode_nearest(x)
 
 
-def store_element(f32, u16, fmt, stochastic, key, e, x, base):
-    """Element ``e`` of a NATIVE, BF16 or F16 array = ``x``, drawing as buffer element
-    ``base + e`` (8-bit blocks are stored a block at a time: :func:`_store_phase`)."""
+_LOW32 = np.uint64(0xFFFFFFFF)
+_WRAP = np.uint64(1 << 32)
+_HIGH = np.uint64(32)
+
+
+def _store_drawn(u16, fmt, row, u, first, stop, lo, hi):
+    """Stochastically rounded ``row[first:stop]`` into ``u16[u + first : u + stop]``, element
+    ``i`` drawing ``hash32(lo + i, hi)``: 32-bit lanes (``hi`` is fixed over the run)."""
+    for i in range(uint64(first), uint64(stop)):
+        u16[u + i] = encode_half(fmt, row[i], True, hash32(add32(lo, i), hi))
+
+
+def _store_row(f32, u16, fmt, stochastic, key, row, start, n, base):
+    """``row[:n]`` into elements ``[start, start + n)`` of a NATIVE, BF16 or F16 array;
+    stochastic rounding draws ``mix32_at(key, base + start + i)`` for row element ``i``. That
+    is ``hash32`` of the words of ``key + base + start + i``: the run is cut where the low word
+    wraps, and each part keeps its high word fixed (8-bit blocks are stored a block at a
+    time: :func:`_store_slot`)."""
+    u = uint64(start)
+    m = uint64(n)
     if fmt == NATIVE:
-        f32[e] = x
-    elif fmt == BF16 or fmt == F16:
-        u16[e] = encode_half(fmt, x, stochastic, key, base + e)
+        for i in range(m):
+            f32[u + i] = row[i]
+    elif not stochastic:
+        for i in range(m):
+            u16[u + i] = encode_half(fmt, row[i], False, uint32(0))
+    else:
+        x = key + uint64(base) + u
+        lo, hi = x & _LOW32, x >> _HIGH
+        before_wrap = min(m, _WRAP - lo)
+        _store_drawn(u16, fmt, row, u, uint64(0), before_wrap, lo, hi)
+        _store_drawn(u16, fmt, row, u, before_wrap, m, lo, hi + uint64(1))
 
 
 def _load_phase(f32s, u16s, u8s, absmax, tables, scratch, start, n, scale_grads,
@@ -150,9 +176,8 @@ def _load_phase(f32s, u16s, u8s, absmax, tables, scratch, start, n, scale_grads,
         if FORMATS[5] != UNUSED:  # noqa: F821
             s3[i] = load_element(f32s[5], u16s[5], u8s[5], FORMATS[5], absmax[5], tables, e)  # noqa: F821
     if scale_grads:  # the gradient buffer holds what the update used, as in the plain walk
-        for i in range(uint64(n)):
-            store_element(f32s[1], u16s[1], FORMATS[1], False, uint64(0), u + i, g[i],  # noqa: F821
-                          uint64(0))
+        _store_row(f32s[1], u16s[1], FORMATS[1], False, uint64(0), g, start, n,  # noqa: F821
+                   uint64(0))
 
 
 def _store_slot(f32, u16, u8, scales, fmt, key, row, start, n, base):
@@ -163,9 +188,7 @@ def _store_slot(f32, u16, u8, scales, fmt, key, row, start, n, base):
             scales[(start + b) // BLOCK] = q8_encode_block(row, b, min(b + BLOCK, n), u8,
                                                            start + b, fmt == Q8_SIGNED)
     elif fmt != UNUSED:
-        u = uint64(start)
-        for i in range(uint64(n)):
-            store_element(f32, u16, fmt, True, key, u + i, row[i], base)
+        _store_row(f32, u16, fmt, True, key, row, start, n, base)
 
 
 def _store_phase(f32s, u16s, u8s, absmax, tables, keys, base, scratch, start, n):
@@ -174,27 +197,30 @@ def _store_phase(f32s, u16s, u8s, absmax, tables, keys, base, scratch, start, n)
     compensation; else rounded as ``ROUNDING``), then every state slot."""
     u = uint64(start)
     p, old = scratch[0], scratch[6]
-    for i in range(uint64(n)):
-        e = u + i
-        x = p[i]
-        if MODE == MASTER:  # noqa: F821
+    if MODE == MASTER:  # noqa: F821
+        for i in range(uint64(n)):
+            e = u + i
+            x = p[i]
             f32s[MASTER_AT][e] = x
-            u16s[0][e] = encode_half(FORMATS[0], x, False, uint64(0), e)  # noqa: F821
-        elif MODE == KAHAN:  # noqa: F821
+            u16s[0][e] = encode_half(FORMATS[0], x, False, uint32(0))  # noqa: F821
+    elif MODE == KAHAN:  # noqa: F821
+        for i in range(uint64(n)):
+            e = u + i
+            x = p[i]
             # torch-optimi's Kahan summation in float32, one rounding per stored value: the
             # compensation takes the update, the parameter moves by it, and what the 16-bit
             # parameter could not take stays in the compensation
             carry = load_element(f32s[7], u16s[7], u8s[7], FORMATS[0], absmax[7], tables, e) \
                 + (x - old[i])  # noqa: F821
-            q = encode_half(FORMATS[0], old[i] + carry, False, uint64(0), e)  # noqa: F821
+            q = encode_half(FORMATS[0], old[i] + carry, False, uint32(0))  # noqa: F821
             u16s[0][e] = q
             moved = load_element(f32s[0], u16s[0], u8s[0], FORMATS[0], absmax[0], tables,  # noqa: F821
                                  e) - old[i]
             u16s[COMPENSATION_AT][e] = encode_half(FORMATS[0], carry - moved, False,  # noqa: F821
-                                                   uint64(0), e)
-        else:
-            store_element(f32s[0], u16s[0], FORMATS[0], ROUNDING == STOCHASTIC, keys[0],  # noqa: F821
-                          e, x, base)
+                                                   uint32(0))
+    else:
+        _store_row(f32s[0], u16s[0], FORMATS[0], ROUNDING == STOCHASTIC, keys[0], p,  # noqa: F821
+                   start, n, base)
     # each slot with its constant index, so its format folds
     _store_slot(f32s[2], u16s[2], u8s[2], absmax[2], FORMATS[2], keys[2], scratch[2],  # noqa: F821
                 start, n, base)
@@ -319,7 +345,7 @@ def _functions(module) -> list:
 CODEC_FUNCTIONS = tuple(_functions(storage))
 """The codec: ``kernels/storage.py``'s formats, plain functions compiled for each backend as
 rules are (``kernels/_bind.py``)."""
-ELEMENT_FUNCTIONS = (load_element, encode_half, store_element, _store_slot)
+ELEMENT_FUNCTIONS = (load_element, encode_half, _store_drawn, _store_row, _store_slot)
 """The CPU walk's element and row helpers over the codec (inlined where called)."""
 CODEC = bind_functions("the storage codec", (*CODEC_FUNCTIONS, *ELEMENT_FUNCTIONS),
                        njit(inline="always", error_model="numpy"))
@@ -331,7 +357,8 @@ CODEC["load_row"] = njit(cache=True, error_model="numpy")(
     instantiate(load_row, "load_row", **CODEC))
 """The codec compiled for the CPU, by name (and ``load_row``, for 16-bit gradient norms)."""
 CODEC_FINGERPRINT = hashlib.sha256(
-    (inspect.getsource(storage) + inspect.getsource(sys.modules[__name__])).encode()
+    (inspect.getsource(arithmetic) + inspect.getsource(storage)
+     + inspect.getsource(sys.modules[__name__])).encode()
 ).hexdigest()[:12]
 """In every coded kernel's name (Numba's cache key): an edited codec never loads a stale
 kernel."""

@@ -32,7 +32,8 @@ from numba import float32, float64, uint32, int32, uint64
 
 from ._bind import bind, bind_functions, instantiate
 from ._cuda_import import numba_cuda, simulated
-from .arithmetic import simulated_f32_bits, simulated_f32_from_bits, simulated_fma
+from .arithmetic import (portable_hash32, simulated_f32_bits, simulated_f32_from_bits,
+                         simulated_fma)
 from .coded import (BF16, CODEC_FINGERPRINT, CODEC_FUNCTIONS, F16, KAHAN, MASTER, NATIVE,
                     NEAREST, Q8_SIGNED, Q8_UNSIGNED, ROWS, STOCHASTIC)
 from .rule import Rule
@@ -275,9 +276,11 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
 # ----------------------------------------------------------------------------- compiling
 def _bit_casts() -> dict:
     if simulated():
-        return {"f32_bits": simulated_f32_bits, "f32_from_bits": simulated_f32_from_bits}
+        return {"f32_bits": simulated_f32_bits, "f32_from_bits": simulated_f32_from_bits,
+                "hash32": portable_hash32}
     device = cuda.jit(device=True)
-    return {"f32_bits": device(cuda_f32_bits), "f32_from_bits": device(cuda_f32_from_bits)}
+    return {"f32_bits": device(cuda_f32_bits), "f32_from_bits": device(cuda_f32_from_bits),
+            "hash32": device(portable_hash32)}
 
 
 _codec: dict = {}

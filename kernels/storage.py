@@ -2,8 +2,9 @@
 
 Plain functions, like the rule helpers in ``rules/``: each backend compiles them (Numba
 ``njit(inline="always", error_model="numpy")`` on the CPU, ``cuda.jit(device=True)`` on a
-GPU), and they call the bit casts ``f32_bits`` / ``f32_from_bits`` of ``arithmetic.py`` by
-name, which a backend may rebind (the CUDA simulator binds the ``simulated_`` versions).
+GPU), and they call the bit casts ``f32_bits`` / ``f32_from_bits`` and the 32-bit hash
+``hash32`` of ``arithmetic.py`` by name, which a backend may rebind (the CUDA simulator binds
+the ``simulated_`` and ``portable_`` versions).
 Everything inside stays float32 / fixed-width unsigned integers; the tables below are small
 module-level numpy arrays, which Numba freezes into the compiled code as constants.
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arithmetic import f32_bits, f32_from_bits
+from .arithmetic import f32_bits, f32_from_bits, hash32
 
 BLOCK = 256
 """Elements per 8-bit block (bitsandbytes' optimizers' blocksize)."""
@@ -82,20 +83,26 @@ def mix32_key(seed, step, stream):
 
 
 def mix32_at(key, index):
-    """``mix32`` for a key from :func:`mix32_key` and an element index."""
-    return _U32(_fmix64((key ^ _U64(index)) + _GOLDEN) >> _S32)
+    """``mix32`` for a key from :func:`mix32_key` and an element index: :func:`hash32` of the
+    low and high 32-bit words of ``key + index`` (wrapping). Consecutive indices then differ
+    only in the low word until it wraps, so a loop over a run of elements computes the hash
+    in 32-bit lanes (``kernels/coded.py``'s ``_store_row``)."""
+    x = key + _U64(index)
+    return hash32(x, x >> _S32)
 
 
 def mix32(seed, step, stream, index):
     """32 random bits (uint32) for element ``index`` of ``stream`` at ``step`` under ``seed``.
 
     Counter-based: a pure function of the four non-negative integers (all taken as uint64),
-    so the bits do not depend on which thread or chunk handles the element. Four rounds of
-    splitmix64's finalizer :func:`_fmix64` chained over the words, each word xored in and the
-    golden-ratio increment added before a round (``seed``, ``step``, ``stream`` times an odd
-    constant, ``index``); the result is the high 32 bits of the last round. Every bit of the
-    result, the low 16 that :func:`bf16_encode_stochastic` uses included, depends on every
-    input bit."""
+    so the bits do not depend on which thread or chunk handles the element. Three rounds of
+    splitmix64's finalizer :func:`_fmix64` chained over ``seed``, ``step`` and ``stream`` (times
+    an odd constant), each word xored in and the golden-ratio increment added before a round,
+    give a 64-bit key (once per step and array); the element's index is added to it and the
+    two 32-bit words folded by :func:`hash32` (lowbias32, a bijection: within a step and
+    stream, indices less than 2**32 apart draw distinct words). Every bit of the result, the
+    low 16 that :func:`bf16_encode_stochastic` uses included, depends on every bit of the
+    index and key."""
     return mix32_at(mix32_key(seed, step, stream), index)
 
 

@@ -11,6 +11,7 @@ import pytest
 from numba import njit
 
 from flatopt.kernels import arithmetic, storage
+from flatopt.kernels.coded import CODEC
 
 
 def _compile(primitives=None, decorate=njit(inline="always", error_model="numpy")):
@@ -36,6 +37,8 @@ f16_decode = C["f16_decode"]
 f16_nearest = C["f16_encode_nearest"]
 f16_stochastic = C["f16_encode_stochastic"]
 mix32 = C["mix32"]
+mix32_at = C["mix32_at"]
+store_row = CODEC["_store_row"]  # the CPU walk's row store (kernels/coded.py)
 q8_encode = C["q8_encode"]
 q8_code = C["q8_code"]
 q8_scale = C["q8_scale"]
@@ -303,20 +306,74 @@ def test_mix32_is_deterministic_uniform_and_uncorrelated():
     for seed, step, stream in ((1235, 5, 2), (1234, 5, 3), (0, 0, 0)):
         draws(np.uint64(seed), np.uint64(step), np.uint64(stream), n, b)
         assert (a == b).mean() < 1e-4
-    # the same bits from a chunk that starts elsewhere, and from Python (the CUDA simulator)
-    one = np.empty(1, np.uint32)
+    # the same bits from Python (the CUDA simulator)
     simulated = _compile({"f32_bits": arithmetic.simulated_f32_bits,
-                          "f32_from_bits": arithmetic.simulated_f32_from_bits}, decorate=None)
+                          "f32_from_bits": arithmetic.simulated_f32_from_bits,
+                          "hash32": arithmetic.portable_hash32}, decorate=None)
     with np.errstate(over="ignore"):
         for i in (0, 1, 777, n - 1):
             assert simulated["mix32"](np.uint64(1234), np.uint64(5), np.uint64(2),
                                       np.uint64(i)) == a[i]
 
 
+@njit
+def _hash32_all(lo, hi, out):
+    for i in range(lo.size):
+        out[i] = arithmetic.hash32(lo[i], hi[i])
+
+
+def test_hash32_is_lowbias32_and_portable_gives_its_bits():
+    """The CPU's 32-bit intrinsic, its plain version (CUDA, the simulator) and lowbias32
+    written out in Python integers agree, for words given as 64-bit integers too."""
+    rng = np.random.default_rng(4)
+    lo = rng.integers(0, 2 ** 64, 2000, dtype=np.uint64)
+    hi = rng.integers(0, 2 ** 64, 2000, dtype=np.uint64)
+    out = np.empty(lo.size, np.uint32)
+    _hash32_all(lo, hi, out)
+    for a, b, got in zip(lo[:300], hi[:300], out[:300]):
+        x = (int(a) ^ (int(b) * 0x9E3779B9)) & 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
+        x = ((x ^ (x >> 15)) * 0x846CA68B) & 0xFFFFFFFF
+        assert int(got) == x ^ (x >> 16)
+        assert arithmetic.portable_hash32(a, b) == got
+
+
+@njit(error_model="numpy")
+def _store_row_bits(row, key, start, base, stochastic):
+    raw = np.zeros(4 * (start + row.size), np.uint8)
+    store_row(raw.view(np.float32), raw.view(np.uint16), 2, stochastic, key, row, start,
+                row.size, base)
+    return raw.view(np.uint16)[start:start + row.size].copy()
+
+
+@njit(error_model="numpy")
+def _element_bits(row, key, first):
+    out = np.empty(row.size, np.uint16)
+    for i in range(row.size):
+        out[i] = bf16_stochastic(row[i], mix32_at(key, np.uint64(first + i)))
+    return out
+
+
+def test_the_cpu_walks_runs_draw_mix32_at_across_a_low_word_wrap():
+    """The CPU store loop hashes 32-bit words (``kernels/coded.py``'s ``_store_row``, the
+    run cut where the low word of ``key + index`` wraps): its bits are ``mix32_at`` of each
+    element's index, also for a row whose indices carry into the high word."""
+    row = np.random.default_rng(2).standard_normal(700).astype(np.float32)
+    start, base = 5, 1000
+    for key in (np.uint64(12345), np.uint64(2 ** 32 - start - base - 300),
+                np.uint64(2 ** 64 - start - base - 10), np.uint64(0x9E3779B97F4A7C15)):
+        got = _store_row_bits(row, key, start, np.uint64(base), True)
+        want = _element_bits(row, key, base + start)
+        assert np.array_equal(got, want), hex(int(key))
+    assert not np.array_equal(_store_row_bits(row, np.uint64(1), start, np.uint64(base), True),
+                              _store_row_bits(row, np.uint64(1), start, np.uint64(base), False))
+
+
 def test_simulated_primitives_give_the_same_bits():
     """The plain Python functions, with the simulator's bit casts, as the compiled ones."""
     simulated = _compile({"f32_bits": arithmetic.simulated_f32_bits,
-                          "f32_from_bits": arithmetic.simulated_f32_from_bits}, decorate=None)
+                          "f32_from_bits": arithmetic.simulated_f32_from_bits,
+                          "hash32": arithmetic.portable_hash32}, decorate=None)
     x = _float32_sample(300, seed=9)
     r = np.random.default_rng(9).integers(0, 2 ** 32, x.size, dtype=np.uint64).astype(np.uint32)
     for bf16, nearest, stochastic, decode in (
