@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from ..errors import CheckpointMismatch, CheckpointOptionError
 from ..lookahead import Lookahead
 from ..optimizer import Optimizer
-from . import loader, offline, run, sharded, writer
+from . import loader, offline, precision, run, sharded, writer
 from .format import check_flags
 from .loader import LoadResult
 from .offline import CheckpointData
@@ -39,7 +39,7 @@ def save(path: str | os.PathLike, opt, *, scheduler: Any = None, schedulers: Any
                         ema=ema, scaler=scaler, background=background)
     if _sharded(opt):   # comm= over several ranks: collective
         _no_training_state(ema, scaler, "save")
-        save_sharded = sharded.save_consolidated if _coded(opt) else sharded.save
+        save_sharded = sharded.save_consolidated if precision.coded(opt) else sharded.save
         return save_sharded(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
                             background=background)
     return writer.save(path, opt, scheduler=scheduler, metadata=metadata, arrays=arrays,
@@ -61,7 +61,7 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
     """
     opt, lookahead = unwrapped(opt, lookahead)
     check_flags(convert=convert)
-    if convert and (isinstance(opt, Mapping) or _sharded(opt) and not _coded(opt)):
+    if convert and (isinstance(opt, Mapping) or _sharded(opt) and not precision.coded(opt)):
         raise CheckpointOptionError("convert=True is for one optimizer (or a sharded one with "
                                     "reduced-precision buffers); nothing was loaded")
     options = dict(strict=strict, rename=rename, hyperparameters=hyperparameters,
@@ -75,7 +75,7 @@ def load(source, opt, *, strict: bool = True, rename=None, hyperparameters: str 
                                  path=str(source))
     if _sharded(opt):   # comm= over several ranks: collective
         _no_training_state(ema, scaler, "load")
-        if _coded(opt):
+        if precision.coded(opt):
             return sharded.load_whole(source, opt, scheduler=scheduler, convert=convert,
                                       **options)
         loader.check_options(opt, rename, hyperparameters, staging)
@@ -111,12 +111,6 @@ def unwrapped(opt, lookahead):
             raise CheckpointOptionError("lookahead= names another Lookahead than the one given")
         return opt.optimizer, opt
     return opt, lookahead
-
-
-def _coded(opt) -> bool:
-    """Whether ``opt`` keeps reduced-precision buffers (its checkpoint is a version-5 file;
-    sharded, it is consolidated on rank 0: ``sharded.save_consolidated``)."""
-    return any(buf.coded for buf in opt.buffers)
 
 
 def _sharded(opt) -> bool:

@@ -37,6 +37,8 @@ BITS = {"bfloat16": np.dtype("<u2"), "float16": np.dtype("<u2"), "float32": np.d
 
 
 def coded(opt) -> bool:
+    """Whether ``opt`` keeps reduced-precision buffers: its checkpoint is a version-5 file
+    (sharded, gathered on rank 0 into one: ``sharded.save_consolidated``)."""
     return any(buf.coded for buf in opt.buffers)
 
 
