@@ -1,12 +1,14 @@
 """The storage codec around a rule: the CPU walk for buffers stored in reduced precision.
 
-A rule's span and reduce compute in float32 over arrays of float32. When a buffer stores its
-parameters, gradients or state otherwise (16-bit parameters, master weights, Kahan
-compensation, bfloat16 or 8-bit state: ``flatopt/_storage.py``), this walk cuts each
-chunk-parameter overlap into sub-blocks of ``SUB`` elements, *loads* every stored array of
-the sub-block into a float32 scratch row (kept in the core's cache), runs the rule's own span
-on the rows, and *stores* each row back with its format's rounding. Memory traffic is then
-the stored bytes; the rule body is the same function the plain walk and CUDA compile.
+A rule's span and reduce compute in float32 over arrays indexed element by element. When a
+buffer stores its parameters, gradients or state otherwise (16-bit parameters, master
+weights, Kahan compensation, bfloat16 or 8-bit state: ``flatopt/_storage.py``), this walk
+hands the span *views* of the stored arrays (``kernels/coded_views.py``): reading element
+``i`` decodes it, writing it encodes with the array's rounding, inside the span's own loop.
+One pass, vectorized as the plain walk's, and memory traffic is the stored bytes. Only 8-bit
+state, whose stores need the whole block (a new scale per 256 elements), goes through a
+float32 scratch row: each sub-block of ``SUB`` elements is decoded into it before the span and
+encoded from it, block by block, after.
 
 Every stored array reaches the kernel as raw bytes (``uint8``), so the arrays form one
 homogeneous tuple whatever their formats; ``formats[j]`` says how to read and write array
@@ -29,11 +31,11 @@ import sys
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange, uint32, uint64
+from numba import njit, prange, uint64
 
-from . import arithmetic, storage
+from . import arithmetic, coded_views, storage
 from ._bind import bind, bind_functions, instantiate
-from .arithmetic import add32, hash32
+from .coded_views import half_view, kahan_view, keep_scaled, master_view, scaled_view
 from .rule import Rule
 from .storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
 from .threads import Threaded
@@ -43,12 +45,22 @@ UNUSED, NATIVE, BF16, F16, Q8_SIGNED, Q8_UNSIGNED = 0, 1, 2, 3, 4, 5
 # How the parameters are written (formats[0] is their 16-bit format).
 DIRECT, MASTER, KAHAN = 0, 1, 2
 NEAREST, STOCHASTIC = 0, 1
+KINDS = {BF16: "bf16", F16: "f16"}
+"""The 16-bit formats by their ``kernels/coded_views.py`` kind."""
 
 SUB = 2048
-"""Elements per sub-block: the float32 rows of one sub-block (up to eight arrays) stay in the
-core's cache between loading, the rule and storing. A multiple of ``BLOCK``."""
+"""Elements per sub-block: 8-bit state is decoded into float32 rows of ``SUB`` elements (in
+the core's cache) before the span and encoded after. A multiple of ``BLOCK``."""
 
 TABLES = np.stack([DYNAMIC_SIGNED, DYNAMIC_UNSIGNED]).astype(np.float32)
+
+POSITIONS = 8
+"""Stored arrays the walk takes, always: params, grads, up to four state slots, the master
+copy and the Kahan compensation (unused ones are empty, ``UNUSED``), so every position is a
+constant index."""
+MASTER_AT, COMPENSATION_AT = 6, 7
+SPAN_ARRAYS = 6
+"""Views the walk makes per span (positions 0-5); a rule takes the first two to six."""
 
 
 def load_row(raw, fmt, scales, tables, start, n, row):
@@ -78,39 +90,12 @@ def load_row(raw, fmt, scales, tables, start, n, row):
                             row, b)
 
 
-POSITIONS = 8
-"""Stored arrays the walk takes, always: params, grads, up to four state slots, the master
-copy and the Kahan compensation (unused ones are empty, ``UNUSED``), so every position is a
-constant index."""
-MASTER_AT, COMPENSATION_AT = 6, 7
-
-
-def load_element(f32, u16, u8, fmt, scales, tables, e):
-    """Element ``e`` as float32 from its array's views (``fmt`` a compile-time constant in the
-    phases below, so every other branch folds away)."""
-    if fmt == NATIVE:
-        return f32[e]
-    if fmt == BF16:
-        return bf16_decode(u16[e])
-    if fmt == F16:
-        return f16_decode(u16[e])
-    if fmt == Q8_SIGNED:
-        return q8_decode(u8[e], tables[0], scales[e // BLOCK])
-    if fmt == Q8_UNSIGNED:
-        return q8_decode(u8[e], tables[1], scales[e // BLOCK])
-    return np.float32(0)
-
-
-def encode_half(fmt, x, stochastic, r):
-    """float32 ``x`` as a 16-bit pattern of ``fmt`` (BF16 or F16), rounded to nearest or
-    stochastically with the random word ``r`` (uint32)."""
-    if fmt == BF16:
-        if stochastic:
-            return bf16_encode_stochastic(x, r)
-        return bf16_encode_nearest(x)
-    if stochastic:
-        return f16_encode_stochastic(x, r)
-    return f16_encode_nearest(x)
+def _encode_q8_row(codes, scales, fmt, row, start, n):
+    """``row[:n]`` as the 8-bit codes of elements ``[start, start + n)``, a block at a time
+    (a new scale per block; blocks start at each parameter: 256-aligned offsets)."""
+    for b in range(0, n, BLOCK):
+        scales[(start + b) // BLOCK] = q8_encode_block(row, b, min(b + BLOCK, n), codes,
+                                                       start + b, fmt == Q8_SIGNED)
 
 
 _LOW32 = np.uint64(0xFFFFFFFF)
@@ -118,118 +103,98 @@ _WRAP = np.uint64(1 << 32)
 _HIGH = np.uint64(32)
 
 
-def _store_drawn(u16, fmt, row, u, first, stop, lo, hi):
-    """Stochastically rounded ``row[first:stop]`` into ``u16[u + first : u + stop]``, element
-    ``i`` drawing ``hash32(lo + i, hi)``: 32-bit lanes (``hi`` is fixed over the run)."""
-    for i in range(uint64(first), uint64(stop)):
-        u16[u + i] = encode_half(fmt, row[i], True, hash32(add32(lo, i), hi))
+def _draw_words(keys, at, first, n, words):
+    """The words the views' stochastic stores draw from, for a span of a sub-block's elements
+    ``[first, stop)`` (``at``: the buffer index of the sub-block's first element): row 0 the
+    low word of ``keys[j] + at``, row 1 the high word of ``keys[j] + at + first``, per position
+    ``j``. Returns ``stop`` (at most ``n``): before any position's low word wraps, so the high
+    word is fixed over the span and ``mix32_at(keys[j], at + i)`` is ``hash32(add32(low, i),
+    high)`` (32-bit vector lanes)."""
+    stop = uint64(n)
+    f = uint64(first)
+    for j in range(POSITIONS):
+        x = keys[j] + at
+        words[0, j] = x & _LOW32
+        y = x + f
+        words[1, j] = y >> _HIGH
+        stop = min(stop, f + (_WRAP - (y & _LOW32)))
+    return stop
 
 
-def _store_row(f32, u16, fmt, stochastic, key, row, start, n, base):
-    """``row[:n]`` into elements ``[start, start + n)`` of a NATIVE, BF16 or F16 array;
-    stochastic rounding draws ``mix32_at(key, base + start + i)`` for row element ``i``. That
-    is ``hash32`` of the words of ``key + base + start + i``: the run is cut where the low word
-    wraps, and each part keeps its high word fixed (8-bit blocks are stored a block at a
-    time: :func:`_store_slot`)."""
-    u = uint64(start)
-    m = uint64(n)
-    if fmt == NATIVE:
-        for i in range(m):
-            f32[u + i] = row[i]
-    elif not stochastic:
-        for i in range(m):
-            u16[u + i] = encode_half(fmt, row[i], False, uint32(0))
-    else:
-        x = key + uint64(base) + u
-        lo, hi = x & _LOW32, x >> _HIGH
-        before_wrap = min(m, _WRAP - lo)
-        _store_drawn(u16, fmt, row, u, uint64(0), before_wrap, lo, hi)
-        _store_drawn(u16, fmt, row, u, before_wrap, m, lo, hi + uint64(1))
+def _decode_rows(stored, absmax, tables, scratch, start, n):
+    """The 8-bit state slots of the sub-block into their scratch rows (``FORMATS`` bound per
+    storage layout: the other branches fold away)."""
+    if FORMATS[2] >= Q8_SIGNED:  # noqa: F821 (bound)
+        load_row(stored[2], FORMATS[2], absmax[2], tables, start, n, scratch[2])  # noqa: F821
+    if FORMATS[3] >= Q8_SIGNED:  # noqa: F821
+        load_row(stored[3], FORMATS[3], absmax[3], tables, start, n, scratch[3])  # noqa: F821
+    if FORMATS[4] >= Q8_SIGNED:  # noqa: F821
+        load_row(stored[4], FORMATS[4], absmax[4], tables, start, n, scratch[4])  # noqa: F821
+    if FORMATS[5] >= Q8_SIGNED:  # noqa: F821
+        load_row(stored[5], FORMATS[5], absmax[5], tables, start, n, scratch[5])  # noqa: F821
 
 
-def _load_phase(f32s, u16s, u8s, absmax, tables, scratch, start, n, scale_grads,
-                grad_multiplier):
-    """Rows 0-5 of ``scratch`` = the rule's arrays over ``[start, start + n)`` as float32, in
-    one loop over every stored array (as many memory streams at once as the plain walk);
-    row 6 = the parameters before the step (Kahan). ``FORMATS`` and ``MODE`` are constants
-    bound per storage layout (``compile_coded``). Scaled gradients are stored back."""
-    u = uint64(start)
-    p, g, s0, s1, s2, s3, old = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], \
-        scratch[5], scratch[6]
-    for i in range(uint64(n)):
-        e = u + i
-        if MODE == MASTER:  # noqa: F821 (bound)
-            x = f32s[MASTER_AT][e]
-        else:
-            x = load_element(f32s[0], u16s[0], u8s[0], FORMATS[0], absmax[0], tables, e)  # noqa: F821
-        p[i] = x
-        if MODE == KAHAN:  # noqa: F821
-            old[i] = x
-        y = load_element(f32s[1], u16s[1], u8s[1], FORMATS[1], absmax[1], tables, e)  # noqa: F821
-        g[i] = y * grad_multiplier if scale_grads else y
-        if FORMATS[2] != UNUSED:  # noqa: F821
-            s0[i] = load_element(f32s[2], u16s[2], u8s[2], FORMATS[2], absmax[2], tables, e)  # noqa: F821
-        if FORMATS[3] != UNUSED:  # noqa: F821
-            s1[i] = load_element(f32s[3], u16s[3], u8s[3], FORMATS[3], absmax[3], tables, e)  # noqa: F821
-        if FORMATS[4] != UNUSED:  # noqa: F821
-            s2[i] = load_element(f32s[4], u16s[4], u8s[4], FORMATS[4], absmax[4], tables, e)  # noqa: F821
-        if FORMATS[5] != UNUSED:  # noqa: F821
-            s3[i] = load_element(f32s[5], u16s[5], u8s[5], FORMATS[5], absmax[5], tables, e)  # noqa: F821
-    if scale_grads:  # the gradient buffer holds what the update used, as in the plain walk
-        _store_row(f32s[1], u16s[1], FORMATS[1], False, uint64(0), g, start, n,  # noqa: F821
-                   uint64(0))
+def _encode_rows(stored, absmax, scratch, start, n):
+    """The 8-bit state slots' rows back into codes and scales."""
+    if FORMATS[2] >= Q8_SIGNED:  # noqa: F821
+        _encode_q8_row(stored[2], absmax[2], FORMATS[2], scratch[2], start, n)  # noqa: F821
+    if FORMATS[3] >= Q8_SIGNED:  # noqa: F821
+        _encode_q8_row(stored[3], absmax[3], FORMATS[3], scratch[3], start, n)  # noqa: F821
+    if FORMATS[4] >= Q8_SIGNED:  # noqa: F821
+        _encode_q8_row(stored[4], absmax[4], FORMATS[4], scratch[4], start, n)  # noqa: F821
+    if FORMATS[5] >= Q8_SIGNED:  # noqa: F821
+        _encode_q8_row(stored[5], absmax[5], FORMATS[5], scratch[5], start, n)  # noqa: F821
 
 
-def _store_slot(f32, u16, u8, scales, fmt, key, row, start, n, base):
-    """State slot rows back: bfloat16 rounded stochastically, 8-bit a block at a time (a new
-    scale per block), float32 as it is."""
-    if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
-        for b in range(0, n, BLOCK):  # blocks start at each parameter (256-aligned offsets)
-            scales[(start + b) // BLOCK] = q8_encode_block(row, b, min(b + BLOCK, n), u8,
-                                                           start + b, fmt == Q8_SIGNED)
-    elif fmt != UNUSED:
-        _store_row(f32, u16, fmt, True, key, row, start, n, base)
+def _span_views(f32s, u16s, scratch, start, n, words, multiplier):
+    """Positions 0-5 over the sub-block ``[start, start + n)`` as the span indexes them
+    (``VIEW0``..``VIEW5`` bound per storage layout: :func:`_position_view`)."""
+    return (VIEW0(f32s, u16s, scratch, start, n, words[0, 0], words[1, 0], multiplier),  # noqa: F821
+            VIEW1(f32s, u16s, scratch, start, n, words[0, 1], words[1, 1], multiplier),  # noqa: F821
+            VIEW2(f32s, u16s, scratch, start, n, words[0, 2], words[1, 2], multiplier),  # noqa: F821
+            VIEW3(f32s, u16s, scratch, start, n, words[0, 3], words[1, 3], multiplier),  # noqa: F821
+            VIEW4(f32s, u16s, scratch, start, n, words[0, 4], words[1, 4], multiplier),  # noqa: F821
+            VIEW5(f32s, u16s, scratch, start, n, words[0, 5], words[1, 5], multiplier))  # noqa: F821
 
 
-def _store_phase(f32s, u16s, u8s, absmax, tables, keys, base, scratch, start, n):
-    """The rows the rule updated, stored: the parameters as ``MODE`` says (with master
-    weights the float32 master and its nearest 16-bit value; with Kahan summation the
-    compensation; else rounded as ``ROUNDING``), then every state slot."""
-    u = uint64(start)
-    p, old = scratch[0], scratch[6]
-    if MODE == MASTER:  # noqa: F821
-        for i in range(uint64(n)):
-            e = u + i
-            x = p[i]
-            f32s[MASTER_AT][e] = x
-            u16s[0][e] = encode_half(FORMATS[0], x, False, uint32(0))  # noqa: F821
-    elif MODE == KAHAN:  # noqa: F821
-        for i in range(uint64(n)):
-            e = u + i
-            x = p[i]
-            # torch-optimi's Kahan summation in float32, one rounding per stored value: the
-            # compensation takes the update, the parameter moves by it, and what the 16-bit
-            # parameter could not take stays in the compensation
-            carry = load_element(f32s[7], u16s[7], u8s[7], FORMATS[0], absmax[7], tables, e) \
-                + (x - old[i])  # noqa: F821
-            q = encode_half(FORMATS[0], old[i] + carry, False, uint32(0))  # noqa: F821
-            u16s[0][e] = q
-            moved = load_element(f32s[0], u16s[0], u8s[0], FORMATS[0], absmax[0], tables,  # noqa: F821
-                                 e) - old[i]
-            u16s[COMPENSATION_AT][e] = encode_half(FORMATS[0], carry - moved, False,  # noqa: F821
-                                                   uint32(0))
-    else:
-        _store_row(f32s[0], u16s[0], FORMATS[0], ROUNDING == STOCHASTIC, keys[0], p,  # noqa: F821
-                   start, n, base)
-    # each slot with its constant index, so its format folds
-    _store_slot(f32s[2], u16s[2], u8s[2], absmax[2], FORMATS[2], keys[2], scratch[2],  # noqa: F821
-                start, n, base)
-    _store_slot(f32s[3], u16s[3], u8s[3], absmax[3], FORMATS[3], keys[3], scratch[3],  # noqa: F821
-                start, n, base)
-    _store_slot(f32s[4], u16s[4], u8s[4], absmax[4], FORMATS[4], keys[4], scratch[4],  # noqa: F821
-                start, n, base)
-    _store_slot(f32s[5], u16s[5], u8s[5], absmax[5], FORMATS[5], keys[5], scratch[5],  # noqa: F821
-                start, n, base)
+def _step_overlap(f32s, u16s, stored, absmax, tables, keys, base, scratch, words, scalars,
+                  columns, flags, k, first, last, multiplier, scale_grads):
+    """Elements ``[first, last)`` of parameter ``k`` stepped, a sub-block at a time: 8-bit
+    rows decoded, the rule's span over the views (cut where a draw's low word wraps), the
+    scaled gradients kept, the 8-bit rows encoded."""
+    one = uint64(1)
+    for start in range(first, last, SUB):
+        n = min(SUB, last - start)
+        decode_rows(stored, absmax, tables, scratch, start, n)  # noqa: F821 (bound)
+        at = uint64(base) + uint64(start)
+        done = uint64(0)
+        while done < n:
+            stop = _draw_words(keys, at, done, n, words)
+            views = span_views(f32s, u16s, scratch, start, n, words, multiplier)  # noqa: F821
+            span(as_arrays(views), scalars, columns, flags, k, done, stop, one)  # noqa: F821
+            done = stop
+        if scale_grads:
+            keep_scaled(VIEW1(f32s, u16s, scratch, start, n, 0, 0, multiplier), n)  # noqa: F821
+        encode_rows(stored, absmax, scratch, start, n)  # noqa: F821
+
+
+def _reduce_overlap(f32s, u16s, stored, absmax, tables, scratch, words, scalars, columns,
+                    flags, k, first, last, multiplier, scale_grads, partial, segment):
+    """``partial[segment]`` = the rule's reduce over elements ``[first, last)`` of parameter
+    ``k``, each sub-block's totals added in order (the scaled gradients kept)."""
+    one = uint64(1)
+    for j in range(partial.shape[1]):
+        partial[segment, j] = 0.0
+    for start in range(first, last, SUB):
+        n = min(SUB, last - start)
+        decode_rows(stored, absmax, tables, scratch, start, n)  # noqa: F821
+        views = span_views(f32s, u16s, scratch, start, n, words, multiplier)  # noqa: F821
+        values = reduce(as_arrays(views), scalars, columns, flags, k, uint64(0),  # noqa: F821
+                        uint64(n), one)
+        for j in range(partial.shape[1]):
+            partial[segment, j] += values[j]
+        if scale_grads:
+            keep_scaled(VIEW1(f32s, u16s, scratch, start, n, 0, 0, multiplier), n)  # noqa: F821
 
 
 def _views(stored):
@@ -254,72 +219,63 @@ def _keys(seed, draw):
             mix32_key(seed, draw, 6), mix32_key(seed, draw, 7))
 
 
+def _multiplier(grad_multiplier, scale_grads):
+    """What the gradient views multiply by: the step's multiplier as float32, or one."""
+    return np.float32(grad_multiplier) if scale_grads else np.float32(1.0)
+
+
 def _coded_step_walk(stored, absmax, tables, seed, draw, base, scalars, columns, flags,
                      present, offsets, sizes, chunk_first, chunk_size, total, grad_multiplier,
                      scale_grads):
-    """The plain walk's chunks and overlaps (``kernels/cpu.py``), each overlap in sub-blocks
-    loaded, stepped by the rule's own span and stored."""
+    """The plain walk's chunks and overlaps (``kernels/cpu.py``), each overlap stepped by
+    :func:`_step_overlap`."""
     n_params = offsets.size
     f32s, u16s = _views(stored)
     keys = _keys(seed, draw)
-    one = uint64(1)
+    multiplier = _multiplier(grad_multiplier, scale_grads)
     for c in prange(chunk_first.size):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
-        scratch = np.empty((POSITIONS - 1, SUB), np.float32)
-        rows = as_rows(scratch)  # noqa: F821 (bound: the rule's arrays)
+        scratch = np.empty((SPAN_ARRAYS, SUB), np.float32)
+        words = np.empty((2, POSITIONS), np.uint32)
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                first = max(lo, offsets[k])
-                last = min(hi, offsets[k] + sizes[k])
-                for start in range(first, last, SUB):
-                    n = min(SUB, last - start)
-                    load_phase(f32s, u16s, stored, absmax, tables, scratch, start, n,  # noqa: F821
-                               scale_grads, grad_multiplier)
-                    span(rows, scalars, columns, flags, k, uint64(0), uint64(n), one)  # noqa: F821
-                    store_phase(f32s, u16s, stored, absmax, tables, keys, base,  # noqa: F821
-                                scratch, start, n)
+                step_overlap(f32s, u16s, stored, absmax, tables, keys, base, scratch,  # noqa: F821
+                             words, scalars, columns, flags, k, max(lo, offsets[k]),
+                             min(hi, offsets[k] + sizes[k]), multiplier, scale_grads)
             k += 1
 
 
 def _coded_reduce_walk(stored, absmax, tables, seed, draw, base, scalars, columns, flags,
                        present, offsets, sizes, chunk_first, chunk_size, total, sums,
                        grad_multiplier, scale_grads):
-    """``kernels/cpu.py``'s reduce walk over loaded sub-blocks: partial totals per segment
-    (each sub-block's added in order), combined per parameter in chunk order."""
+    """``kernels/cpu.py``'s reduce walk over views: partial totals per segment
+    (:func:`_reduce_overlap`), combined per parameter in chunk order."""
     n_chunks = chunk_first.size
     n_params = offsets.size
     n_sums = sums.shape[1]
     f32s, u16s = _views(stored)
+    multiplier = _multiplier(grad_multiplier, scale_grads)
     first_segment = np.empty(n_chunks + 1, np.int64)
     first_segment[0] = 0
     for c in range(n_chunks):
         first_segment[c + 1] = first_segment[c] + overlaps(offsets, chunk_first,  # noqa: F821
                                                            chunk_size, total, c)
     partial = np.empty((first_segment[n_chunks], n_sums))  # rows of absent parameters unread
-    one = uint64(1)
     for c in prange(n_chunks):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
-        scratch = np.empty((POSITIONS - 1, SUB), np.float32)
-        rows = as_rows(scratch)  # noqa: F821
+        scratch = np.empty((SPAN_ARRAYS, SUB), np.float32)
+        words = np.zeros((2, POSITIONS), np.uint32)  # (reads draw nothing)
         k = chunk_first[c]
         segment = first_segment[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                first = max(lo, offsets[k])
-                last = min(hi, offsets[k] + sizes[k])
-                for j in range(n_sums):
-                    partial[segment, j] = 0.0
-                for start in range(first, last, SUB):
-                    n = min(SUB, last - start)
-                    load_phase(f32s, u16s, stored, absmax, tables, scratch, start, n,  # noqa: F821
-                               scale_grads, grad_multiplier)
-                    values = reduce(rows, scalars, columns, flags, k, uint64(0),  # noqa: F821
-                                    uint64(n), one)
-                    for j in range(n_sums):
-                        partial[segment, j] += values[j]
+                reduce_overlap(f32s, u16s, stored, absmax, tables, scratch, words,  # noqa: F821
+                               scalars, columns, flags, k, max(lo, offsets[k]),
+                               min(hi, offsets[k] + sizes[k]), multiplier, scale_grads,
+                               partial, segment)
             k += 1
             segment += 1
     for k in range(n_params):
@@ -337,31 +293,66 @@ def _coded_reduce_walk(stored, absmax, tables, seed, draw, base, scalars, column
             segment += 1
 
 
-def _functions(module) -> list:
-    return [f for _, f in inspect.getmembers(module, inspect.isfunction)
-            if f.__module__ == module.__name__]
-
-
-CODEC_FUNCTIONS = tuple(_functions(storage))
-"""The codec: ``kernels/storage.py``'s formats, plain functions compiled for each backend as
-rules are (``kernels/_bind.py``)."""
-ELEMENT_FUNCTIONS = (load_element, encode_half, _store_drawn, _store_row, _store_slot)
-"""The CPU walk's element and row helpers over the codec (inlined where called)."""
-CODEC = bind_functions("the storage codec", (*CODEC_FUNCTIONS, *ELEMENT_FUNCTIONS),
-                       njit(inline="always", error_model="numpy"))
+CODEC = dict(coded_views.CODEC)
+"""The codec compiled for the CPU, by name, with the walk's helpers over it (``load_row``,
+compiled on its own, also loads 16-bit gradients for their norms)."""
+CODEC.update(bind_functions("the coded walk's helpers",
+                            (_encode_q8_row, _draw_words, _multiplier),
+                            njit(inline="always", error_model="numpy"), primitives=CODEC))
 # called, not inlined: inlined into a parallel walk, the views confuse Numba's parfor
 # array analysis ("Dimension mismatch")
 CODEC.update(bind_functions("the storage codec's setup", (_views, _keys),
                             njit(cache=True, error_model="numpy"), primitives=CODEC))
 CODEC["load_row"] = njit(cache=True, error_model="numpy")(
     instantiate(load_row, "load_row", **CODEC))
-"""The codec compiled for the CPU, by name (and ``load_row``, for 16-bit gradient norms)."""
 CODEC_FINGERPRINT = hashlib.sha256(
     (inspect.getsource(arithmetic) + inspect.getsource(storage)
-     + inspect.getsource(sys.modules[__name__])).encode()
+     + inspect.getsource(coded_views) + inspect.getsource(sys.modules[__name__])).encode()
 ).hexdigest()[:12]
 """In every coded kernel's name (Numba's cache key): an edited codec never loads a stale
 kernel."""
+
+
+def _position_view(layout, j):
+    """The view the span gets at position ``j`` of buffers stored as ``layout``: a function
+    ``(f32s, u16s, scratch, start, n, lo, hi, multiplier)`` of the sub-block ``[start, start +
+    n)``. Parameters by mode (master copy, Kahan, or a 16-bit array rounded as the layout
+    says), gradients scaled, 16-bit state rounded stochastically, float32 arrays as they
+    are, 8-bit state (and unused positions) as scratch rows."""
+    fmt = layout.formats[j]
+    kind = KINDS.get(fmt)
+    if j == 0 and layout.mode == MASTER:
+        make = master_view(kind)
+
+        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
+            return make(u16s[0][start:start + n], f32s[MASTER_AT][start:start + n])
+    elif j == 0 and layout.mode == KAHAN:
+        make = kahan_view(kind)
+
+        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
+            return make(u16s[0][start:start + n], u16s[COMPENSATION_AT][start:start + n])
+    elif j == 1 and kind is None:
+        make = scaled_view("f32")
+
+        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
+            return make(f32s[1][start:start + n], multiplier)
+    elif j == 1:
+        make = scaled_view(kind)
+
+        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
+            return make(u16s[1][start:start + n], multiplier)
+    elif fmt == NATIVE:
+        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
+            return f32s[j][start:start + n]
+    elif kind is not None:
+        make = half_view(kind, j > 0 or layout.rounding == STOCHASTIC)
+
+        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
+            return make(u16s[j][start:start + n], lo, hi)
+    else:
+        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
+            return scratch[j][:n]
+    return njit(inline="always", error_model="numpy")(view)
 
 
 # The rule's arrays as a tuple of scratch rows, by how many there are.
@@ -438,21 +429,32 @@ def compile_coded(rule: Rule, layout: Layout, overlaps, plain) -> CodedKernels:
         if n_arrays not in ROWS:
             raise TypeError(f"rule {rule.name!r} has {n_arrays} arrays; the codec walk takes "
                             f"{min(ROWS)} to {max(ROWS)}")
-        constants = {"FORMATS": tuple(layout.formats), "MODE": layout.mode,
-                     "ROUNDING": layout.rounding, **CODEC}
-        phases = {name: njit(cache=True, error_model="numpy")(
-            instantiate(function, f"{name}_{layout.key}_{CODEC_FINGERPRINT}", **constants))
-            for name, function in (("load_phase", _load_phase), ("store_phase", _store_phase))}
+        constants = {"FORMATS": tuple(layout.formats), **CODEC}
+        rows = {phase: njit(cache=True, error_model="numpy")(
+            instantiate(function, f"{phase}_{layout.key}_{CODEC_FINGERPRINT}", **constants))
+            for phase, function in (("decode_rows", _decode_rows),
+                                    ("encode_rows", _encode_rows))}
+        views = {f"VIEW{j}": _position_view(layout, j) for j in range(SPAN_ARRAYS)}
+        helpers = {"span_views": njit(inline="always", error_model="numpy")(
+            instantiate(_span_views, "span_views", **views)),
+            "as_arrays": njit(inline="always")(ROWS[n_arrays]), "keep_scaled": keep_scaled,
+            **views, **rows, **CODEC}
         functions = bind(rule, njit(inline="always", error_model="numpy"))
-        helpers = {"as_rows": njit(inline="always")(ROWS[n_arrays]), "overlaps": overlaps,
-                   **CODEC, **phases}
+        # one overlap is compiled on its own (called, not inlined, from the parallel walk:
+        # Numba's parfor passes do not see the views)
+        step_overlap = njit(cache=True, error_model="numpy")(instantiate(
+            _step_overlap, f"step_overlap_{key}",
+            span=functions[rule.span.__name__], **helpers))
         step = Threaded(_coded_step_walk, f"coded_step_{key}", cache=True,
-                        error_model="numpy",
-                        bound={"span": functions[rule.span.__name__], **helpers})
+                        error_model="numpy", bound={"step_overlap": step_overlap, **CODEC})
         reduce = None
         if rule.reduce is not None:
+            reduce_overlap = njit(cache=True, error_model="numpy", fastmath={"reassoc"})(
+                instantiate(_reduce_overlap, f"reduce_overlap_{key}",
+                            reduce=functions[rule.reduce.__name__], **helpers))
             reduce = Threaded(_coded_reduce_walk, f"coded_reduce_{key}", cache=True,
-                              error_model="numpy", fastmath={"reassoc"},
-                              bound={"reduce": functions[rule.reduce.__name__], **helpers})
+                              error_model="numpy",
+                              bound={"reduce_overlap": reduce_overlap, "overlaps": overlaps,
+                                     **CODEC})
         compiled = _compiled[key] = CodedKernels(step, reduce, plain)
     return compiled

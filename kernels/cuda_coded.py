@@ -34,8 +34,9 @@ from ._bind import bind, bind_functions, instantiate
 from ._cuda_import import numba_cuda, simulated
 from .arithmetic import (portable_hash32, simulated_f32_bits, simulated_f32_from_bits,
                          simulated_fma)
-from .coded import (BF16, CODEC_FINGERPRINT, CODEC_FUNCTIONS, F16, KAHAN, MASTER, NATIVE,
-                    NEAREST, Q8_SIGNED, Q8_UNSIGNED, ROWS, STOCHASTIC)
+from .coded import (BF16, CODEC_FINGERPRINT, F16, KAHAN, MASTER, NATIVE, NEAREST, Q8_SIGNED,
+                    Q8_UNSIGNED, ROWS, STOCHASTIC)
+from .coded_views import CODEC_FUNCTIONS
 from .rule import Rule
 from .storage import BLOCK
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import types
 
+import ml_dtypes
 import numpy as np
 import pytest
 from numba import njit
 
+import flatopt
+from flatopt import _codec
 from flatopt.kernels import arithmetic, storage
-from flatopt.kernels.coded import CODEC
 
 
 def _compile(primitives=None, decorate=njit(inline="always", error_model="numpy")):
@@ -38,7 +40,7 @@ f16_nearest = C["f16_encode_nearest"]
 f16_stochastic = C["f16_encode_stochastic"]
 mix32 = C["mix32"]
 mix32_at = C["mix32_at"]
-store_row = CODEC["_store_row"]  # the CPU walk's row store (kernels/coded.py)
+mix32_key = C["mix32_key"]
 q8_encode = C["q8_encode"]
 q8_code = C["q8_code"]
 q8_scale = C["q8_scale"]
@@ -338,35 +340,40 @@ def test_hash32_is_lowbias32_and_portable_gives_its_bits():
         assert arithmetic.portable_hash32(a, b) == got
 
 
-@njit(error_model="numpy")
-def _store_row_bits(row, key, start, base, stochastic):
-    raw = np.zeros(4 * (start + row.size), np.uint8)
-    store_row(raw.view(np.float32), raw.view(np.uint16), 2, stochastic, key, row, start,
-                row.size, base)
-    return raw.view(np.uint16)[start:start + row.size].copy()
+@pytest.mark.parametrize("wrap_at", [300, 2048, 2990, 5000])
+def test_the_cpu_walk_draws_mix32_at_across_a_low_word_wrap(monkeypatch, wrap_at):
+    """The CPU walk's stochastic stores hash 32-bit words (``kernels/coded.py``'s
+    ``_draw_words`` cuts a span where the low word of ``key + index`` wraps): the stored bits
+    are ``mix32_at`` of each element's index, also past the carry into the high word. The
+    buffer's ``base`` (a ZeRO-1 range's first element) is set so that the low word wraps at
+    element ``wrap_at``: inside a sub-block, at its end, in the last one, or not at all."""
+    n, seed = 3000, 7
+    rng = np.random.default_rng(4)
+    start = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    grads = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    key = mix32_key(np.uint64(seed), np.uint64(1), np.uint64(0))  # draw 1, stream 0: params
+    base = np.uint64((2 ** 32 - (int(key) & 0xFFFFFFFF) - wrap_at) % 2 ** 32)
+    plan = _codec.coded_plan
+    monkeypatch.setattr(_codec, "coded_plan", lambda *a, **k: plan(*a, **k)._replace(base=base))
+    opt = flatopt.AdamW({"w": start.copy()}, lr=1e-2, rounding="stochastic", seed=seed)
+    exact = flatopt.AdamW({"w": start.astype(np.float32)}, lr=1e-2)  # the update in float32
+    for o in (opt, exact):
+        o.grads["w"][...] = grads
+        o.grads.mark_present()
+        o.step()
+    assert opt.buffers[0].draws == 1  # the first step's draw
+    want = _stochastic_bits(exact.params["w"], key, base)
+    np.testing.assert_array_equal(opt.params["w"].view(np.uint16), want)
+    crosses = ((int(key) + int(base)) & 0xFFFFFFFF) + n >= 2 ** 32
+    assert crosses == (wrap_at < n)
 
 
 @njit(error_model="numpy")
-def _element_bits(row, key, first):
-    out = np.empty(row.size, np.uint16)
-    for i in range(row.size):
-        out[i] = bf16_stochastic(row[i], mix32_at(key, np.uint64(first + i)))
+def _stochastic_bits(x, key, first):
+    out = np.empty(x.size, np.uint16)
+    for i in range(x.size):
+        out[i] = bf16_stochastic(x[i], mix32_at(key, first + np.uint64(i)))
     return out
-
-
-def test_the_cpu_walks_runs_draw_mix32_at_across_a_low_word_wrap():
-    """The CPU store loop hashes 32-bit words (``kernels/coded.py``'s ``_store_row``, the
-    run cut where the low word of ``key + index`` wraps): its bits are ``mix32_at`` of each
-    element's index, also for a row whose indices carry into the high word."""
-    row = np.random.default_rng(2).standard_normal(700).astype(np.float32)
-    start, base = 5, 1000
-    for key in (np.uint64(12345), np.uint64(2 ** 32 - start - base - 300),
-                np.uint64(2 ** 64 - start - base - 10), np.uint64(0x9E3779B97F4A7C15)):
-        got = _store_row_bits(row, key, start, np.uint64(base), True)
-        want = _element_bits(row, key, base + start)
-        assert np.array_equal(got, want), hex(int(key))
-    assert not np.array_equal(_store_row_bits(row, np.uint64(1), start, np.uint64(base), True),
-                              _store_row_bits(row, np.uint64(1), start, np.uint64(base), False))
 
 
 def test_simulated_primitives_give_the_same_bits():
