@@ -23,7 +23,13 @@ the step call alone (median of ``--steps`` steps):
 clipping norm pass) at this machine's single-threaded copy bandwidth, twice, plus 100 us: the most
 a step cold in cache should cost when nothing else (thread wake-ups, parallel launches) is added.
 
-Run: ``python -m bench.inloop [--profiles ...] [--steps 40]``; ``--json PATH`` keeps the rows.
+``--storage`` runs the synthetic profiles with reduced-precision storage (the rows of
+``python -m bench.precision``): ``bf16`` (bfloat16 parameters and gradients, bfloat16 state,
+stochastic rounding) or ``int8`` (float32 parameters, 8-bit state); the cold bound then counts
+the stored bytes (``bench.precision.traffic``).
+
+Run: ``python -m bench.inloop [--profiles ...] [--steps 40] [--storage float32|bf16|int8]``;
+``--json PATH`` keeps the rows.
 """
 
 from __future__ import annotations
@@ -40,18 +46,29 @@ import numpy as np
 import flatopt
 from flatopt import demo
 
+from .precision import BFLOAT16, format_bytes, traffic
+
 SYNTHETIC = {"1000x100": (1000, 100), "64x16K": (64, 1 << 14), "1x4M": (1, 1 << 22)}
 PROFILES = ["mlp74k", *SYNTHETIC]
 VARIANTS = ["step", "clip", "clip+sched"]
 CONDITIONS = ["b2b", "flush", "matmul", "flush+busy", "matmul+busy"]
 MATMUL_N = 512
+STORAGES = {"float32": ("float32", {}),
+            "bf16": ("bfloat16", {"state_dtype": "bfloat16", "rounding": "stochastic"}),
+            "int8": ("float32", {"state_dtype": "int8"})}
+"""``--storage``: the parameters' dtype and the optimizer's storage settings."""
 
 
 class Loop:
     """One profile's optimizer and its forward/backward."""
 
-    def __init__(self, profile: str, seed: int = 0):
+    def __init__(self, profile: str, seed: int = 0, storage: str = "float32"):
         rng = np.random.default_rng(seed)
+        self.param_dtype, options = STORAGES[storage]
+        self.options = options
+        if profile == "mlp74k" and storage != "float32":
+            raise ValueError("the mlp74k profile computes in float32: --storage takes the "
+                             "synthetic profiles")
         if profile == "mlp74k":
             params = demo.init_mlp(rng, 32, 256)
             x, y = demo.make_data(rng, 8192, 32)
@@ -65,13 +82,14 @@ class Loop:
             self.fb_bytes = 4 * (512 * 32 + 10 * 512 * 256)
         else:
             count, size = SYNTHETIC[profile]
+            dtype = BFLOAT16 if self.param_dtype == "bfloat16" else np.float32
             params = {f"layer{k}.weight" if k % 2 == 0 else f"layer{k}.bias":
-                      rng.standard_normal(size).astype(np.float32) for k in range(count)}
+                      rng.standard_normal(size).astype(dtype) for k in range(count)}
             if count == 1:
-                params["final.bias"] = np.zeros(16, np.float32)  # a second group, as every model has
+                params["final.bias"] = np.zeros(16, dtype)  # a second group, as every model has
             groups = flatopt.group_by_pattern(params, [
                 {"match": ["*.bias"], "weight_decay": 0.0}], rest={})
-            self.opt = flatopt.AdamW(groups, lr=1e-3, weight_decay=0.05)
+            self.opt = flatopt.AdamW(groups, lr=1e-3, weight_decay=0.05, **options)
             for path, view in self.opt.grads.items():
                 view[...] = rng.standard_normal(view.shape, dtype=np.float32) * 1e-3
             a, b, c = (rng.standard_normal((MATMUL_N, MATMUL_N)).astype(np.float32)
@@ -89,10 +107,16 @@ class Loop:
     def flush(self) -> None:
         np.add(self.flush_buffer, 1.0, out=self.flush_buffer)  # one thread, reads and writes
 
-    def step_bytes(self, clip: bool) -> int:
-        schema = self.opt.schema
-        per = schema.bytes_per_element(self.opt.settings()[0], 4) + (4 if clip else 0)
-        return per * self.n_elements
+    def step_bytes(self, clip: bool) -> float:
+        """The bytes a step reads and writes (one more gradient read for the clipping norm)."""
+        grad = format_bytes(self.param_dtype)
+        if self.options:
+            sizes = tuple(info.size for info in self.opt.index)
+            per = traffic(self.param_dtype, self.options["state_dtype"],
+                          rounding=self.options.get("rounding", "nearest"), sizes=sizes)
+        else:
+            per = self.opt.schema.bytes_per_element(self.opt.settings()[0], 4)
+        return (per + (grad if clip else 0)) * self.n_elements
 
 
 def copy_bandwidth() -> float:
@@ -170,13 +194,15 @@ def python_cost(steps: int = 20000) -> dict:
     return result
 
 
-def measure(profiles: list[str], steps: int) -> tuple[list[dict], float]:
+def measure(profiles: list[str], steps: int, storage: str = "float32"
+            ) -> tuple[list[dict], float]:
     bandwidth = copy_bandwidth()
     rows = []
     for profile in profiles:
-        loop = Loop(profile)
+        loop = Loop(profile, storage=storage)
         for variant in VARIANTS:
-            row = {"profile": profile, "variant": variant, "elements": loop.n_elements}
+            row = {"profile": profile, "variant": variant, "elements": loop.n_elements,
+                   "storage": storage}
             for condition in CONDITIONS:
                 with busy_core() if condition.endswith("+busy") else contextlib.nullcontext():
                     row[condition] = time_condition(loop, variant, condition, steps)
@@ -207,11 +233,18 @@ def print_rows(rows: list[dict], bandwidth: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.inloop",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--profiles", nargs="+", choices=PROFILES, default=PROFILES)
+    parser.add_argument("--profiles", nargs="+", choices=PROFILES, default=None,
+                        help="default: all (the synthetic ones with --storage)")
     parser.add_argument("--steps", type=int, default=40, help="steps timed per condition")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows there")
+    parser.add_argument("--storage", choices=list(STORAGES), default="float32",
+                        help="reduced-precision storage (see the module docstring)")
     args = parser.parse_args(argv)
-    rows, bandwidth = measure(args.profiles, args.steps)
+    profiles = args.profiles or (PROFILES if args.storage == "float32" else list(SYNTHETIC))
+    if args.storage != "float32" and "mlp74k" in profiles:
+        parser.error("the mlp74k profile computes in float32: --storage takes the synthetic "
+                     "profiles")
+    rows, bandwidth = measure(profiles, args.steps, args.storage)
     print_rows(rows, bandwidth)
     cost = python_cost()
     print(f"per-step cost of a 2-group AdamW over 12 elements (Python, and two kernel calls of "
