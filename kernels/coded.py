@@ -33,10 +33,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange, uint64
 
-from . import arithmetic, coded_views, storage
+from . import arithmetic, coded_views, segments, storage
 from ._bind import bind, bind_functions, instantiate
 from .coded_views import half_view, kahan_view, keep_scaled, master_view, scaled_view
 from .rule import Rule
+from .segments import add_segments, first_segments
 from .storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
 from .threads import Threaded
 
@@ -257,11 +258,7 @@ def _coded_reduce_walk(stored, absmax, tables, seed, draw, base, scalars, column
     n_sums = sums.shape[1]
     f32s, u16s = _views(stored)
     multiplier = _multiplier(grad_multiplier, scale_grads)
-    first_segment = np.empty(n_chunks + 1, np.int64)
-    first_segment[0] = 0
-    for c in range(n_chunks):
-        first_segment[c + 1] = first_segment[c] + overlaps(offsets, chunk_first,  # noqa: F821
-                                                           chunk_size, total, c)
+    first_segment = first_segments(offsets, chunk_first, chunk_size, total)
     partial = np.empty((first_segment[n_chunks], n_sums))  # rows of absent parameters unread
     for c in prange(n_chunks):
         lo = c * chunk_size
@@ -278,19 +275,8 @@ def _coded_reduce_walk(stored, absmax, tables, seed, draw, base, scalars, column
                                partial, segment)
             k += 1
             segment += 1
-    for k in range(n_params):
-        for j in range(n_sums):
-            sums[k, j] = 0.0
-    for c in range(n_chunks):
-        hi = min(c * chunk_size + chunk_size, total)
-        k = chunk_first[c]
-        segment = first_segment[c]
-        while k < n_params and offsets[k] < hi:
-            if present[k] != 0:
-                for j in range(n_sums):
-                    sums[k, j] += partial[segment, j]
-            k += 1
-            segment += 1
+    add_segments(sums, partial, first_segment, present, offsets, chunk_first, chunk_size,
+                 total)
 
 
 CODEC = dict(coded_views.CODEC)
@@ -306,7 +292,7 @@ CODEC.update(bind_functions("the storage codec's setup", (_views, _keys),
 CODEC["load_row"] = njit(cache=True, error_model="numpy")(
     instantiate(load_row, "load_row", **CODEC))
 CODEC_FINGERPRINT = hashlib.sha256(
-    (inspect.getsource(arithmetic) + inspect.getsource(storage)
+    (inspect.getsource(arithmetic) + inspect.getsource(storage) + inspect.getsource(segments)
      + inspect.getsource(coded_views) + inspect.getsource(sys.modules[__name__])).encode()
 ).hexdigest()[:12]
 """In every coded kernel's name (Numba's cache key): an edited codec never loads a stale
@@ -417,11 +403,11 @@ class CodedKernels:
 _compiled: dict[str, CodedKernels] = {}
 
 
-def compile_coded(rule: Rule, layout: Layout, overlaps, plain) -> CodedKernels:
+def compile_coded(rule: Rule, layout: Layout, plain) -> CodedKernels:
     """The coded walks of ``rule`` for buffers stored as ``layout`` (one set per rule,
-    fingerprint and layout, per process), beside its ``plain`` kernels; ``overlaps`` is the
-    CPU walk's count of a chunk's parameters. The layout's formats are constants of the
-    compiled phases, so each array's load and store is the one its format needs."""
+    fingerprint and layout, per process), beside its ``plain`` kernels. The layout's formats
+    are constants of the compiled functions, so each array's load and store is the one its
+    format needs."""
     key = f"{rule.name}_{rule.fingerprint}_{CODEC_FINGERPRINT}_{layout.key}"
     compiled = _compiled.get(key)
     if compiled is None:
@@ -454,7 +440,6 @@ def compile_coded(rule: Rule, layout: Layout, overlaps, plain) -> CodedKernels:
                             reduce=functions[rule.reduce.__name__], **helpers))
             reduce = Threaded(_coded_reduce_walk, f"coded_reduce_{key}", cache=True,
                               error_model="numpy",
-                              bound={"reduce_overlap": reduce_overlap, "overlaps": overlaps,
-                                     **CODEC})
+                              bound={"reduce_overlap": reduce_overlap, **CODEC})
         compiled = _compiled[key] = CodedKernels(step, reduce, plain)
     return compiled

@@ -39,6 +39,8 @@ from .._layout import aligned_zeros
 from ._bind import bind, instantiate
 from .coded import CODEC, SUB, TABLES, compile_coded
 from .rule import Rule
+from . import segments
+from .segments import add_segments, first_segments
 from .threads import Threaded, threaded
 from .tools import lerp_into
 
@@ -91,11 +93,7 @@ def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk
     n_params = offsets.size
     total = arrays[0].size
     n_sums = sums.shape[1]
-    first_segment = np.empty(n_chunks + 1, np.int64)
-    first_segment[0] = 0
-    for c in range(n_chunks):
-        first_segment[c + 1] = first_segment[c] + _overlaps(offsets, chunk_first, chunk_size,
-                                                            total, c)
+    first_segment = first_segments(offsets, chunk_first, chunk_size, total)
     partial = np.empty((first_segment[n_chunks], n_sums))  # rows of absent parameters unread
     one = uint64(1)
     for c in prange(n_chunks):
@@ -114,31 +112,8 @@ def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk
                     partial[segment, j] = values[j]
             k += 1
             segment += 1
-    for k in range(n_params):
-        for j in range(n_sums):
-            sums[k, j] = 0.0
-    for c in range(n_chunks):
-        hi = min(c * chunk_size + chunk_size, total)
-        k = chunk_first[c]
-        segment = first_segment[c]
-        while k < n_params and offsets[k] < hi:
-            if present[k] != 0:
-                for j in range(n_sums):
-                    sums[k, j] += partial[segment, j]
-            k += 1
-            segment += 1
-
-
-@njit(inline="always")
-def _overlaps(offsets, chunk_first, chunk_size, total, c):
-    """How many parameters reach into chunk ``c``."""
-    hi = min(c * chunk_size + chunk_size, total)
-    k = chunk_first[c]
-    count = 0
-    while k < offsets.size and offsets[k] < hi:
-        count += 1
-        k += 1
-    return count
+    add_segments(sums, partial, first_segment, present, offsets, chunk_first, chunk_size,
+                 total)
 
 
 def _finalize_walk(present, columns, scalars, flags, sums):
@@ -362,8 +337,8 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
         if rule.reduce is not None:
             # reassociation lets the sums vectorize (4x here); reduce stores nothing, so
             # no stored value depends on it (kernels/rule.py)
-            reduce = Threaded(_reduce_walk, f"reduce_{key}", cache=cache, error_model="numpy",
-                              fastmath={"reassoc"},
+            reduce = Threaded(_reduce_walk, f"reduce_{key}_{segments.FINGERPRINT}", cache=cache,
+                              error_model="numpy", fastmath={"reassoc"},
                               bound={"reduce": functions[rule.reduce.__name__]})
             if rule.finalize is not None:  # none with global reductions
                 finalize = njit(cache=cache)(instantiate(
@@ -391,7 +366,7 @@ class CpuBackend:
     def compile_coded(rule: Rule, layout):
         """The rule's walks over reduced-precision buffers stored as ``layout``
         (``kernels/coded.py``)."""
-        return compile_coded(rule, layout, _overlaps, compile_rule(rule))
+        return compile_coded(rule, layout, compile_rule(rule))
 
     @staticmethod
     def zeros(n_elements: int, dtype):
