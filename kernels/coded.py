@@ -35,7 +35,8 @@ from numba import njit, prange, uint64
 
 from . import arithmetic, coded_views, segments, storage
 from ._bind import bind, bind_functions, instantiate
-from .coded_views import half_view, kahan_view, keep_scaled, master_view, scaled_view
+from .coded_views import (half_view, kahan_view, keep_scaled, master_view, plain_view,
+                          scaled_view)
 from .rule import Rule
 from .segments import add_segments, first_segments
 from .storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
@@ -147,15 +148,15 @@ def _encode_rows(stored, absmax, scratch, start, n):
         _encode_q8_row(stored[5], absmax[5], FORMATS[5], scratch[5], start, n)  # noqa: F821
 
 
-def _span_views(f32s, u16s, scratch, start, n, words, multiplier):
-    """Positions 0-5 over the sub-block ``[start, start + n)`` as the span indexes them
+def _span_views(f32s, u16s, scratch, start, words, multiplier):
+    """Positions 0-5 over the sub-block from ``start`` as the span indexes them
     (``VIEW0``..``VIEW5`` bound per storage layout: :func:`_position_view`)."""
-    return (VIEW0(f32s, u16s, scratch, start, n, words[0, 0], words[1, 0], multiplier),  # noqa: F821
-            VIEW1(f32s, u16s, scratch, start, n, words[0, 1], words[1, 1], multiplier),  # noqa: F821
-            VIEW2(f32s, u16s, scratch, start, n, words[0, 2], words[1, 2], multiplier),  # noqa: F821
-            VIEW3(f32s, u16s, scratch, start, n, words[0, 3], words[1, 3], multiplier),  # noqa: F821
-            VIEW4(f32s, u16s, scratch, start, n, words[0, 4], words[1, 4], multiplier),  # noqa: F821
-            VIEW5(f32s, u16s, scratch, start, n, words[0, 5], words[1, 5], multiplier))  # noqa: F821
+    return (VIEW0(f32s, u16s, scratch, start, words[0, 0], words[1, 0], multiplier),  # noqa: F821
+            VIEW1(f32s, u16s, scratch, start, words[0, 1], words[1, 1], multiplier),  # noqa: F821
+            VIEW2(f32s, u16s, scratch, start, words[0, 2], words[1, 2], multiplier),  # noqa: F821
+            VIEW3(f32s, u16s, scratch, start, words[0, 3], words[1, 3], multiplier),  # noqa: F821
+            VIEW4(f32s, u16s, scratch, start, words[0, 4], words[1, 4], multiplier),  # noqa: F821
+            VIEW5(f32s, u16s, scratch, start, words[0, 5], words[1, 5], multiplier))  # noqa: F821
 
 
 def _step_overlap(f32s, u16s, stored, absmax, tables, keys, base, scratch, words, scalars,
@@ -171,11 +172,11 @@ def _step_overlap(f32s, u16s, stored, absmax, tables, keys, base, scratch, words
         done = uint64(0)
         while done < n:
             stop = _draw_words(keys, at, done, n, words)
-            views = span_views(f32s, u16s, scratch, start, n, words, multiplier)  # noqa: F821
+            views = span_views(f32s, u16s, scratch, start, words, multiplier)  # noqa: F821
             span(as_arrays(views), scalars, columns, flags, k, done, stop, one)  # noqa: F821
             done = stop
         if scale_grads:
-            keep_scaled(VIEW1(f32s, u16s, scratch, start, n, 0, 0, multiplier), n)  # noqa: F821
+            keep_scaled(VIEW1(f32s, u16s, scratch, start, 0, 0, multiplier), n)  # noqa: F821
         encode_rows(stored, absmax, scratch, start, n)  # noqa: F821
 
 
@@ -189,13 +190,13 @@ def _reduce_overlap(f32s, u16s, stored, absmax, tables, scratch, words, scalars,
     for start in range(first, last, SUB):
         n = min(SUB, last - start)
         decode_rows(stored, absmax, tables, scratch, start, n)  # noqa: F821
-        views = span_views(f32s, u16s, scratch, start, n, words, multiplier)  # noqa: F821
+        views = span_views(f32s, u16s, scratch, start, words, multiplier)  # noqa: F821
         values = reduce(as_arrays(views), scalars, columns, flags, k, uint64(0),  # noqa: F821
                         uint64(n), one)
         for j in range(partial.shape[1]):
             partial[segment, j] += values[j]
         if scale_grads:
-            keep_scaled(VIEW1(f32s, u16s, scratch, start, n, 0, 0, multiplier), n)  # noqa: F821
+            keep_scaled(VIEW1(f32s, u16s, scratch, start, 0, 0, multiplier), n)  # noqa: F821
 
 
 def _views(stored):
@@ -301,8 +302,7 @@ kernel."""
 
 def _position_view(layout, j):
     """The view the span gets at position ``j`` of buffers stored as ``layout``: a function
-    ``(f32s, u16s, scratch, start, n, lo, hi, multiplier)`` of the sub-block ``[start, start +
-    n)``. Parameters by mode (master copy, Kahan, or a 16-bit array rounded as the layout
+    ``(f32s, u16s, scratch, start, lo, hi, multiplier)`` of the sub-block from ``start``. Parameters by mode (master copy, Kahan, or a 16-bit array rounded as the layout
     says), gradients scaled, 16-bit state rounded stochastically, float32 arrays as they
     are, 8-bit state (and unused positions) as scratch rows."""
     fmt = layout.formats[j]
@@ -310,34 +310,34 @@ def _position_view(layout, j):
     if j == 0 and layout.mode == MASTER:
         make = master_view(kind)
 
-        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
-            return make(u16s[0][start:start + n], f32s[MASTER_AT][start:start + n])
+        def view(f32s, u16s, scratch, start, lo, hi, multiplier):
+            return make(start, u16s[0], f32s[MASTER_AT])
     elif j == 0 and layout.mode == KAHAN:
         make = kahan_view(kind)
 
-        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
-            return make(u16s[0][start:start + n], u16s[COMPENSATION_AT][start:start + n])
+        def view(f32s, u16s, scratch, start, lo, hi, multiplier):
+            return make(start, u16s[0], u16s[COMPENSATION_AT])
     elif j == 1 and kind is None:
         make = scaled_view("f32")
 
-        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
-            return make(f32s[1][start:start + n], multiplier)
+        def view(f32s, u16s, scratch, start, lo, hi, multiplier):
+            return make(start, f32s[1], multiplier)
     elif j == 1:
         make = scaled_view(kind)
 
-        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
-            return make(u16s[1][start:start + n], multiplier)
+        def view(f32s, u16s, scratch, start, lo, hi, multiplier):
+            return make(start, u16s[1], multiplier)
     elif fmt == NATIVE:
-        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
-            return f32s[j][start:start + n]
+        def view(f32s, u16s, scratch, start, lo, hi, multiplier):
+            return plain_view(start, f32s[j])
     elif kind is not None:
         make = half_view(kind, j > 0 or layout.rounding == STOCHASTIC)
 
-        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
-            return make(u16s[j][start:start + n], lo, hi)
+        def view(f32s, u16s, scratch, start, lo, hi, multiplier):
+            return make(start, u16s[j], lo, hi)
     else:
-        def view(f32s, u16s, scratch, start, n, lo, hi, multiplier):
-            return scratch[j][:n]
+        def view(f32s, u16s, scratch, start, lo, hi, multiplier):
+            return plain_view(0, scratch[j])
     return njit(inline="always", error_model="numpy")(view)
 
 

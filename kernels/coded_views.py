@@ -20,6 +20,10 @@ Kinds (``kind`` names the 16-bit format, ``"bf16"`` or ``"f16"``; the compiled c
   summation in float32, one rounding per stored value).
 - :class:`ScaledView`: gradients (float32 or 16-bit) read times a multiplier (clipping,
   loss-scale removal), read-only; :func:`keep_scaled` stores the scaled values back.
+- :class:`PlainView`: a float32 array (or an 8-bit slot's scratch row) as it is.
+
+A view holds pointers, not arrays: it is valid only while its arrays are, inside the kernel
+call that makes it (``kernels/coded.py`` makes them per sub-block).
 """
 
 from __future__ import annotations
@@ -50,116 +54,148 @@ _STOCHASTIC = {"bf16": CODEC["bf16_encode_stochastic"], "f16": CODEC["f16_encode
 
 
 class HalfView(types.Type):
-    """A 16-bit array (``bits``, uint16) of format ``kind``; ``lo``, ``hi``: the words its
+    """A 16-bit array (``bits``) of format ``kind``; ``lo``, ``hi``: the words its
     stochastic stores draw from (unused when rounding to nearest)."""
 
-    def __init__(self, array, kind, stochastic):
-        self.array, self.kind, self.stochastic = array, kind, stochastic
-        super().__init__(name=f"HalfView({array}, {kind}, stochastic={stochastic})")
+    def __init__(self, kind, stochastic):
+        self.kind, self.stochastic = kind, stochastic
+        super().__init__(name=f"HalfView({kind}, stochastic={stochastic})")
 
 
 class MasterView(types.Type):
     """16-bit parameters (``bits``) with their float32 master copy (``master``)."""
 
-    def __init__(self, array, master, kind):
-        self.array, self.master, self.kind = array, master, kind
-        super().__init__(name=f"MasterView({array}, {master}, {kind})")
+    def __init__(self, kind):
+        self.kind = kind
+        super().__init__(name=f"MasterView({kind})")
 
 
 class KahanView(types.Type):
     """16-bit parameters (``bits``) with their 16-bit Kahan compensation
     (``compensation``, the same format)."""
 
-    def __init__(self, array, kind):
-        self.array, self.kind = array, kind
-        super().__init__(name=f"KahanView({array}, {kind})")
+    def __init__(self, kind):
+        self.kind = kind
+        super().__init__(name=f"KahanView({kind})")
 
 
 class ScaledView(types.Type):
     """Gradients (``values``: float32, or 16-bit patterns of format ``kind``) read times
     ``multiplier``."""
 
-    def __init__(self, array, kind):
-        self.array, self.kind = array, kind
-        super().__init__(name=f"ScaledView({array}, {kind})")
+    def __init__(self, kind):
+        self.kind = kind
+        super().__init__(name=f"ScaledView({kind})")
+
+
+class PlainView(types.Type):
+    """A float32 array (``values``) as it is."""
+
+    def __init__(self):
+        super().__init__(name="PlainView()")
+
+
+_HALF = types.CPointer(types.uint16)
+_FLOAT = types.CPointer(types.float32)
 
 
 def _members(view):
+    """Every member is a pointer to the slice's first element or a scalar: a view holds no
+    reference (it lives inside one kernel call, while the caller holds the arrays), so making
+    one costs no atomic reference count."""
     if isinstance(view, HalfView):
-        return [("bits", view.array), ("lo", types.uint32), ("hi", types.uint32)]
+        return [("bits", _HALF), ("lo", types.uint32), ("hi", types.uint32)]
     if isinstance(view, MasterView):
-        return [("bits", view.array), ("master", view.master)]
+        return [("bits", _HALF), ("master", _FLOAT)]
     if isinstance(view, KahanView):
-        return [("bits", view.array), ("compensation", view.array)]
-    return [("values", view.array), ("multiplier", types.float32)]
+        return [("bits", _HALF), ("compensation", _HALF)]
+    if isinstance(view, ScaledView):
+        return [("values", _FLOAT if view.kind == "f32" else _HALF),
+                ("multiplier", types.float32)]
+    return [("values", _FLOAT)]
 
 
 class _ViewModel(models.StructModel):
-    """A view is a struct of its members, passed by value (as arrays are): inside a loop its
-    slices' data pointers are values LLVM can hoist, so the loop vectorizes."""
+    """A view is a struct of its members, passed by value: inside a loop its pointers are
+    values LLVM can hoist, so the loop vectorizes as over arrays."""
 
     def __init__(self, dmm, fe_type):
         super().__init__(dmm, fe_type, _members(fe_type))
 
 
-for _view in (HalfView, MasterView, KahanView, ScaledView):
-    register_model(_view)(_ViewModel)
 for _view, _names in ((HalfView, ("bits", "lo", "hi")), (MasterView, ("bits", "master")),
                       (KahanView, ("bits", "compensation")),
-                      (ScaledView, ("values", "multiplier"))):
+                      (ScaledView, ("values", "multiplier")), (PlainView, ("values",))):
+    register_model(_view)(_ViewModel)
     for _name in _names:
         make_attribute_wrapper(_view, _name, _name)
 
 
-def _constructor(make_type):
-    """An intrinsic building a view from its members in order (``make_type(*argument
-    types)`` is the view's type); arrays among them are referenced, as a new array would be.
-    (Numba's intrinsics take no ``*args``: one of two or three arguments.)"""
+def _construct(view, context, builder, signature, args):
+    """The view's struct from the intrinsic's arguments: ``(start, *members)``, each array
+    member given as the whole array (the member is a pointer to element ``start``), each
+    scalar member cast to its type."""
+    start = context.cast(builder, args[0], signature.args[0], types.intp)
+    struct = cgutils.create_struct_proxy(view)(context, builder)
+    for (name, member), value, given in zip(_members(view), args[1:], signature.args[1:]):
+        if isinstance(given, types.Array):
+            data = context.make_array(given)(context, builder, value).data
+            value = builder.gep(data, [start])
+        else:
+            value = context.cast(builder, value, given, member)
+        setattr(struct, name, value)
+    return struct._getvalue()
 
-    def typing(members):
-        view = make_type(*members)
 
-        def codegen(context, builder, signature, args):
-            struct = cgutils.create_struct_proxy(view)(context, builder)
-            for (name, member), value, given in zip(_members(view), args, signature.args):
-                if isinstance(member, types.Array):
-                    context.nrt.incref(builder, given, value)
-                setattr(struct, name, context.cast(builder, value, given, member))
-            return struct._getvalue()
+def _constructor(view):
+    """An intrinsic ``make(start, *members)`` building ``view`` over the sub-array from
+    element ``start`` (Numba's intrinsics take no ``*args``: one per arity)."""
 
-        return view(*members), codegen
+    def typing(args):
+        return view(*args), lambda c, b, sig, a: _construct(view, c, b, sig, a)
 
-    if make_type.__code__.co_argcount == 2:
+    arity = len(_members(view))
+    if arity == 1:
         @intrinsic
-        def construct2(typingctx, a, b):
-            return typing((a, b))
+        def construct1(typingctx, start, a):
+            return typing((start, a))
+        return construct1
+    if arity == 2:
+        @intrinsic
+        def construct2(typingctx, start, a, b):
+            return typing((start, a, b))
         return construct2
 
     @intrinsic
-    def construct3(typingctx, a, b, c):
-        return typing((a, b, c))
+    def construct3(typingctx, start, a, b, c):
+        return typing((start, a, b, c))
     return construct3
 
 
 def half_view(kind, stochastic):
-    """``make(bits, lo, hi)``: a :class:`HalfView` of ``kind`` over the uint16 array ``bits``."""
-    return _constructor(lambda bits, lo, hi: HalfView(bits, kind, stochastic))
+    """``make(start, bits, lo, hi)``: a :class:`HalfView` of ``kind`` over the uint16 array
+    ``bits`` from element ``start``."""
+    return _constructor(HalfView(kind, stochastic))
 
 
 def master_view(kind):
-    """``make(bits, master)``: a :class:`MasterView`."""
-    return _constructor(lambda bits, master: MasterView(bits, master, kind))
+    """``make(start, bits, master)``: a :class:`MasterView`."""
+    return _constructor(MasterView(kind))
 
 
 def kahan_view(kind):
-    """``make(bits, compensation)``: a :class:`KahanView`."""
-    return _constructor(lambda bits, compensation: KahanView(bits, kind))
+    """``make(start, bits, compensation)``: a :class:`KahanView`."""
+    return _constructor(KahanView(kind))
 
 
 def scaled_view(kind):
-    """``make(values, multiplier)``: a :class:`ScaledView` (``kind`` ``"f32"`` for float32
-    gradients); the multiplier becomes float32."""
-    return _constructor(lambda values, multiplier: ScaledView(values, kind))
+    """``make(start, values, multiplier)``: a :class:`ScaledView` (``kind`` ``"f32"`` for
+    float32 gradients); the multiplier becomes float32."""
+    return _constructor(ScaledView(kind))
+
+
+plain_view = _constructor(PlainView())
+"""``plain_view(start, values)``: a :class:`PlainView` of a float32 array."""
 
 
 @overload(operator.getitem)
@@ -174,6 +210,8 @@ def _getitem(view, i):
             return lambda view, i: view.values[i] * view.multiplier
         decode = _DECODE[view.kind]
         return lambda view, i: decode(view.values[i]) * view.multiplier
+    if isinstance(view, PlainView):
+        return lambda view, i: view.values[i]
     return None
 
 
@@ -211,6 +249,10 @@ def _setitem(view, i, x):
             view.bits[i] = q
             view.compensation[i] = nearest(carry - (decode(q) - old))
         return store_kahan
+    if isinstance(view, PlainView):
+        def store_plain(view, i, x):
+            view.values[i] = x
+        return store_plain
     return None
 
 
