@@ -170,7 +170,7 @@ def _step_overlap(f32s, u16s, stored, absmax, tables, keys, base, scratch, words
         decode_rows(stored, absmax, tables, scratch, start, n)  # noqa: F821 (bound)
         at = uint64(base) + uint64(start)
         done = uint64(0)
-        while done < n:
+        while done < uint64(n):
             stop = _draw_words(keys, at, done, n, words)
             views = span_views(f32s, u16s, scratch, start, words, multiplier)  # noqa: F821
             span(as_arrays(views), scalars, columns, flags, k, done, stop, one)  # noqa: F821
@@ -183,7 +183,11 @@ def _step_overlap(f32s, u16s, stored, absmax, tables, keys, base, scratch, words
 def _reduce_overlap(f32s, u16s, stored, absmax, tables, scratch, words, scalars, columns,
                     flags, k, first, last, multiplier, scale_grads, partial, segment):
     """``partial[segment]`` = the rule's reduce over elements ``[first, last)`` of parameter
-    ``k``, each sub-block's totals added in order (the scaled gradients kept)."""
+    ``k``, each sub-block's totals added in order (the scaled gradients kept).
+
+    Compiled with reassociation (for the reduce's sums, as the plain walk's); the views'
+    loads, the gradients' multiply included, are overloads compiled with their own flags,
+    so no loaded value is reassociated (the same bits as the step's loads)."""
     one = uint64(1)
     for j in range(partial.shape[1]):
         partial[segment, j] = 0.0
@@ -265,7 +269,7 @@ def _coded_reduce_walk(stored, absmax, tables, seed, draw, base, scalars, column
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
         scratch = np.empty((SPAN_ARRAYS, SUB), np.float32)
-        words = np.zeros((2, POSITIONS), np.uint32)  # (reads draw nothing)
+        words = np.empty((2, POSITIONS), np.uint32)  # (reads draw nothing)
         k = chunk_first[c]
         segment = first_segment[c]
         while k < n_params and offsets[k] < hi:
@@ -280,6 +284,13 @@ def _coded_reduce_walk(stored, absmax, tables, seed, draw, base, scalars, column
                  total)
 
 
+CODEC_FINGERPRINT = hashlib.sha256(
+    (inspect.getsource(arithmetic) + inspect.getsource(storage) + inspect.getsource(segments)
+     + inspect.getsource(coded_views) + inspect.getsource(sys.modules[__name__])).encode()
+).hexdigest()[:12]
+"""In every coded kernel's name (Numba's cache key, which checks only the kernel's own source
+file): an edited codec never loads a stale kernel."""
+
 CODEC = dict(coded_views.CODEC)
 """The codec compiled for the CPU, by name, with the walk's helpers over it (``load_row``,
 compiled on its own, also loads 16-bit gradients for their norms)."""
@@ -288,23 +299,17 @@ CODEC.update(bind_functions("the coded walk's helpers",
                             njit(inline="always", error_model="numpy"), primitives=CODEC))
 # called, not inlined: inlined into a parallel walk, the views confuse Numba's parfor
 # array analysis ("Dimension mismatch")
-CODEC.update(bind_functions("the storage codec's setup", (_views, _keys),
-                            njit(cache=True, error_model="numpy"), primitives=CODEC))
-CODEC["load_row"] = njit(cache=True, error_model="numpy")(
-    instantiate(load_row, "load_row", **CODEC))
-CODEC_FINGERPRINT = hashlib.sha256(
-    (inspect.getsource(arithmetic) + inspect.getsource(storage) + inspect.getsource(segments)
-     + inspect.getsource(coded_views) + inspect.getsource(sys.modules[__name__])).encode()
-).hexdigest()[:12]
-"""In every coded kernel's name (Numba's cache key): an edited codec never loads a stale
-kernel."""
+for _function in (_views, _keys, load_row):
+    CODEC[_function.__name__] = njit(cache=True, error_model="numpy")(
+        instantiate(_function, f"{_function.__name__}_{CODEC_FINGERPRINT}", **CODEC))
 
 
 def _position_view(layout, j):
     """The view the span gets at position ``j`` of buffers stored as ``layout``: a function
-    ``(f32s, u16s, scratch, start, lo, hi, multiplier)`` of the sub-block from ``start``. Parameters by mode (master copy, Kahan, or a 16-bit array rounded as the layout
-    says), gradients scaled, 16-bit state rounded stochastically, float32 arrays as they
-    are, 8-bit state (and unused positions) as scratch rows."""
+    ``(f32s, u16s, scratch, start, lo, hi, multiplier)`` of the sub-block from ``start``.
+    Parameters by mode (master copy, Kahan, or a 16-bit array rounded as the layout says),
+    gradients scaled, 16-bit state rounded stochastically, float32 arrays as they are, 8-bit
+    state (and unused positions) as scratch rows."""
     fmt = layout.formats[j]
     kind = KINDS.get(fmt)
     if j == 0 and layout.mode == MASTER:
@@ -331,11 +336,13 @@ def _position_view(layout, j):
         def view(f32s, u16s, scratch, start, lo, hi, multiplier):
             return plain_view(start, f32s[j])
     elif kind is not None:
-        make = half_view(kind, j > 0 or layout.rounding == STOCHASTIC)
+        make = half_view(kind, j >= 2 or layout.rounding == STOCHASTIC)  # state: stochastic
 
         def view(f32s, u16s, scratch, start, lo, hi, multiplier):
             return make(start, u16s[j], lo, hi)
     else:
+        assert j >= 2 and fmt in (UNUSED, Q8_SIGNED, Q8_UNSIGNED), (j, fmt)
+
         def view(f32s, u16s, scratch, start, lo, hi, multiplier):
             return plain_view(0, scratch[j])
     return njit(inline="always", error_model="numpy")(view)

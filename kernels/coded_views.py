@@ -11,9 +11,10 @@ Kinds (``kind`` names the 16-bit format, ``"bf16"`` or ``"f16"``; the compiled c
 ``kernels/storage.py`` does the arithmetic):
 
 - :class:`HalfView`: a 16-bit array, stored rounded to nearest or stochastically. A
-  stochastic store of element ``i`` draws ``hash32(add32(lo, i), hi)``: ``lo`` and ``hi`` are
-  the words of ``key + index`` of the slice's first element (``mix32_at``), and the walk cuts a
-  span where the low word would wrap, so ``hi`` is fixed over it (32-bit vector lanes).
+  stochastic store of element ``i`` draws ``hash32(add32(lo, i), hi)`` (``mix32_at`` of its
+  index): ``lo`` is the low word of ``key + index`` of the view's element 0, ``hi`` the high
+  word over the span, which the walk cuts where the low word would wrap (``_draw_words``), so
+  the hash runs in 32-bit vector lanes.
 - :class:`MasterView`: 16-bit parameters with a float32 master copy: reads the master, writes
   the master and the parameter rounded to nearest.
 - :class:`KahanView`: 16-bit parameters with a 16-bit compensation (torch-optimi's Kahan

@@ -4,7 +4,12 @@ An update rule is a few plain Python functions (``kernels/rules/<name>.py``):
 
 - ``span(arrays, scalars, columns, flags, k, start, stop, stride)``: updates elements
   ``start, start + stride, ... < stop`` of parameter ``k``. ``arrays`` is
-  ``(params, grads, *slots)`` in the order of ``Rule.slots``; ``scalars`` is a 1-D array in the
+  ``(params, grads, *slots)`` in the order of ``Rule.slots``. A span only indexes them
+  (``a[i]``, ``a[i] = x``: no ``.size``, slicing or array expressions), reads an element
+  before it writes it, writes it at most once, and writes every element of ``params`` and
+  of each slot it uses: for reduced-precision buffers the CPU hands it views whose writes
+  round (``kernels/coded_views.py``), so a value read back after a write, or written twice,
+  would differ from the float32 walk's; ``scalars`` is a 1-D array in the
   buffer's dtype laid out as ``Rule.scalars``; ``columns`` holds the per-parameter arrays of
   ``Rule.columns``; ``flags`` is a tuple of booleans laid out as ``Rule.flags``.
 - ``prepare(present, columns, scalars, flags, start, stop, stride)``: the per-parameter

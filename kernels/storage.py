@@ -86,7 +86,8 @@ def mix32_at(key, index):
     """``mix32`` for a key from :func:`mix32_key` and an element index: :func:`hash32` of the
     low and high 32-bit words of ``key + index`` (wrapping). Consecutive indices then differ
     only in the low word until it wraps, so a loop over a run of elements computes the hash
-    in 32-bit lanes (``kernels/coded.py``'s ``_store_row``)."""
+    in 32-bit lanes (``kernels/coded_views.py``'s ``HalfView``, spans cut by
+    ``kernels/coded.py``'s ``_draw_words``)."""
     x = key + _U64(index)
     return hash32(x, x >> _S32)
 
