@@ -203,9 +203,10 @@ def _reduce_overlap(f32s, u16s, stored, absmax, tables, scratch, words, scalars,
             keep_scaled(VIEW1(f32s, u16s, scratch, start, 0, 0, multiplier), n)  # noqa: F821
 
 
-def _views(stored):
-    """Each stored array's float32 and uint16 views (every one's byte length is a multiple of
-    four), made once per call: a view made inside a loop costs a reference count there."""
+def _reinterpreted(stored):
+    """Each stored array's bytes as float32 and as uint16 (every one's byte length is a
+    multiple of four), made once per call: an array made inside a loop costs a reference
+    count there."""
     f32s = (stored[0].view(np.float32), stored[1].view(np.float32),
             stored[2].view(np.float32), stored[3].view(np.float32),
             stored[4].view(np.float32), stored[5].view(np.float32),
@@ -236,7 +237,7 @@ def _coded_step_walk(stored, absmax, tables, seed, draw, base, scalars, columns,
     """The plain walk's chunks and overlaps (``kernels/cpu.py``), each overlap stepped by
     :func:`_step_overlap`."""
     n_params = offsets.size
-    f32s, u16s = _views(stored)
+    f32s, u16s = _reinterpreted(stored)
     keys = _keys(seed, draw)
     multiplier = _multiplier(grad_multiplier, scale_grads)
     for c in prange(chunk_first.size):
@@ -261,7 +262,7 @@ def _coded_reduce_walk(stored, absmax, tables, seed, draw, base, scalars, column
     n_chunks = chunk_first.size
     n_params = offsets.size
     n_sums = sums.shape[1]
-    f32s, u16s = _views(stored)
+    f32s, u16s = _reinterpreted(stored)
     multiplier = _multiplier(grad_multiplier, scale_grads)
     first_segment = first_segments(offsets, chunk_first, chunk_size, total)
     partial = np.empty((first_segment[n_chunks], n_sums))  # rows of absent parameters unread
@@ -299,7 +300,7 @@ CODEC.update(bind_functions("the coded walk's helpers",
                             njit(inline="always", error_model="numpy"), primitives=CODEC))
 # called, not inlined: inlined into a parallel walk, the views confuse Numba's parfor
 # array analysis ("Dimension mismatch")
-for _function in (_views, _keys, load_row):
+for _function in (_reinterpreted, _keys, load_row):
     CODEC[_function.__name__] = njit(cache=True, error_model="numpy")(
         instantiate(_function, f"{_function.__name__}_{CODEC_FINGERPRINT}", **CODEC))
 
