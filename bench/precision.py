@@ -432,7 +432,8 @@ def fmt_ms(t):
     return f"{t * 1e3:.2f}" if t is not None else "-"
 
 
-def print_report(report: dict, out=sys.stdout) -> None:
+def print_report(report: dict, out=None) -> None:
+    """The table and the targets, printed to ``out`` (None: the current ``sys.stdout``)."""
     n, threads = report["elements"], report["threads"]
     print(f"\nAdamW, 1 x {n:,} elements, {threads} thread{'s' if threads != 1 else ''}, "
           f"median of {report['rounds']} interleaved rounds", file=out)
