@@ -1,7 +1,8 @@
 """One command for a GPU machine: the CUDA tests for real, device results against the CPU
 optimizer, a training loop whose gradients torch writes straight into ``opt.grads`` (then a
-checkpoint from the GPU loaded on the CPU), and the full ``opt.step()`` timed against torch's fused CUDA AdamW and a device copy
-of the same bytes. Prints one table; writes ``$OUT/gpu_check.json`` when ``OUT`` is set.
+checkpoint from the GPU loaded on the CPU), reduced-precision buffers on the device against the
+CPU's bytes and timed against float32, and the full ``opt.step()`` timed against torch's fused
+CUDA AdamW and a device copy of the same bytes. Prints one table; writes ``$OUT/gpu_check.json`` when ``OUT`` is set.
 
     NUMBA_ENABLE_CUDASIM=0 python -m bench.gpu_check            # on a GPU, < 5 minutes
     python -m bench.gpu_check --simulate                         # small, in Numba's simulator
@@ -89,7 +90,8 @@ def run_tests(simulate: bool, timeout: float) -> dict:
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1" if simulate else "0")
     selection = ["-k", "Adam and not AdamW or device_argument"] if simulate else []
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-p", "no:cacheprovider",
-               "tests/test_cuda_kernels.py", "tests/test_cuda_device.py", *selection]
+               "tests/test_cuda_kernels.py", "tests/test_cuda_device.py",
+               "tests/test_cuda_precision.py", *selection]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
@@ -260,6 +262,67 @@ def timings(profiles: dict, simulate: bool) -> dict:
     return {"rows": rows}
 
 
+PRECISION_MODES = {  # (parameter dtype name, storage keywords)
+    "float32": ("float32", {}),
+    "bf16 params + bf16 state": ("bfloat16", {"rounding": "stochastic",
+                                              "state_dtype": "bfloat16"}),
+    "bf16 master weights": ("bfloat16", {"master_weights": True}),
+    "int8 state": ("float32", {"state_dtype": "int8"}),
+}
+
+
+def precision_on_device(simulate: bool) -> dict:
+    """Reduced-precision buffers with ``device="cuda"``: every stored byte after 3 AdamW
+    steps (bit_exact) against the CPU optimizer's, and one step's time per mode against
+    float32 on one tensor (16M elements). In the simulator the sizes are tiny (8-bit state
+    then stays float32: tensors under 4,096 elements keep it)."""
+    import ml_dtypes
+
+    import flatopt
+    from flatopt.kernels._cuda_import import numba_cuda
+    dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+    rows = {}
+    rng = np.random.default_rng(5)
+    for label, (dtype_name, kwargs) in PRECISION_MODES.items():
+        dtype = dtypes[dtype_name]
+        row = {}
+        try:
+            shapes = {"w": (8, 40), "b": (300,)} if simulate else {"w": (64, 300),
+                                                                   "b": (5000,)}
+            params = {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()}
+            grads = [{k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()}
+                     for _ in range(3)]
+            stored = {}
+            for device in ("cpu", "cuda"):
+                opt = flatopt.AdamW({k: v.copy() for k, v in params.items()}, lr=1e-3,
+                                    device=device, **({"bit_exact": True} if device == "cuda"
+                                                      else {}), **kwargs)
+                for g in grads:
+                    opt.step(g, max_grad_norm=1.0)
+                stored[device] = np.concatenate(
+                    [a.view(np.uint8).ravel() for buf in opt.host_buffers()
+                     for a in (buf.params, buf.master, buf.compensation,
+                               *buf.state.values(), *buf.absmax.values()) if a is not None])
+            row["differing_bytes"] = int((stored["cpu"] != stored["cuda"]).sum())
+            row["of"] = int(stored["cpu"].size)
+            n = 1 << 10 if simulate else 1 << 24
+            big = {"w": (rng.standard_normal(n) * 0.02).astype(dtype)}
+            opt = flatopt.AdamW(big, lr=1e-3, device="cuda", **kwargs)
+            opt.grads["w"] = big["w"]
+            row["step_ms"] = 1e3 * timed(opt.step, numba_cuda().synchronize,
+                                         3 if simulate else 50)
+            del opt
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        rows[label] = row
+        print(f"[precision] {label}: {row}", flush=True)
+    base = rows["float32"].get("step_ms")
+    for row in rows.values():
+        if base and row.get("step_ms"):
+            row["speed_vs_float32"] = base / row["step_ms"]
+    return {"rows": rows, "ok": all("error" not in row for row in rows.values())}
+
+
 def table(report: dict) -> str:
     rows = report.get("timings", {}).get("rows", {})
     lines = ["| profile | flatopt step | bit_exact step | torch fused AdamW | device copy "
@@ -275,6 +338,16 @@ def table(report: dict) -> str:
             + (f"{row['percent_of_copy']:.0f}%" if "percent_of_copy" in row else "n/a") + " | "
             + (f"{row['torch_over_flatopt']:.1f}x" if "torch_over_flatopt" in row else "n/a")
             + " |")
+    precision = report.get("precision", {}).get("rows", {})
+    if precision:
+        lines += ["", "| storage | step (1 x 16M) | vs float32 | bytes differing from the CPU |",
+                  "| --- | --- | --- | --- |"]
+        for label, row in precision.items():
+            speed = row.get("speed_vs_float32")
+            lines.append(f"| {label} | {ms(row.get('step_ms'))} | "
+                         + ("n/a" if speed is None else f"{speed:.2f}x") + " | "
+                         + (f"{row['differing_bytes']} of {row['of']}" if "of" in row
+                            else row.get("error", "n/a")) + " |")
     return "\n".join(lines)
 
 
@@ -303,6 +376,7 @@ def main(argv=None) -> int:
     if not args.simulate:  # torch wrapping device views needs a GPU
         section(report, "end_to_end")(end_to_end)
         print(f"[end_to_end] {report['end_to_end']}", flush=True)
+    section(report, "precision")(lambda: precision_on_device(args.simulate))
     section(report, "timings")(
         lambda: timings(SIMULATED_PROFILES if args.simulate else PROFILES, args.simulate))
     print(table(report))

@@ -23,6 +23,17 @@ _NO_BYTES = np.empty(0, np.uint8)
 _NO_SCALES = np.empty(0, np.float32)
 
 
+def bits_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype of a Numba (device) array holding ``dtype``: bfloat16 as its uint16 bit
+    patterns (Numba has no bfloat16), every other dtype as it is."""
+    return np.dtype(np.uint16) if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype)
+
+
+def as_bits(array: np.ndarray) -> np.ndarray:
+    """``array`` viewed as :func:`bits_dtype` of its dtype."""
+    return array.view(bits_dtype(array.dtype))
+
+
 def half_format(dtype: np.dtype) -> int:
     return {BFLOAT16: BF16, FLOAT16: F16}.get(np.dtype(dtype), NATIVE)
 
@@ -48,32 +59,45 @@ class CodedPlan(NamedTuple):
     seed: np.uint64
     base: np.uint64 = np.uint64(0)
     """The buffer element of the arrays' first (a ZeRO-1 rank's range starts there)."""
+    tables: np.ndarray = TABLES
+    """The 8-bit code tables where the arrays live."""
 
     def arguments(self, draw: int) -> tuple:
         """The coded walk's leading arguments for the step that draws ``draw``."""
-        return (self.stored, self.absmax, TABLES, self.seed, np.uint64(draw), self.base)
+        return (self.stored, self.absmax, self.tables, self.seed, np.uint64(draw), self.base)
 
 
-def coded_plan(buf: FlatBuffer, schema, used, part=None) -> CodedPlan:
+class HostArrays(NamedTuple):
+    """What a plan over host arrays stands in for unused positions, and its code tables."""
+
+    no_bytes: np.ndarray = _NO_BYTES
+    no_scales: np.ndarray = _NO_SCALES
+    tables: np.ndarray = TABLES
+
+
+def coded_plan(buf: FlatBuffer, schema, used, part=None, device=None) -> CodedPlan:
     """The kernel arguments of ``buf`` whose slots ``used`` are allocated; with ``part`` (a
     ZeRO-1 ``BufferShard``), of its range: its views of the parameters and gradients, its
-    state, block scales, master weights and compensation, and its first element as ``base``."""
+    state, block scales, master weights and compensation, and its first element as ``base``;
+    with ``device`` (a ``flatopt._device_buffers.DeviceBuffer``: the same names, and ``empty``, a
+    :class:`HostArrays` of device arrays), of its device arrays."""
     storage = buf.storage
     if len(schema.rule.slots) > POSITIONS - 4:
         raise TypeError(f"rule {schema.rule.name!r} has more state slots than the codec walk "
                         f"takes ({POSITIONS - 4})")
     base = 0 if part is None else part.lo
-    src = buf if part is None else part  # the same names, for the range
-    stored = [_NO_BYTES] * POSITIONS
+    src = device if device is not None else buf if part is None else part  # the same names
+    empty = HostArrays() if device is None else device.empty
+    stored = [empty.no_bytes] * POSITIONS
     formats = [UNUSED] * POSITIONS
-    absmax = [_NO_SCALES] * POSITIONS
+    absmax = [empty.no_scales] * POSITIONS
     stored[0], formats[0] = src.params.view(np.uint8), half_format(storage.param)
     stored[1], formats[1] = src.grads.view(np.uint8), half_format(storage.grad)
     for position, name in enumerate(schema.rule.slots, start=2):
         if name in used:
             stored[position] = src.state[name].view(np.uint8)
             formats[position] = slot_format(buf, schema, name)
-            absmax[position] = src.absmax.get(name, _NO_SCALES)
+            absmax[position] = src.absmax.get(name, empty.no_scales)
     if src.master is not None:
         stored[MASTER_AT], formats[MASTER_AT] = src.master.view(np.uint8), NATIVE
     if src.compensation is not None:
@@ -82,7 +106,7 @@ def coded_plan(buf: FlatBuffer, schema, used, part=None) -> CodedPlan:
     mode = MASTER if storage.master else KAHAN if storage.rounding == "kahan" else DIRECT
     rounding = STOCHASTIC if storage.rounding == "stochastic" else NEAREST
     return CodedPlan(tuple(stored), tuple(absmax), Layout(tuple(formats), mode, rounding),
-                     np.uint64(storage.seed), np.uint64(base))
+                     np.uint64(storage.seed), np.uint64(base), empty.tables)
 
 
 def new_slot(buf: FlatBuffer, schema, name: str, initial: float, length: int | None = None,

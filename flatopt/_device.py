@@ -3,8 +3,10 @@
 What lives where:
 
 - on the device: every buffer's parameters, gradients and state slots (numba-cuda device
-  arrays), and mirrors of what the kernels read per step: presence, the rule's per-parameter
-  columns, its scalars, and the layout (offsets, sizes, chunk table);
+  arrays; a reduced-precision buffer's master weights, Kahan compensation and 8-bit block
+  scales too, and its 16-bit arrays as uint16 bit patterns, since Numba has no bfloat16), and
+  mirrors of what the kernels read per step: presence, the rule's per-parameter columns, its
+  scalars, and the layout (offsets, sizes, chunk table);
 - on the host: the index, validation, presence and the per-parameter columns, which stay
   authoritative there. Each step runs the rule's ``prepare`` (step counts, bias corrections) on
   the host with the CPU kernel, in float64 as the CPU optimizer does, then queues the upload of
@@ -28,12 +30,13 @@ flat buffer; NumPy arrays are copied in from the host. An array on another GPU i
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 
+from . import _codec
 from ._host import Device, HostDevice, per_parameter_update
+from ._device_buffers import DeviceBuffer, DeviceLayout
 from ._interop import (exporter_device, interface_problem, is_numba_device_array,
                        simulator_array_type, wrap_interface)
 from ._layout import FlatBuffer, ParamInfo
@@ -41,6 +44,7 @@ from ._views import gradient_problem, value_problem
 from .errors import DeviceError, GradientError
 from .kernels import backend as kernel_backend
 from .kernels import _cuda_import  # its functions are looked up at each call (tests patch them)
+from .kernels.coded import NATIVE, NEAREST, POSITIONS, UNUSED, DIRECT, Layout
 from .kernels.tools import SCALE_GRADIENTS
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -105,62 +109,7 @@ def resolve(device: Any, stream: Any, bit_exact: Any, rule, who: str):
     return HostDevice(rule), f"auto: running on the CPU because {problem}"
 
 
-# ----------------------------------------------------------------------------- buffers
-@dataclass
-class DeviceLayout:
-    """A buffer's layout as the CUDA walk reads it, with device copies of its arrays."""
-
-    present: Any
-    offsets: Any
-    sizes: Any
-    chunk_first: Any
-    chunk_size: int
-    length: int
-
-
-def _packed_views(packed, arrays) -> list:
-    """Views of ``packed`` (uint8, host or device) holding ``arrays`` back to back, each
-    starting on an 8-byte boundary."""
-    views, position = [], 0
-    for array in arrays:
-        views.append(packed[position:position + array.nbytes].view(array.dtype))
-        position += -(-array.nbytes // 8) * 8
-    return views
-
-
-def _packed(cuda, arrays, stream):
-    """(host staging array, device array, device views) for ``arrays`` packed together."""
-    size = sum(-(-array.nbytes // 8) * 8 for array in arrays)
-    staging = np.zeros(max(size, 8), np.uint8)
-    for view, array in zip(_packed_views(staging, arrays), arrays):
-        view[...] = array
-    packed = cuda.to_device(staging, stream=stream)
-    return staging, packed, _packed_views(packed, arrays)
-
-
-class DeviceBuffer:
-    """The device side of one :class:`FlatBuffer`."""
-
-    def __init__(self, cuda, buf: FlatBuffer, stream):
-        self.params = cuda.to_device(buf.params, stream=stream)
-        self.grads = cuda.to_device(buf.grads, stream=stream)
-        self.state = {name: cuda.to_device(flat, stream=stream)
-                      for name, flat in buf.state.items()}
-        # presence and the columns change every step: they travel in one copy, packed
-        self.staging, self.packed, views = _packed(cuda, (buf.present, *buf.kernel_columns),
-                                                   stream)
-        self.staged = _packed_views(self.staging, (buf.present, *buf.kernel_columns))
-        present, self.columns = views[0], tuple(views[1:])
-        self.layout = DeviceLayout(present,
-                                   cuda.to_device(buf.offsets, stream=stream),
-                                   cuda.to_device(buf.sizes, stream=stream),
-                                   cuda.to_device(buf.chunk_first, stream=stream),
-                                   buf.chunk_size, buf.length)
-        self.plan = None  # the host _Plan the cached device arguments below were made for
-        self.arrays = self.scalars = self.prepare_scalars = self.sums = self.zero_sums = None
-        self.no_scalars = cuda.to_device(np.zeros(0, buf.dtype), stream=stream)
-
-
+# ----------------------------------------------------------------------------- the device
 class CudaDevice(Device):
     """One optimizer's device side: its stream, kernels and device buffers (the host
     buffers, ``hosts``, are their mirror)."""
@@ -218,21 +167,33 @@ class CudaDevice(Device):
                                 self.cuda.to_device(buf.chunk_first, stream=self.stream),
                                 buf.chunk_size, buf.length)
 
+    def _upload(self, flat: np.ndarray):
+        return self.cuda.to_device(_codec.as_bits(flat), stream=self.stream)
+
     def allocate(self, buf: FlatBuffer, used) -> None:
         """Device slots for the slots the settings use (the host mirror's, just allocated,
-        holds their initial values)."""
+        holds their initial values, and an 8-bit slot's block scales)."""
         d = self.buffers[buf.number]
         for name in used:
             if name not in d.state:
-                d.state[name] = self.cuda.to_device(buf.state[name], stream=self.stream)
+                d.state[name] = self._upload(buf.state[name])
+            if name in buf.absmax and name not in d.absmax:
+                d.absmax[name] = self._upload(buf.absmax[name])
 
     def _bind(self, buf: FlatBuffer, plan, rule) -> DeviceBuffer:
         """The device arguments of ``plan`` (made once per plan: a settings change)."""
         d = self.buffers[buf.number]
         if d.plan is not plan:
             self.allocate(buf, plan.used)
-            d.arrays = (d.params, d.grads, *(d.state[name] if name in plan.used else d.grads
-                                              for name in rule.slots))
+            if buf.coded:
+                d.coded = _codec.coded_plan(buf, plan.schema, plan.used, device=d)
+                d.kernels = self.kernels_module.compile_coded(rule, d.coded.layout,
+                                                              exact=self.bit_exact)
+            else:
+                d.arrays = (d.params, d.grads,
+                            *(d.state[name] if name in plan.used else d.grads
+                              for name in rule.slots))
+                d.kernels = self.kernels
             d.scalars = self.cuda.to_device(plan.scalars, stream=self.stream)
             d.prepare_scalars = self.cuda.to_device(plan.prepare_scalars, stream=self.stream)
             if plan.sums is not None:
@@ -258,19 +219,25 @@ class CudaDevice(Device):
             per_parameter_update(rule, buf, plan, multiplier, scale, buf.state)
             self._push(buf, present, ("params", "grads", *plan.used))
             return
-        d = self._upload(buf, plan, rule)
+        d = self._upload_step(buf, plan, rule)
         stream = self.stream
+        arrays = self._arguments(buf, d)
         if rule.reduces(plan.flags):
             d.sums.copy_to_device(d.zero_sums, stream=stream)
-            self.kernels.reduce(d.arrays, d.scalars, d.columns, plan.flags, d.layout, d.sums,
-                                multiplier, scale, stream=stream, zero_sums=False)
-            self.kernels.finalize(d.layout.present, d.columns, d.prepare_scalars, plan.flags,
-                                  d.sums, stream=stream)
+            d.kernels.reduce(arrays, d.scalars, d.columns, plan.flags, d.layout, d.sums,
+                             multiplier, scale, stream=stream, zero_sums=False)
+            d.kernels.finalize(d.layout.present, d.columns, d.prepare_scalars, plan.flags,
+                               d.sums, stream=stream)
             scale = False  # the reduce pass scaled the gradients
-        self.kernels.step(d.arrays, d.scalars, d.columns, plan.flags, d.layout, multiplier,
-                          scale, stream=stream)
+        d.kernels.step(arrays, d.scalars, d.columns, plan.flags, d.layout, multiplier, scale,
+                       stream=stream)
 
-    def _upload(self, buf: FlatBuffer, plan, rule) -> DeviceBuffer:
+    @staticmethod
+    def _arguments(buf: FlatBuffer, d: DeviceBuffer) -> tuple:
+        """The kernel arrays of this step: a coded buffer's carry its draw."""
+        return d.coded.arguments(buf.draws) if buf.coded else d.arrays
+
+    def _upload_step(self, buf: FlatBuffer, plan, rule) -> DeviceBuffer:
         """The plan's device arguments, with this step's presence and columns uploaded."""
         d = self._bind(buf, plan, rule)
         for staged, value in zip(d.staged, (buf.present, *buf.kernel_columns)):
@@ -283,11 +250,11 @@ class CudaDevice(Device):
     def reduce_pass(self, buf: FlatBuffer, plan, arrays, multiplier, scale: bool) -> None:
         """A rule with global reductions: the reduce pass queued, with this step's
         presence, columns and scalars (``combine`` rewrites them at every step)."""
-        d = self._upload(buf, plan, self.rule)
+        d = self._upload_step(buf, plan, self.rule)
         d.scalars.copy_to_device(plan.scalars, stream=self.stream)
         d.sums.copy_to_device(d.zero_sums, stream=self.stream)
-        self.kernels.reduce(d.arrays, d.scalars, d.columns, plan.flags, d.layout, d.sums,
-                            multiplier, scale, stream=self.stream, zero_sums=False)
+        d.kernels.reduce(self._arguments(buf, d), d.scalars, d.columns, plan.flags, d.layout,
+                         d.sums, multiplier, scale, stream=self.stream, zero_sums=False)
 
     def read_sums(self, staged: list) -> None:
         """The per-parameter totals of the queued reduce passes into each ``plan.sums``:
@@ -301,8 +268,8 @@ class CudaDevice(Device):
         gave it (the reduce pass scaled the gradients)."""
         d = self.buffers[buf.number]
         d.scalars.copy_to_device(plan.scalars, stream=self.stream)
-        self.kernels.step(d.arrays, d.scalars, d.columns, plan.flags, d.layout, plan.one,
-                          False, stream=self.stream)
+        d.kernels.step(self._arguments(buf, d), d.scalars, d.columns, plan.flags, d.layout,
+                       plan.one, False, stream=self.stream)
 
     def reduce_present(self, mode: int, power: float) -> tuple[float, int]:
         """``HostDevice.reduce_present`` on the device: one launch per buffer into one
@@ -312,19 +279,33 @@ class CudaDevice(Device):
         out = self.cuda.to_device(np.zeros(3), stream=self.stream)
         for buf, d in zip(self.hosts, self.buffers):
             d.layout.present.copy_to_device(buf.present, stream=self.stream)
-            k.reduce_gradients(d.layout, d.grads, d.layout.present, power, mode, out,
-                               stream=self.stream)
+            fmt = _codec.half_format(buf.grads.dtype)
+            k.reduce_gradients(d.layout, d.grads if fmt == NATIVE else d.grads.view(np.uint16),
+                               d.layout.present, power, mode, out, stream=self.stream, fmt=fmt)
         totals = out.copy_to_host(stream=self.stream)
         self.stream.synchronize()  # the copy above is asynchronous on a stream
         return k.combine_reduction(totals, mode)
 
     def scale_gradients(self, factor: float) -> None:
-        """Multiply every present gradient by ``factor`` (rounded to each buffer's dtype)."""
+        """Multiply every present gradient by ``factor`` (rounded to each buffer's dtype;
+        16-bit gradients: in float32, rounded to nearest, by the coded walk over the
+        gradients alone)."""
         kernels = self.kernels_module.compile(SCALE_GRADIENTS)
         for buf, d in zip(self.hosts, self.buffers):
             d.layout.present.copy_to_device(buf.present, stream=self.stream)
-            kernels.step((d.params, d.grads), d.no_scalars, (), (), d.layout,
-                         buf.dtype.type(factor), True, stream=self.stream)
+            fmt = _codec.half_format(buf.grads.dtype)
+            if fmt == NATIVE:
+                kernels.step((d.params, d.grads), d.no_scalars, (), (), d.layout,
+                             buf.dtype.type(factor), True, stream=self.stream)
+                continue
+            formats = (UNUSED, fmt) + (UNUSED,) * (POSITIONS - 2)
+            coded = self.kernels_module.compile_coded(SCALE_GRADIENTS,
+                                                      Layout(formats, DIRECT, NEAREST))
+            stored = (d.empty.no_bytes, d.grads.view(np.uint8)) + \
+                (d.empty.no_bytes,) * (POSITIONS - 2)
+            coded.step((stored, (d.empty.no_scales,) * POSITIONS, d.empty.tables,
+                        np.uint64(0), np.uint64(0), np.uint64(0)), d.no_scalars, (), (),
+                       d.layout, np.float32(factor), True, stream=self.stream)
 
     def map_state(self, buf: FlatBuffer, rule, slots, scalars, flags, present) -> None:
         """``Optimizer._map_state`` for one buffer: ``rule``'s span over the parameters
@@ -350,14 +331,20 @@ class CudaDevice(Device):
         return value_problem(info, value, "value")
 
     def _source(self, info: ParamInfo, value: Any) -> tuple[Any, str | None]:
-        """(the value as a device array or a host NumPy array, or a problem)."""
+        """(the value as a device array or a host NumPy array, or a problem). A bfloat16
+        gradient on the device comes as its bit patterns (uint16 or int16: Numba, CuPy and
+        torch's ``__cuda_array_interface__`` have no bfloat16)."""
+        dtype = self.hosts[info.buffer].grads.dtype
         if isinstance(value, (np.ndarray, np.generic)):
-            return np.asarray(value), gradient_problem(info, value)
+            return np.asarray(value), gradient_problem(info, value, dtype)
+        accepted = (np.dtype(np.uint16), np.dtype(np.int16)) \
+            if _codec.bits_dtype(dtype) != dtype else (dtype,)
+        held = f"{dtype} (as uint16 or int16 bit patterns)" if len(accepted) > 1 else dtype
         if is_numba_device_array(value):
-            if value.shape != info.shape or value.dtype != info.dtype:
+            if value.shape != info.shape or value.dtype not in accepted:
                 return None, (f"gradient for {info.path!r} is a device array of shape "
-                              f"{value.shape} and dtype {value.dtype}; the parameter is "
-                              f"{info.shape} {info.dtype}")
+                              f"{value.shape} and dtype {value.dtype}; the gradient is "
+                              f"{info.shape} {held}")
             return value, None
         try:
             desc = value.__cuda_array_interface__
@@ -371,7 +358,7 @@ class CudaDevice(Device):
             return None, (f"gradient for {info.path!r} is a {type(value).__name__}; give a "
                           "NumPy array or a device array with __cuda_array_interface__ (CuPy, "
                           f"PyTorch, Numba) of shape {info.shape} and dtype {info.dtype}")
-        problem = interface_problem(info, desc)
+        problem = interface_problem(info, desc, accepted, held)
         if problem:
             return None, problem
         ordinal = exporter_device(value, desc["data"][0])
@@ -427,36 +414,57 @@ class CudaDevice(Device):
         device on the stream)."""
         self._write(self.buffers[info.buffer].grads, info, source)
 
-    def write_param(self, info: ParamInfo, source: np.ndarray) -> None:
-        """Copy a checked NumPy array into the flat parameter buffer."""
-        self._write(self.buffers[info.buffer].params, info, source)
-
     def _write(self, flat, info: ParamInfo, source) -> None:
         if info.size:
             target = self._segment(flat, info)
             values = source.reshape(info.size) if not isinstance(source, np.ndarray) else \
                 np.ascontiguousarray(source).reshape(info.size)
+            if values.dtype != target.dtype:  # 16-bit values: their bit patterns
+                values = values.view(target.dtype)
             target.copy_to_device(values, stream=self.stream)
+
+    def write_param(self, info: ParamInfo, source: np.ndarray) -> None:
+        """Copy a checked NumPy array into the flat parameter buffer; a 16-bit parameter's
+        master copy takes the values and its Kahan compensation is cleared
+        (``_codec.reset_parameter``)."""
+        d = self.buffers[info.buffer]
+        self._write(d.params, info, source)
+        if d.master is not None:
+            self._write(d.master, info, np.asarray(source).astype(np.float32))
+        if d.compensation is not None:
+            self._fill(self._segment(d.compensation, info))
+
+    def _fill(self, target) -> None:
+        """``target[...] = 0`` on the device (a gradient or compensation segment)."""
+        self.kernels_module.launch_elementwise(self.kernels_module.fill_kernel, target.size,
+                                               self.stream, target, target.dtype.type(0))
 
     def zero_gradient(self, info: ParamInfo) -> None:
         """Zero one parameter's slice of the gradient buffer (a missing gradient's view)."""
-        self.kernels_module.launch_elementwise(
-            self.kernels_module.fill_kernel, info.size, self.stream,
-            self._segment(self.buffers[info.buffer].grads, info), info.dtype.type(0))
+        self._fill(self._segment(self.buffers[info.buffer].grads, info))
 
     def add_gradient(self, info: ParamInfo, source) -> None:
+        """``grads[path] += source``; 16-bit gradients in float32, rounded to nearest."""
         if info.size:
+            grads = self.buffers[info.buffer].grads
             if isinstance(source, np.ndarray):
-                source = self.cuda.to_device(np.ascontiguousarray(source), stream=self.stream)
-            target = self._segment(self.buffers[info.buffer].grads, info)
-            self.kernels_module.launch_elementwise(self.kernels_module.add_kernel, info.size,
-                                                   self.stream, target,
-                                                   source.reshape(info.size))
+                source = self._upload(np.ascontiguousarray(source))
+            source = source.reshape(info.size)
+            if source.dtype != grads.dtype:  # bfloat16 patterns given as int16
+                source = source.view(grads.dtype)
+            target = self._segment(grads, info)
+            fmt = _codec.half_format(self.hosts[info.buffer].grads.dtype)
+            if fmt == NATIVE:
+                self.kernels_module.launch_elementwise(self.kernels_module.add_kernel,
+                                                       info.size, self.stream, target, source)
+            else:
+                self.kernels_module.launch_elementwise(
+                    self.kernels_module.half_kernels()["add"], info.size, self.stream,
+                    target.view(np.uint16), source.view(np.uint16), fmt)
 
     def zero_grads(self) -> None:
-        for buf, d in zip(self.hosts, self.buffers):
-            self.kernels_module.launch_elementwise(self.kernels_module.fill_kernel, buf.length,
-                                                   self.stream, d.grads, buf.dtype.type(0))
+        for d in self.buffers:
+            self._fill(d.grads)
 
     # ------------------------------------------------------------------- host mirror
     def _flat(self, d: DeviceBuffer, buf: FlatBuffer, name: str):
@@ -488,28 +496,39 @@ class CudaDevice(Device):
             device.copy_to_device(host, stream=self.stream)
         self.stream.synchronize()  # the host arrays may change as soon as we return
 
+    @staticmethod
+    def _mirrored(buf: FlatBuffer, d: DeviceBuffer):
+        """(device array, host array) of every mirrored array of one buffer but the
+        gradients: parameters, master copy, compensation (fixed), state and block scales."""
+        for name in ("params", "master", "compensation"):
+            if getattr(buf, name) is not None:
+                yield getattr(d, name), getattr(buf, name)
+        for device, host in ((d.state, buf.state), (d.absmax, buf.absmax)):
+            for name, flat in device.items():
+                yield flat, host[name]
+
     def pull(self) -> None:
         """Refresh the host mirror of every parameter and state buffer (whole buffers, one
         copy each), waiting for the queued steps first."""
         for buf, d in zip(self.hosts, self.buffers):
-            d.params.copy_to_host(buf.params, stream=self.stream)
-            for name, flat in d.state.items():
-                flat.copy_to_host(buf.state[name], stream=self.stream)
+            for device, host in self._mirrored(buf, d):
+                device.copy_to_host(_codec.as_bits(host), stream=self.stream)
         self.stream.synchronize()
 
     def push(self) -> None:
-        """Upload the host mirror (after a restore changed it): parameters, every state slot
-        (allocating device slots for new ones, dropping removed ones)."""
+        """Upload the host mirror (after a restore changed it): parameters, master copy,
+        compensation, every state slot and block scale (allocating device arrays for new
+        ones, dropping removed ones)."""
         for buf, d in zip(self.hosts, self.buffers):
-            d.params.copy_to_device(buf.params, stream=self.stream)
-            for name in list(d.state):
-                if name not in buf.state:
-                    del d.state[name]
-            for name, flat in buf.state.items():
-                if name in d.state:
-                    d.state[name].copy_to_device(flat, stream=self.stream)
-                else:
-                    d.state[name] = self.cuda.to_device(flat, stream=self.stream)
+            for device, host in ((d.state, buf.state), (d.absmax, buf.absmax)):
+                for name in list(device):
+                    if name not in host:
+                        del device[name]
+                for name, flat in host.items():
+                    if name not in device:
+                        device[name] = self._upload(flat)
+            for device, host in self._mirrored(buf, d):
+                device.copy_to_device(_codec.as_bits(host), stream=self.stream)
             d.plan = None
         self.stream.synchronize()
 
@@ -540,6 +559,28 @@ class CudaDevice(Device):
     def lerp(self, average, value, weight, from_end: bool) -> None:
         self.kernels_module.launch_elementwise(self.kernels_module.lerp_kernel, average.size,
                                                self.stream, average, value, weight, from_end)
+
+    def master_of(self, buf: FlatBuffer) -> Any:
+        return self.buffers[buf.number].master
+
+    def float_values(self, buf: FlatBuffer) -> Any:
+        """``HostDevice.float_values`` on the device (16-bit values decoded into a new
+        device array)."""
+        d = self.buffers[buf.number]
+        fmt = _codec.half_format(buf.params.dtype)
+        if fmt == NATIVE or d.master is not None:
+            return d.params if fmt == NATIVE else d.master
+        values = self.cuda.device_array(buf.length, np.float32, stream=self.stream)
+        self.kernels_module.launch_elementwise(self.kernels_module.half_kernels()["decode"],
+                                               buf.length, self.stream, values,
+                                               d.params.view(np.uint16), fmt)
+        return values
+
+    def put_rounded(self, buf: FlatBuffer, values) -> None:
+        self.kernels_module.launch_elementwise(
+            self.kernels_module.half_kernels()["encode"], buf.length, self.stream,
+            self.buffers[buf.number].params.view(np.uint16), values,
+            _codec.half_format(buf.params.dtype))
 
     def to_host(self, array) -> np.ndarray:
         host = array.copy_to_host(stream=self.stream)

@@ -4,8 +4,8 @@ construction (``flatopt._device.resolve``): :class:`HostDevice` for buffers in h
 
 - construction: ``attach`` (new buffers), ``add_views`` (the per-path views behind
   ``opt.params`` and ``opt.grads``, in ``param_views`` and ``grad_views``), ``flat`` (a
-  buffer's parameter and gradient arrays where they live), ``new_slot``, ``arrays`` (a plan's
-  kernel arrays, allocating the slots it uses);
+  buffer's parameter and gradient arrays where they live; 16-bit ones on a GPU as bit
+  patterns), ``new_slot``, ``arrays`` (a plan's kernel arrays, allocating the slots it uses);
 - gradients and values in: ``gradient_problem`` / ``value_problem`` (what can be checked
   per value), ``sources`` (the checked values, copies of those that alias the gradient
   buffer), ``write_gradient``, ``add_gradient``, ``zero_gradient``, ``zero_grads``,
@@ -15,7 +15,8 @@ construction (``flatopt._device.resolve``): :class:`HostDevice` for buffers in h
   gradients), ``scale_gradients``, ``map_state``;
 - host copies: ``pull`` (the host arrays hold the current values), ``host_side`` (host code
   rewrites them; the device gets the result), ``live_on_host``;
-- EMA: ``copy_of``, ``copy_into``, ``lerp``, ``to_host``, ``upload``.
+- EMA: ``copy_of``, ``copy_into``, ``lerp``, ``to_host``, ``upload``, and for 16-bit
+  parameters ``float_values``, ``master_of``, ``put_rounded``.
 
 Kernels come from ``flatopt.kernels.backend(name)`` only.
 """
@@ -78,6 +79,22 @@ class Device:
 
     def flat(self, buf: FlatBuffer) -> tuple[Any, Any]:
         return buf.params, buf.grads
+
+    def master_of(self, buf: FlatBuffer) -> Any:
+        """``buf``'s float32 master weights where they live, or None."""
+        return buf.master
+
+    def float_values(self, buf: FlatBuffer) -> Any:
+        """``buf``'s parameters as the step computes them, where they live: a 16-bit
+        buffer's master weights, or its values in float32 (a new array)."""
+        if buf.params.dtype != buf.dtype:
+            return buf.master if buf.master is not None else buf.params.astype(buf.dtype)
+        return buf.params
+
+    def put_rounded(self, buf: FlatBuffer, values) -> None:
+        """``buf``'s 16-bit parameters = float32 ``values``, rounded to nearest (its master
+        weights are left as they are)."""
+        buf.params[...] = values.astype(buf.params.dtype)
 
     def zeros(self, n_elements: int, dtype):
         """A zero-filled host array (a state slot, or its host mirror)."""

@@ -63,8 +63,13 @@ def c_contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
     return True
 
 
-def interface_problem(info: ParamInfo, desc: Any) -> str | None:
-    """Why a ``__cuda_array_interface__`` dict cannot be the gradient of ``info``, or None."""
+def interface_problem(info: ParamInfo, desc: Any, accepted=None,
+                      held=None) -> str | None:
+    """Why a ``__cuda_array_interface__`` dict cannot be the gradient of ``info``, or None:
+    its dtype must be one of ``accepted`` (by default the parameter's), which the message
+    names as ``held``."""
+    accepted = (info.dtype,) if accepted is None else accepted
+    held = info.dtype if held is None else held
     if not isinstance(desc, dict) or not {"shape", "typestr", "data"} <= set(desc):
         return (f"gradient for {info.path!r}: its __cuda_array_interface__ is not a dict with "
                 "shape, typestr and data")
@@ -73,9 +78,9 @@ def interface_problem(info: ParamInfo, desc: Any) -> str | None:
         return (f"gradient for {info.path!r} has shape {shape}, but the parameter has shape "
                 f"{info.shape}")
     dtype = np.dtype(desc["typestr"])
-    if dtype != info.dtype:
-        return (f"gradient for {info.path!r} has dtype {dtype}, but the parameter is "
-                f"{info.dtype}; cast it on the device first")
+    if dtype not in accepted:
+        return (f"gradient for {info.path!r} has dtype {dtype}, but the gradient is "
+                f"{held}; cast it on the device first")
     strides = desc.get("strides")
     if strides is not None and not c_contiguous(shape, tuple(strides), dtype.itemsize):
         return (f"gradient for {info.path!r} is not C-contiguous (strides {tuple(strides)}); "

@@ -26,7 +26,7 @@ from ._restore import BufferState
 from ._stepping import StepResult
 from ._validated import Validated, validate_groups
 from ._views import Gradients, ParamViews
-from .errors import DeviceError, GradientError, HyperparameterError, ParamError, \
+from .errors import GradientError, HyperparameterError, ParamError, \
     StateDictError, UnknownPathError
 from .errors import raise_problems as _raise
 from .schema import Schema, describe_group, near
@@ -98,10 +98,6 @@ class Optimizer:
         groups = _params.split_groups(params, structure)
         _raise(structure, ParamError)
         self._add_groups(groups, require_params=True)
-        if device != "cpu" and any(buf.coded for buf in self.buffers):
-            raise DeviceError(f"{name}: reduced-precision buffers (16-bit parameters, "
-                              "master_weights, state_dtype) run on the CPU for now; "
-                              "leave device='cpu'")
 
     @property
     def storage(self) -> tuple:

@@ -195,11 +195,10 @@ class EMA:
                        .reshape(info.shape) for info in opt.index}
 
     def _live(self, buf) -> Any:
-        """The buffer's parameters as they are computed: a 16-bit buffer's master weights,
-        or its values in float32 (the average of a 16-bit parameter is kept in float32)."""
-        if buf.params.dtype != buf.dtype:
-            return buf.master if buf.master is not None else buf.params.astype(buf.dtype)
-        return self._device.flat(buf)[0]
+        """The buffer's parameters as they are computed, where they live: a 16-bit buffer's
+        master weights, or its values in float32 (the average of a 16-bit parameter is kept
+        in float32)."""
+        return self._device.float_values(buf)
 
     def _copy(self, flat) -> Any:
         return self._device.copy_of(flat)
@@ -229,21 +228,22 @@ class EMA:
         afterwards they are what they were."""
         self._check_layout()
         with self.opt.lock:
-            saved = [self._copy(self._device.flat(buf)[0]) for buf in self.opt.buffers]
-            masters = [None if buf.master is None else buf.master.copy()
-                       for buf in self.opt.buffers]
+            device = self._device
+            saved = [self._copy(device.flat(buf)[0]) for buf in self.opt.buffers]
+            masters = [None if device.master_of(buf) is None else
+                       self._copy(device.master_of(buf)) for buf in self.opt.buffers]
             try:
                 for average, buf in zip(self.buffers, self.opt.buffers):
                     if buf.params.dtype != buf.dtype:  # 16-bit: rounded to nearest
-                        buf.params[...] = average.astype(buf.params.dtype)
+                        device.put_rounded(buf, average)
                     else:
-                        self._copy_into(self._device.flat(buf)[0], average)
+                        self._copy_into(device.flat(buf)[0], average)
                 yield
             finally:
                 for kept, master, buf in zip(saved, masters, self.opt.buffers):
-                    self._copy_into(self._device.flat(buf)[0], kept)
+                    self._copy_into(device.flat(buf)[0], kept)
                     if master is not None:
-                        buf.master[...] = master
+                        self._copy_into(device.master_of(buf), master)
 
     def _check_layout(self) -> None:
         if len(self.buffers) != len(self.opt.buffers):

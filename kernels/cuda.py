@@ -29,7 +29,8 @@ import numpy as np
 from ._bind import bind, instantiate
 from ._cuda_import import numba_cuda, simulated
 from .cpu import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
-from .cuda_coded import CudaCodedKernels, fma_primitive
+from .coded import CODEC_FINGERPRINT, NATIVE
+from .cuda_coded import CudaCodedKernels, codec, fma_primitive, half_kernels
 from .cuda_coded import compile_coded as compile_coded_walks
 from .rule import Rule
 
@@ -257,12 +258,13 @@ def add_kernel(target, value):
         target[i] = target[i] + value[i]
 
 
-@cuda.jit(cache=True)
-def reduce_gradients_kernel(g, present, offsets, sizes, chunk_first, chunk_size, power, mode,
-                            out):
+def _gradient_totals(g, fmt, present, offsets, sizes, chunk_first, chunk_size, power, mode,
+                     out):
     """``kernels.cpu.reduce_gradients`` on the device: each thread reduces its strided
     elements of the present segments in float64 and adds (or maxes) them into ``out``:
-    [value, non-finite count, NaN seen]. The order of the additions is not fixed."""
+    [value, non-finite count, NaN seen]. The order of the additions is not fixed. ``g[i]``
+    is read by ``gradient_value``: as it is, or 16-bit patterns in format ``fmt`` as
+    float32 (``kernels.cpu.reduce_coded_gradients``)."""
     n_params = offsets.size
     value = 0.0
     bad = 0.0
@@ -277,7 +279,7 @@ def reduce_gradients_kernel(g, present, offsets, sizes, chunk_first, chunk_size,
                                min(hi, offsets[k] + sizes[k]), cuda.blockDim.x):
                     # in the gradient's dtype, as kernels.cpu computes the terms (its
                     # float(g[i]) keeps a float32 a float32); the sum is float64
-                    x = abs(g[i])
+                    x = abs(gradient_value(g, fmt, i))  # noqa: F821 (bound)
                     if not (x - x == 0):
                         bad += 1.0
                         if x != x:
@@ -300,6 +302,26 @@ def reduce_gradients_kernel(g, present, offsets, sizes, chunk_first, chunk_size,
         out[2] = 1.0
 
 
+def stored_value(g, fmt, i):
+    """A plain gradient buffer's element (``fmt`` is unused)."""
+    return g[i]
+
+
+reduce_gradients_kernel = cuda.jit(cache=True)(instantiate(
+    _gradient_totals, "reduce_gradients_kernel",
+    gradient_value=cuda.jit(device=True)(stored_value)))
+_reduce_half_gradients: list = []
+
+
+def reduce_half_gradients_kernel():
+    """:func:`_gradient_totals` over 16-bit gradients (uint16 patterns), compiled once."""
+    if not _reduce_half_gradients:
+        _reduce_half_gradients.append(cuda.jit(instantiate(
+            _gradient_totals, f"reduce_half_gradients_{CODEC_FINGERPRINT}",
+            gradient_value=codec()["half_value"])))
+    return _reduce_half_gradients[0]
+
+
 def launch_elementwise(kernel, n: int, stream, *args) -> None:
     """Launch a grid-striding element-wise kernel over ``n`` elements."""
     if n:
@@ -307,14 +329,16 @@ def launch_elementwise(kernel, n: int, stream, *args) -> None:
                stream](*args)
 
 
-def reduce_gradients(layout, g, present, power: float, mode: int, out, stream=0):
+def reduce_gradients(layout, g, present, power: float, mode: int, out, stream=0, fmt=NATIVE):
     """Launch :func:`reduce_gradients_kernel` over one buffer into ``out`` (zeroed by the
-    caller); the caller reads ``out`` back once for all buffers."""
+    caller); the caller reads ``out`` back once for all buffers. ``fmt``: a
+    ``kernels.coded`` 16-bit format when ``g`` holds 16-bit patterns (uint16)."""
     n_chunks = layout.chunk_first.size
     if n_chunks:
-        reduce_gradients_kernel[max(1, min(n_chunks, MAX_BLOCKS)), THREADS_PER_BLOCK, stream](
-            g, present, layout.offsets, layout.sizes, layout.chunk_first, layout.chunk_size,
-            float(power), mode, out)
+        kernel = reduce_gradients_kernel if fmt == NATIVE else reduce_half_gradients_kernel()
+        kernel[max(1, min(n_chunks, MAX_BLOCKS)), THREADS_PER_BLOCK, stream](
+            g, fmt, present, layout.offsets, layout.sizes, layout.chunk_first,
+            layout.chunk_size, float(power), mode, out)
 
 
 def combine_reduction(out: np.ndarray, mode: int) -> tuple[float, int]:
@@ -339,6 +363,7 @@ class CudaBackend:
     fill_kernel = staticmethod(fill_kernel)
     add_kernel = staticmethod(add_kernel)
     lerp_kernel = staticmethod(lerp_kernel)
+    half_kernels = staticmethod(half_kernels)
 
     @staticmethod
     def compile(rule: Rule, exact: bool = False) -> CompiledRule:

@@ -104,6 +104,20 @@ def store_value(raw, fmt, rounding, i, x, seed, draw, stream):
             bits[i] = f16_encode_nearest(x)  # noqa: F821
 
 
+def half_value(bits, fmt, i):
+    """The float32 value of element ``i`` of 16-bit patterns ``bits`` (uint16) in ``fmt``."""
+    if fmt == BF16:
+        return bf16_decode(bits[i])  # noqa: F821
+    return f16_decode(bits[i])  # noqa: F821
+
+
+def half_bits(fmt, x):
+    """The 16-bit pattern in ``fmt`` nearest to ``x``."""
+    if fmt == BF16:
+        return bf16_encode_nearest(x)  # noqa: F821
+    return f16_encode_nearest(x)  # noqa: F821
+
+
 def half_nearest(fmt, x):
     """``x`` rounded to nearest in 16-bit ``fmt`` and read back (float32)."""
     if fmt == BF16:
@@ -174,8 +188,46 @@ def block_absmax(shared, value, active):
     return largest
 
 
-ELEMENT_FUNCTIONS = (load_value, store_value, half_nearest, load_element, store_element,
-                     block_absmax)
+ELEMENT_FUNCTIONS = (load_value, store_value, half_value, half_bits, half_nearest,
+                     load_element, store_element, block_absmax)
+
+
+# ----------------------------------------------------------------------------- 16-bit arrays
+# What a device-resident optimizer does to whole 16-bit arrays outside the step (bit
+# patterns: Numba has no bfloat16), with NumPy's and ml_dtypes' arithmetic: in float32,
+# rounded to nearest once.
+def _half_add(target, source, fmt):
+    """``target += source`` (gradient accumulation)."""
+    for i in range(cuda.grid(1), target.size, cuda.gridsize(1)):
+        target[i] = half_bits(fmt, half_value(target, fmt, i)  # noqa: F821 (bound)
+                              + half_value(source, fmt, i))  # noqa: F821
+
+
+def _half_decode(out, bits, fmt):
+    """``out = float32(bits)`` (an EMA's view of 16-bit parameters)."""
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = half_value(bits, fmt, i)  # noqa: F821
+
+
+def _half_encode(bits, values, fmt):
+    """``bits = values`` rounded to nearest (an EMA's averages put into the parameters)."""
+    for i in range(cuda.grid(1), bits.size, cuda.gridsize(1)):
+        bits[i] = half_bits(fmt, values[i])  # noqa: F821
+
+
+_half_kernels: dict = {}
+
+
+def half_kernels() -> dict:
+    """``add``, ``decode`` and ``encode`` over 16-bit patterns, compiled once."""
+    if not _half_kernels:
+        functions = codec()
+        for name, template in (("add", _half_add), ("decode", _half_decode),
+                               ("encode", _half_encode)):
+            _half_kernels[name] = cuda.jit(instantiate(
+                template, f"half_{name}_{CODEC_FINGERPRINT}", half_value=functions["half_value"],
+                half_bits=functions["half_bits"]))
+    return _half_kernels
 
 
 # ----------------------------------------------------------------------------- walks
@@ -366,4 +418,5 @@ def compile_coded(rule: Rule, plain, key: str) -> CudaCodedKernels:
     return compiled
 
 
-__all__ = ["CudaCodedKernels", "compile_coded", "codec", "fma_primitive", "ELEMENT_FUNCTIONS"]
+__all__ = ["CudaCodedKernels", "compile_coded", "codec", "fma_primitive", "half_kernels",
+           "ELEMENT_FUNCTIONS"]

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("numba_cuda")
 
 import flatopt  # noqa: E402
+from flatopt.errors import GradientError  # noqa: E402
 from flatopt._layout import WalkLayout, chunk_table  # noqa: E402
 from flatopt.kernels import backend  # noqa: E402
 from flatopt.kernels.coded import (BF16, COMPENSATION_AT, DIRECT, F16, KAHAN, MASTER,  # noqa: E402
@@ -147,9 +148,15 @@ def test_adamw_on_the_cuda_backend_matches_the_cpu(config, monkeypatch):
         cpu.step(grads, grad_scale=2.0 if step else None)
         sim.step(grads, grad_scale=2.0 if step else None)
     assert not np.array_equal(sim.params["a"], w["a"])  # it stepped
+    assert_buffers_close(sim.buffers, cpu.buffers, dtype, draws=2)
+
+
+def assert_buffers_close(mine, cpus, dtype, draws):
+    """Every stored array of reduced-precision buffers ``mine`` as CPU ``cpus``'s, up to
+    the simulator's rounding of the rule (see above)."""
     rtol = 2.0 ** -7 if dtype == BF else 2.0 ** -10  # one 16-bit ulp, relative
-    for ours, theirs in zip(sim.buffers, cpu.buffers):
-        assert ours.coded and ours.draws == theirs.draws == 2
+    for ours, theirs in zip(mine, cpus):
+        assert ours.coded and ours.draws == theirs.draws == draws
         assert_close(ours.params, theirs.params, rtol)
         if ours.master is not None:
             np.testing.assert_allclose(ours.master, theirs.master, rtol=1e-5, atol=1e-6)
@@ -173,3 +180,78 @@ def assert_close(ours, theirs, rtol, name="", same=0.99):
     np.testing.assert_allclose(ours.astype(np.float32), theirs.astype(np.float32), rtol=rtol,
                                atol=1e-6, err_msg=name)
     assert (ours.view(np.uint8) == theirs.view(np.uint8)).mean() >= same, name
+
+
+# ----------------------------------------------------------------------------- device="cuda"
+def device_bits(dtype):
+    return np.dtype(np.uint16) if np.dtype(dtype) == np.dtype(BF) else np.dtype(dtype)
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, marks=pytest.mark.slow)
+                                    if c in ("bf16-int8-state", "f16-stochastic") else c
+                                    for c in CONFIGS])
+def test_device_cuda_keeps_reduced_precision_buffers_on_the_device(config, monkeypatch,
+                                                                   tmp_path):
+    """``device="cuda"`` with 16-bit parameters and reduced state: the buffers live on the
+    device (bfloat16 as uint16 bit patterns), and a run with clipping, loss scaling,
+    accumulation, a parameter written from outside and an EMA gives the CPU's values (up to
+    the simulator's rounding); its checkpoint resumes bit for bit on the device."""
+    monkeypatch.setattr(flatopt._storage, "MIN_8BIT_SIZE", 256)
+    dtype, kwargs = CONFIGS[config]
+    rng = np.random.default_rng(2)
+    w = {"a": rng.standard_normal(N).astype(dtype), "b": rng.standard_normal(100).astype(dtype)}
+    make = lambda device: flatopt.AdamW({k: v.copy() for k, v in w.items()}, lr=1e-2,  # noqa
+                                        weight_decay=0.1, device=device, **kwargs)
+    cpu, dev = make("cpu"), make("cuda")
+    cpu_ema, dev_ema = flatopt.EMA(cpu, 0.9), flatopt.EMA(dev, 0.9)
+    assert dev.params["a"].dtype == device_bits(dtype)
+    assert not isinstance(dev.params["a"], np.ndarray)  # a device array
+    grads = lambda: {k: rng.standard_normal(v.shape).astype(dtype) for k, v in w.items()}  # noqa
+    for opt in (cpu, dev):  # a bfloat16 gradient on the device comes as its bit patterns
+        with pytest.raises(GradientError, match="'a'"):
+            opt.step({"a": np.zeros(N, np.float64)})
+    g = grads()
+    for opt, ema in ((cpu, cpu_ema), (dev, dev_ema)):
+        opt.step(g, max_grad_norm=0.5)  # a norm over 16-bit gradients, then scaling
+        ema.update()
+    g1, g2 = grads(), grads()
+    for opt, ema in ((cpu, cpu_ema), (dev, dev_ema)):
+        opt.zero_grad()
+        opt.grads.add(g1)
+        opt.grads.add(g2)  # 16-bit accumulation, rounded to nearest
+        flatopt.clip_grad_norm(opt, 1.0)  # the tool's own pass and scaling
+        opt.step(grad_scale=2.0)
+        ema.update()
+        opt.params["b"] = w["b"]  # resets master weights and compensation
+    g = grads()
+    for opt, ema in ((cpu, cpu_ema), (dev, dev_ema)):
+        opt.step(g)
+        ema.update()
+    assert_buffers_close(dev.host_buffers(), cpu.buffers, dtype, draws=3)
+    for path in w:
+        np.testing.assert_allclose(dev_ema.state_dict()["averages"][path],
+                                   cpu_ema.params[path], rtol=1e-5, atol=1e-6)
+        with dev_ema.swapped():  # the averages rounded to nearest into the parameters
+            np.testing.assert_array_equal(
+                dev.params[path].copy_to_host(),
+                dev_ema.state_dict()["averages"][path].astype(dtype).view(device_bits(dtype)))
+    before = {path: dev.params[path].copy_to_host() for path in w}
+    for path in w:  # and back
+        np.testing.assert_array_equal(dev.params[path].copy_to_host(), before[path])
+    # a checkpoint of the device buffers resumes on the device bit for bit
+    flatopt.save(tmp_path / "dev.h5", dev)
+    resumed = make("cuda")
+    flatopt.load(tmp_path / "dev.h5", resumed)
+    g = grads()
+    dev.step(g)
+    resumed.step(g)
+    for ours, theirs in zip(resumed.host_buffers(), dev.host_buffers()):
+        assert ours.draws == theirs.draws == 4
+        for name in ("params", "master", "compensation"):
+            if getattr(theirs, name) is not None:
+                np.testing.assert_array_equal(getattr(ours, name), getattr(theirs, name))
+        for slots in ("state", "absmax"):
+            mine, want = getattr(ours, slots), getattr(theirs, slots)
+            assert set(mine) == set(want)
+            for name in want:
+                np.testing.assert_array_equal(mine[name], want[name], err_msg=name)

@@ -380,8 +380,10 @@ class Prepared:
         try:
             # the spill goes to tempfile's directory ($TMPDIR): the checkpoint's own may be
             # read-only or full, and a load must not write beside what it reads
-            self.pending.apply(staging=budget, spill_dir=None, before_commit=before_commit)
-            _lossless.commit(self.opt, self.staged)  # assignments only: it cannot fail
+            with self.opt.host_side():  # CUDA: the device gets both parts
+                self.pending.apply(staging=budget, spill_dir=None,
+                                   before_commit=before_commit)
+                _lossless.commit(self.opt, self.staged)  # assignments only: cannot fail
         except StateDictError as exc:  # a value check of data read into place
             raise ck.corrupt(str(exc)) from exc
         except (OSError, MemoryError) as exc:  # the undo copy: a full disk, or memory

@@ -114,6 +114,7 @@ class Snapshot:
         own = own_arrays(opt, ema, scaler, lookahead)
         coded = precision.coded(opt)
         if coded:  # reduced precision: the stored arrays beside the float32 view
+            opt.host_buffers()  # CUDA: the host mirror first
             texts, stored = precision.storage_texts_and_arrays(opt)
             own.update(stored)
             for number, text in texts.items():
