@@ -128,6 +128,7 @@ class CudaDevice(Device):
         self.kernels = self.kernels_module.compile(rule, exact=bit_exact)
         self.ordinal = 0 if simulator_array_type() else self.cuda.get_current_device().id
         self.buffers: list[DeviceBuffer] = []
+        self.host_depth = 0  # host_side blocks open
 
     def _stream(self, stream: Any, who: str):
         cuda = self.cuda
@@ -327,7 +328,9 @@ class CudaDevice(Device):
         if not isinstance(value, (np.ndarray, np.generic)):
             return (f"value for {info.path!r} is a {type(value).__name__}; on "
                     "device='cuda', opt.params[path] = value takes a NumPy array (copy a "
-                    "device array with opt.params[path].copy_to_device(array))")
+                    "device array with opt.params[path].copy_to_device(array); not for "
+                    "16-bit parameters with master weights or Kahan compensation, which "
+                    "opt.params[path] = array resets)")
         return value_problem(info, value, "value")
 
     def _source(self, info: ParamInfo, value: Any) -> tuple[Any, str | None]:
@@ -352,8 +355,8 @@ class CudaDevice(Device):
             desc = None
         except Exception as exc:  # torch: a CPU tensor, or one that requires grad
             return None, (f"gradient for {info.path!r}: {type(value).__name__} cannot be read "
-                          f"on the device ({exc}); pass tensor.detach() on the GPU, or a NumPy "
-                          "array")
+                          f"on the device ({exc}); pass tensor.detach() on the GPU (a bfloat16 "
+                          "one as tensor.view(torch.int16)), or a NumPy array")
         if desc is None:
             return None, (f"gradient for {info.path!r} is a {type(value).__name__}; give a "
                           "NumPy array or a device array with __cuda_array_interface__ (CuPy, "
@@ -488,12 +491,12 @@ class CudaDevice(Device):
     def _pull(self, buf: FlatBuffer, slots, names) -> None:
         """Copy parameters ``slots`` of the named arrays from the device to the mirror."""
         for device, host in self._segments(buf, slots, names):
-            device.copy_to_host(host, stream=self.stream)
+            device.copy_to_host(_codec.as_bits(host), stream=self.stream)
         self.stream.synchronize()
 
     def _push(self, buf: FlatBuffer, slots, names) -> None:
         for device, host in self._segments(buf, slots, names):
-            device.copy_to_device(host, stream=self.stream)
+            device.copy_to_device(_codec.as_bits(host), stream=self.stream)
         self.stream.synchronize()  # the host arrays may change as soon as we return
 
     @staticmethod
@@ -537,8 +540,13 @@ class CudaDevice(Device):
         """Host code changes the mirror inside the block (a restore: it writes
         ``buf.params``, ``buf.state`` and ``opt.params`` views, which point at the mirror
         meanwhile); afterwards the device gets the result (or, if the block failed, what it
-        had: the mirror was refreshed from it first)."""
+        had: the mirror was refreshed from it first). A block inside another is part of it
+        (a checkpoint load's restore and its reduced-precision commit: one pull, one push)."""
+        if self.host_depth:
+            yield
+            return
         self.pull()
+        self.host_depth += 1
         device_views = dict(self.param_views)
         for buf in self.hosts:
             for slot, path in enumerate(buf.paths):
@@ -546,6 +554,7 @@ class CudaDevice(Device):
         try:
             yield
         finally:
+            self.host_depth -= 1
             self.param_views.update(device_views)
             self.push()
 

@@ -529,6 +529,7 @@ class Optimizer:
             self._sharding.refuse("load_state_dict()")
         if not isinstance(convert, (bool, np.bool_)):
             raise StateDictError(f"convert must be True or False, got {convert!r}")
+        self._device.pull()  # CUDA: what the load keeps is staged from the mirror
         state, settings, staged = _state_dict.parse(self, state_dict, hyperparameters,
                                                     convert)
         with self.host_side():

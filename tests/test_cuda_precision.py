@@ -255,3 +255,26 @@ def test_device_cuda_keeps_reduced_precision_buffers_on_the_device(config, monke
             assert set(mine) == set(want)
             for name in want:
                 np.testing.assert_array_equal(mine[name], want[name], err_msg=name)
+    # a load keeps on the device what it does not hold: a state dict, the parameters (the
+    # master weights are state, as on the CPU)...
+    snapshot = dev.state_dict()
+    dev.step(grads())
+    kept = {path: dev.params[path].copy_to_host() for path in w}
+    dev.load_state_dict(snapshot)
+    for path in w:
+        np.testing.assert_array_equal(dev.params[path].copy_to_host(), kept[path])
+        if "master" in snapshot["state"][path]:
+            info = dev.index[path]
+            buf = dev.host_buffers()[info.buffer]
+            np.testing.assert_array_equal(buf.view(buf.master, info.slot),
+                                          snapshot["state"][path]["master"])
+    # ...and a checkpoint, the parameters it lacks
+    only_a = flatopt.AdamW({"a": w["a"].copy()}, lr=1e-2, weight_decay=0.1, **kwargs)
+    only_a.step({"a": grads()["a"]})
+    flatopt.save(tmp_path / "a.h5", only_a)
+    dev.step(grads())  # the host mirror is behind the device again
+    b_before = dev.params["b"].copy_to_host()
+    flatopt.load(tmp_path / "a.h5", dev, strict=False)
+    np.testing.assert_array_equal(dev.params["b"].copy_to_host(), b_before)
+    np.testing.assert_array_equal(dev.params["a"].copy_to_host(),
+                                  only_a.params["a"].view(device_bits(dtype)))

@@ -360,6 +360,7 @@ class Prepared:
                            plan.unused, plan.new_settings)
         state, params, buffers = _restore_arguments(ck, opt, plain, workers)
         problems: list[str] = []
+        opt.host_buffers()  # CUDA: what the load keeps is staged from the mirror
         records = precision.saved_records(ck, opt, coded, arrays,
                                           _float32_entries(ck, workers), convert)
         staged, _, _ = _lossless.stage(opt, records, settings, convert, problems,
