@@ -296,8 +296,8 @@ class CudaDevice(Device):
             d.layout.present.copy_to_device(buf.present, stream=self.stream)
             fmt = _codec.half_format(buf.grads.dtype)
             if fmt == NATIVE:
-                kernels.step((d.params, d.grads), d.no_scalars, (), (), d.layout,
-                             buf.dtype.type(factor), True, stream=self.stream)
+                kernels.step((d.grads, d.grads), d.no_scalars, (), (), d.layout,  # as on
+                             buf.dtype.type(factor), True, stream=self.stream)  # the host
                 continue
             formats = (UNUSED, fmt) + (UNUSED,) * (POSITIONS - 2)
             coded = self.kernels_module.compile_coded(SCALE_GRADIENTS,

@@ -249,7 +249,9 @@ class HostDevice(Device):
             if buf.grads.dtype != buf.dtype:  # 16-bit gradients: rarely, so in NumPy
                 _codec.scale_gradients(buf, factor)
                 continue
-            kernels.step((buf.params, buf.grads), np.zeros(0, buf.dtype), (), (), buf,
+            # the walk reads no parameter: the gradients stand in (16-bit parameters with
+            # float32 gradients have no plain kernel type)
+            kernels.step((buf.grads, buf.grads), np.zeros(0, buf.dtype), (), (), buf,
                          buf.dtype.type(factor), True)
 
     def map_state(self, buf: FlatBuffer, rule, slots, scalars, flags, present) -> None:

@@ -125,7 +125,12 @@ CONFIGS = {
     "bf16-kahan": (BF, dict(rounding="kahan")),
     "f16-stochastic": (np.float16, dict(rounding="stochastic", seed=3)),
     "bf16-cautious-bf16-state": (BF, dict(state_dtype="bfloat16", caution=True)),
+    "bf16-master-float32-grads": (BF, dict(master_weights=True, grad_dtype="float32")),
 }
+
+
+def gradient_dtype(dtype, kwargs):
+    return np.float32 if kwargs.get("grad_dtype") == "float32" else dtype
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -144,7 +149,8 @@ def test_adamw_on_the_cuda_backend_matches_the_cpu(config, monkeypatch):
                               **kwargs) for _ in range(2))
     sim._set_backend("cuda")
     for step in range(2):
-        grads = {k: rng.standard_normal(v.shape).astype(dtype) for k, v in w.items()}
+        grads = {k: rng.standard_normal(v.shape).astype(gradient_dtype(dtype, kwargs))
+                 for k, v in w.items()}
         cpu.step(grads, grad_scale=2.0 if step else None)
         sim.step(grads, grad_scale=2.0 if step else None)
     assert not np.array_equal(sim.params["a"], w["a"])  # it stepped
@@ -206,7 +212,8 @@ def test_device_cuda_keeps_reduced_precision_buffers_on_the_device(config, monke
     cpu_ema, dev_ema = flatopt.EMA(cpu, 0.9), flatopt.EMA(dev, 0.9)
     assert dev.params["a"].dtype == device_bits(dtype)
     assert not isinstance(dev.params["a"], np.ndarray)  # a device array
-    grads = lambda: {k: rng.standard_normal(v.shape).astype(dtype) for k, v in w.items()}  # noqa
+    grads = lambda: {k: rng.standard_normal(v.shape).astype(gradient_dtype(dtype, kwargs))  # noqa
+                     for k, v in w.items()}
     for opt in (cpu, dev):  # a bfloat16 gradient on the device comes as its bit patterns
         with pytest.raises(GradientError, match="'a'"):
             opt.step({"a": np.zeros(N, np.float64)})

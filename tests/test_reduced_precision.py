@@ -232,6 +232,19 @@ def test_writing_a_parameter_resets_its_master_copy(rng):
     np.testing.assert_array_equal(opt.params["w"], expected.astype(BF16))
 
 
+def test_clip_grad_norm_scales_float32_gradients_of_16_bit_parameters(rng):
+    """grad_dtype="float32" beside bfloat16 parameters: the clipping tool's scaling pass
+    takes the float32 gradients alone (the parameters have no plain kernel type)."""
+    w = rng.standard_normal(100).astype(BF16)
+    opt = flatopt.Adam({"w": w}, master_weights=True, grad_dtype="float32")
+    g = (rng.standard_normal(100) * 10).astype(np.float32)
+    opt.grads["w"] = g
+    norm = flatopt.clip_grad_norm(opt, 1.0)
+    assert norm == pytest.approx(np.linalg.norm(g.astype(np.float64)), rel=1e-6)
+    np.testing.assert_allclose(opt.grads["w"], g / np.float32(norm + 1e-6), rtol=1e-6)
+    np.testing.assert_array_equal(opt.params["w"], w)  # untouched
+
+
 # ----------------------------------------------------------------------------- training parity
 MODES = {
     "float32": (np.float32, {}),
