@@ -499,22 +499,11 @@ class CudaDevice(Device):
             device.copy_to_device(_codec.as_bits(host), stream=self.stream)
         self.stream.synchronize()  # the host arrays may change as soon as we return
 
-    @staticmethod
-    def _mirrored(buf: FlatBuffer, d: DeviceBuffer):
-        """(device array, host array) of every mirrored array of one buffer but the
-        gradients: parameters, master copy, compensation (fixed), state and block scales."""
-        for name in ("params", "master", "compensation"):
-            if getattr(buf, name) is not None:
-                yield getattr(d, name), getattr(buf, name)
-        for device, host in ((d.state, buf.state), (d.absmax, buf.absmax)):
-            for name, flat in device.items():
-                yield flat, host[name]
-
     def pull(self) -> None:
         """Refresh the host mirror of every parameter and state buffer (whole buffers, one
         copy each), waiting for the queued steps first."""
         for buf, d in zip(self.hosts, self.buffers):
-            for device, host in self._mirrored(buf, d):
+            for device, host in d.mirrored(buf):
                 device.copy_to_host(_codec.as_bits(host), stream=self.stream)
         self.stream.synchronize()
 
@@ -530,7 +519,7 @@ class CudaDevice(Device):
                 for name, flat in host.items():
                     if name not in device:
                         device[name] = self._upload(flat)
-            for device, host in self._mirrored(buf, d):
+            for device, host in d.mirrored(buf):
                 device.copy_to_device(_codec.as_bits(host), stream=self.stream)
             d.plan = None
         self.stream.synchronize()

@@ -78,3 +78,13 @@ class DeviceBuffer:
         self.plan = None  # the host _Plan the cached device arguments were made for
         self.arrays = self.scalars = self.prepare_scalars = self.sums = self.zero_sums = None
         self.no_scalars = cuda.to_device(np.zeros(0, buf.dtype), stream=stream)
+
+    def mirrored(self, buf: FlatBuffer):
+        """(device array, host array) of every array of ``buf`` the host mirrors (all but the
+        gradients): parameters, master copy, compensation, state and block scales."""
+        for name in ("params", "master", "compensation"):
+            if getattr(buf, name) is not None:
+                yield getattr(self, name), getattr(buf, name)
+        for device, host in ((self.state, buf.state), (self.absmax, buf.absmax)):
+            for name, flat in device.items():
+                yield flat, host[name]
