@@ -562,17 +562,18 @@ class CudaDevice(Device):
         return self.buffers[buf.number].master
 
     def float_values(self, buf: FlatBuffer) -> Any:
-        """``HostDevice.float_values`` on the device (16-bit values decoded into a new
-        device array)."""
+        """``HostDevice.float_values`` on the device (16-bit values decoded into the
+        buffer's one scratch array: valid until the next call, as the EMA uses it)."""
         d = self.buffers[buf.number]
         fmt = _codec.half_format(buf.params.dtype)
         if fmt == NATIVE or d.master is not None:
             return d.params if fmt == NATIVE else d.master
-        values = self.cuda.device_array(buf.length, np.float32, stream=self.stream)
+        if d.decoded is None:  # allocated once, not at every EMA update
+            d.decoded = self.cuda.device_array(buf.length, np.float32, stream=self.stream)
         self.kernels_module.launch_elementwise(self.kernels_module.half_kernels()["decode"],
-                                               buf.length, self.stream, values,
+                                               buf.length, self.stream, d.decoded,
                                                d.params.view(np.uint16), fmt)
-        return values
+        return d.decoded
 
     def put_rounded(self, buf: FlatBuffer, values) -> None:
         self.kernels_module.launch_elementwise(

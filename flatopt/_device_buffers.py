@@ -65,6 +65,7 @@ class DeviceBuffer:
                                        cuda.to_device(_codec.HostArrays().tables, stream=stream))
         self.coded = None  # the _codec.CodedPlan over the arrays above (coded buffers)
         self.kernels = None  # what steps the buffer: the rule's plain or coded kernels
+        self.decoded = None  # float32 scratch: 16-bit parameters decoded for an EMA
         # presence and the columns change every step: they travel in one copy, packed
         self.staging, self.packed, views = _packed(cuda, (buf.present, *buf.kernel_columns),
                                                    stream)
