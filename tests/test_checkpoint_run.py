@@ -213,3 +213,165 @@ def test_a_member_file_of_another_save_is_refused(tmp_path):
     os.replace(os.path.join(b, member_b), os.path.join(a, member_a))
     with pytest.raises(flatopt.CheckpointCorrupt, match="not the file its run committed"):
         load(build(seed=5, steps=1), a)
+
+
+# ----------------------------------------------------------------------------- concurrency
+def resumed(loaded: dict, saved: dict) -> bool:
+    return all(state_equal(saved[n], loaded[n]) and loaded["schedulers"][n].state_dict()
+               == saved["schedulers"][n].state_dict() for n in ("muon", "adamw"))
+
+
+def test_a_save_never_removes_the_members_of_a_save_still_writing(tmp_path, monkeypatch):
+    """Save B pauses between its members; save A, of other optimizers, runs meanwhile. Before
+    the directory lock A's clean-up removed B's first member and B then committed a run
+    naming it: nothing loadable was left."""
+    import threading
+    a, b = build(seed=1), build(seed=2)
+    target = str(tmp_path / "run")
+    written = threading.Event()
+    go_on = threading.Event()
+    real = run._write_member
+
+    def slow_for_b(final, member, name, snapshot):
+        entry = real(final, member, name, snapshot)
+        if threading.current_thread().name == "B" and member.endswith(".0.h5"):
+            written.set()
+            go_on.wait(timeout=30)
+        return entry
+    monkeypatch.setattr(run, "_write_member", slow_for_b)
+    errors = []
+
+    def saving(kit):
+        try:
+            save(kit, target)
+        except Exception as exc:  # pragma: no cover - what the test is about
+            errors.append(exc)
+    tb = threading.Thread(target=saving, args=(b,), name="B")
+    tb.start()
+    assert written.wait(timeout=60)
+    ta = threading.Thread(target=saving, args=(a,), name="A")
+    ta.start()
+    ta.join(timeout=3)   # A waits for B's lock now; before, it finished here
+    go_on.set()
+    tb.join(timeout=60)
+    ta.join(timeout=60)
+    assert not errors and not ta.is_alive() and not tb.is_alive()
+    fresh = build(seed=9, steps=1)
+    load(fresh, target)
+    assert resumed(fresh, a)   # A committed last: it waited for B
+    assert sorted(e for e in os.listdir(target) if e.endswith(".h5")) == \
+        sorted(m["file"] for m in run.read_run(target)["members"])
+
+
+def test_a_save_removes_what_killed_saves_left(tmp_path):
+    """A run save killed while writing a member leaves ``.<save_id>.<k>.h5.<pid>.<rand>.tmp``
+    (and maybe whole members of a save that never committed); every save has a new id, so the
+    per-name clean-up of single files never matched them. The next save removes them all,
+    whatever the pid (with the directory locked, no other save of it is writing)."""
+    import subprocess
+    kit = build()
+    target = save(kit, tmp_path / "run")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftovers = [f".{'ab' * 8}.0.h5.{dead.pid}.abcd1234.tmp",
+                 f".{'cd' * 8}.1.h5.{os.getpid()}.x_y12345.tmp",
+                 f"{'ef' * 8}.0.h5"]
+    for entry in leftovers:
+        with open(os.path.join(target, entry), "wb") as f:
+            f.write(b"\0" * 4096)
+    kept = ["notes.txt", ".ab.0.h5.tmp"]   # a user's files, not named as flatopt names them
+    for entry in kept:
+        with open(os.path.join(target, entry), "wb") as f:
+            f.write(b"mine")
+    advance(kit, 1, 1)
+    save(kit, target)
+    left = set(os.listdir(target))
+    assert not left & set(leftovers)
+    assert set(kept) <= left
+    fresh = build(seed=9, steps=1)
+    load(fresh, target)
+    assert resumed(fresh, kit)
+
+
+def test_the_lock_file_is_never_followed(tmp_path):
+    """A symlink planted where the save lock lives is refused, not followed (nothing outside
+    the directory is created or locked), and the previous run stays."""
+    kit = build()
+    target = save(kit, tmp_path / "run")
+    lock = os.path.join(target, run.LOCK_FILE)
+    os.unlink(lock)
+    outside = tmp_path / "outside"
+    os.symlink(outside, lock)
+    before = run.read_run(target)
+    advance(kit, 1, 1)
+    with pytest.raises(flatopt.CheckpointError, match="lock"):
+        save(kit, target)
+    assert not outside.exists()
+    assert run.read_run(target) == before
+
+
+def test_locks_are_taken_in_one_order_whatever_the_dict_order(tmp_path):
+    """Two threads saving (or loading) runs of the same optimizers named in different orders
+    deadlocked: each took the first optimizer's lock and waited for the other's."""
+    kit = build()
+    order = []
+
+    class Recording:
+        def __init__(self, name, lock):
+            self.name, self.lock = name, lock
+
+        def __enter__(self):
+            order.append(self.name)
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+    for name in ("muon", "adamw"):
+        kit[name].lock = Recording(name, kit[name].lock)
+    flatopt.save(tmp_path / "ab", {"muon": kit["muon"], "adamw": kit["adamw"]})
+    first = list(order)
+    order.clear()
+    flatopt.save(tmp_path / "ba", {"adamw": kit["adamw"], "muon": kit["muon"]})
+    assert order[:2] == first[:2]
+    order.clear()
+    flatopt.load(tmp_path / "ab", {"adamw": kit["adamw"], "muon": kit["muon"]})
+    assert order[:2] == first[:2]
+
+
+def test_threads_saving_runs_in_both_orders_finish(tmp_path):
+    import threading
+    kit = build()
+    a, b = kit["muon"], kit["adamw"]
+
+    def saving(members, where):
+        for _ in range(15):
+            flatopt.save(where, members)
+            flatopt.load(where, members)
+    threads = [threading.Thread(target=saving, args=({"a": a, "b": b}, tmp_path / "x")),
+               threading.Thread(target=saving, args=({"b": b, "a": a}, tmp_path / "y"))]
+    for t in threads:
+        t.daemon = True
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+
+
+def test_a_load_during_a_newer_commit_reads_the_newer_run(tmp_path, monkeypatch):
+    """A load that read run.json of save S1, while another process commits S2 and removes
+    S1's members, found a member missing ('does not exist' or 'damaged'): it must read S2."""
+    first, second = build(seed=1), build(seed=2)
+    target = save(first, tmp_path / "run")
+    real = run.parse
+    calls = []
+
+    def with_a_commit_in_between(member):
+        if not calls:
+            calls.append(member)
+            save(second, target)   # commits and removes the members this load read of
+        return real(member)
+    monkeypatch.setattr(run, "parse", with_a_commit_in_between)
+    fresh = build(seed=9, steps=1)
+    load(fresh, target)
+    assert calls and not os.path.exists(calls[0])
+    assert resumed(fresh, second)

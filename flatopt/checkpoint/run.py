@@ -14,8 +14,14 @@ Every member is checked before the first file is written (all the optimizers' lo
 a load compares and validates every member against its optimizer before the first one changes;
 the members then load in one commit: if any fails, every optimizer, scheduler, EMA and scaler
 is put back. Replacing ``run.json`` commits a save (as a sharded checkpoint's manifest): a
-crash leaves the previous run, and the member files of a save that never committed are removed
-by the next save that does. ``inspect``, ``verify`` and ``diff`` show each member.
+crash leaves the previous run, and the member files (and temporary files) of a save that never
+committed are removed by the next save. ``inspect``, ``verify`` and ``diff`` show each member.
+
+Saves of one directory take turns (``path/.run.lock``, an ``flock`` held from the first member
+written to the last file removed), so a save's clean-up never removes the members of another
+save that may still commit. Loads take no lock: members are removed only after a newer
+``run.json`` is in place, so a member that cannot be opened while ``run.json`` names another
+save is superseded, and the load reads the newer run.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import os
 import re
 import secrets
+import stat
 from typing import Any, Mapping
 
 import h5py
@@ -34,6 +41,11 @@ from ..errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, Che
 from ..lookahead import Lookahead
 from ..optimizer import Optimizer
 from . import extras, files
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: saves of one directory from several processes are not ordered
+    fcntl = None
 from .format import check_flags
 from .loader import Prepared, check_options, parse
 from .manifest import MANIFEST
@@ -41,13 +53,15 @@ from .tools import diff_checkpoints, inspect_checkpoint, verify_checkpoint
 from .writer import Snapshot
 
 RUN_FILE = "run.json"
+LOCK_FILE = ".run.lock"
 RUN_FORMAT = "flatopt.checkpoint.run"
 RUN_VERSION = 1
 MAX_OPTIMIZERS = 256
 MAX_RUN_BYTES = 1 << 20
 _MEMBER = re.compile(r"(?P<save_id>[0-9a-f]{16})\.(?P<k>0|[1-9][0-9]{0,2})\.h5", re.ASCII)
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
-SUPERSEDED_RETRIES = 3
+# each retry follows a newer commit, so many are needed only under a stream of saves
+SUPERSEDED_RETRIES = 100
 
 
 def is_run(source) -> bool:
@@ -147,10 +161,61 @@ def named(exc: CheckpointError, name: str) -> CheckpointError:
 
 @contextlib.contextmanager
 def _all_locked(optimizers: Mapping[str, Optimizer]):
+    """Every optimizer's lock, taken in one global order (by id), whatever the dict's order:
+    two threads naming the same optimizers in different orders cannot deadlock."""
     with contextlib.ExitStack() as stack:
-        for opt in optimizers.values():
+        for opt in sorted(optimizers.values(), key=id):
             stack.enter_context(opt.lock)
         yield
+
+
+@contextlib.contextmanager
+def _directory_locked(final: str):
+    """The run directory's save lock (``flock`` on ``LOCK_FILE``, across processes and
+    threads), released when the save ends or its process dies. Never a symlink or anything
+    but a regular file: a planted one is refused, not followed."""
+    if fcntl is None:
+        yield
+        return
+    where = os.path.join(final, LOCK_FILE)
+    flags = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+             | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(where, flags, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot save checkpoint {final}: cannot open its lock file "
+                              f"{where}: {exc}", path=final) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"cannot save checkpoint {final}: {where} is not a regular "
+                                  "file (flatopt keeps its save lock there)", path=final)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            raise CheckpointError(f"cannot save checkpoint {final}: cannot lock {where}: "
+                                  f"{exc}", path=final) from exc
+        yield
+    finally:
+        os.close(fd)
+
+
+def _remove_uncommitted(final: str, keep: set[str]) -> None:
+    """Remove the member files whose save id is not in ``keep``, and the temporary files of
+    members of any save but ``keep``'s (a killed save's: with the directory locked, no other
+    save of it is writing). Called with the directory locked."""
+    for entry in os.listdir(final):
+        temporary = files.TEMPORARY.fullmatch(entry)
+        member = _MEMBER.fullmatch(temporary["name"] if temporary else entry)
+        if member and member["save_id"] not in keep:
+            files.remove_plain_file(os.path.join(final, entry))
+
+
+def _committed_save_id(final: str) -> str | None:
+    """The save id ``run.json`` commits, or None when there is none (or it is damaged)."""
+    try:
+        return read_run(final)["save_id"]
+    except CheckpointError:
+        return None
 
 
 # ----------------------------------------------------------------------------- save
@@ -189,14 +254,36 @@ def save(path, optimizers: Mapping, *, schedulers=None, metadata=None, arrays=No
             os.makedirs(final, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot save checkpoint {final}: {exc}", path=final) from exc
-        members = []
-        for k, (name, snapshot) in enumerate(zip(optimizers, snapshots)):
-            member = f"{save_id}.{k}.h5"
-            files.replace_atomically(os.path.join(final, member), snapshot.write)
-            with h5py.File(os.path.join(final, member), "r") as f:
-                digest = f.attrs["digest"]
-            members.append({"name": name, "file": member,
-                            "digest": digest.decode() if isinstance(digest, bytes) else digest})
+        with _directory_locked(final):
+            try:
+                committed = _committed_save_id(final)
+                # what crashed saves left, before this one needs the space
+                _remove_uncommitted(final, {committed, save_id})
+                members = [_write_member(final, f"{save_id}.{k}.h5", name, snapshot)
+                           for k, (name, snapshot) in enumerate(zip(optimizers, snapshots))]
+                _commit(final, save_id, members)
+            except OSError as exc:
+                raise CheckpointError(f"cannot save checkpoint {final}: {exc}",
+                                      path=final) from exc
+            _remove_uncommitted(final, {save_id})   # the previous run's members
+    return final
+
+
+def _write_member(final: str, member: str, name: str, snapshot: Snapshot) -> dict:
+    """Write one member file; its entry in ``run.json``."""
+    where = os.path.join(final, member)
+    files.replace_atomically(where, snapshot.write)
+    try:
+        with h5py.File(where, "r") as f:
+            digest = f.attrs["digest"]
+    except (OSError, KeyError) as exc:
+        raise CheckpointError(f"cannot save checkpoint {final}: member {name!r} ({where}) "
+                              f"cannot be read back: {exc}", path=final) from exc
+    return {"name": name, "file": member,
+            "digest": digest.decode() if isinstance(digest, bytes) else digest}
+
+
+def _commit(final: str, save_id: str, members: list[dict]) -> None:
     content = {"format": RUN_FORMAT, "format_version": RUN_VERSION, "save_id": save_id,
                "members": members}
     content["digest"] = _digest(content)
@@ -205,12 +292,7 @@ def save(path, optimizers: Mapping, *, schedulers=None, metadata=None, arrays=No
     def write(tmp: str) -> None:
         with open(tmp, "wb") as out:
             out.write(text)
-    files.replace_atomically(os.path.join(final, RUN_FILE), write)   # the commit
-    for entry in os.listdir(final):   # member files of earlier (or crashed) saves
-        match = _MEMBER.fullmatch(entry)
-        if match and match["save_id"] != save_id:
-            files.remove_plain_file(os.path.join(final, entry))
-    return final
+    files.replace_atomically(os.path.join(final, RUN_FILE), write)
 
 
 # ----------------------------------------------------------------------------- read
@@ -275,18 +357,20 @@ def open_members(directory: str):
         try:
             for entry in content["members"]:
                 member = os.path.join(os.path.abspath(directory), entry["file"])
-                if not os.path.isfile(member) and attempt < SUPERSEDED_RETRIES - 1 \
-                        and read_run(directory)["save_id"] != content["save_id"]:
-                    raise _Superseded
                 ck = opened[entry["name"]] = parse(member)
                 if ck.digest != entry["digest"]:
                     raise CheckpointCorrupt(
                         f"checkpoint {directory}: member {entry['name']!r} ({member}) is not "
                         "the file its run committed (its digest differs)", path=member)
-        except _Superseded:
+        except CheckpointError:
             for ck in opened.values():
                 ck.close()
-            continue
+            # a newer save's clean-up removes members only after its commit: a member that
+            # failed while run.json names another save was superseded, not damaged
+            if attempt < SUPERSEDED_RETRIES - 1 \
+                    and _committed_save_id(directory) not in (None, content["save_id"]):
+                continue
+            raise
         except BaseException:
             for ck in opened.values():
                 ck.close()
@@ -297,10 +381,6 @@ def open_members(directory: str):
             for ck in opened.values():
                 ck.close()
         return
-
-
-class _Superseded(Exception):
-    """A save committed while the run was being opened: open the newer one."""
 
 
 # ----------------------------------------------------------------------------- load
