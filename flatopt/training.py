@@ -16,6 +16,7 @@ import numpy as np
 from . import _stepping
 from ._stepping import StepResult
 from .errors import GradientError, HyperparameterError, StateDictError
+from .lookahead import Lookahead
 from .optimizer import Optimizer
 
 
@@ -111,8 +112,10 @@ class GradScaler:
 
     def step(self, opt: Optimizer, grads: Mapping[str, Any] | None = None,
              **options: Any) -> StepResult:
-        """``opt.step`` with the scale removed and non-finite gradients skipped."""
-        opt = _optimizer(opt, "GradScaler.step()")
+        """``opt.step`` with the scale removed and non-finite gradients skipped (``opt`` is
+        an optimizer or a :class:`~flatopt.Lookahead` over one, as torch's takes timm's)."""
+        if not isinstance(opt, Lookahead):
+            opt = _optimizer(opt, "GradScaler.step()")
         if not self._enabled:
             return opt.step(grads, **options)
         result = opt.step(grads, grad_scale=self._scale, skip_nonfinite=True, **options)
@@ -252,6 +255,7 @@ class EMA:
 
     def state_dict(self) -> dict[str, Any]:
         """Settings, count and the averages by path (copies)."""
+        self._check_layout()   # a group added since would be missing from the averages
         return {"decay": self.decay, "warmup": self.warmup, "num_updates": self.num_updates,
                 "averages": {path: self._device.to_host(view)
                              for path, view in self.params.items()}}

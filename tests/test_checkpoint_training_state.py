@@ -162,3 +162,41 @@ def test_background_saves_take_ema_and_scaler(tmp_path):
     opt2, ema2, scaler2 = fresh()
     flatopt.load(tmp_path / "ck.h5", opt2, ema=ema2, scaler=scaler2)
     assert same_ema(ema, ema2) and scaler2.state_dict() == scaler.state_dict()
+
+
+# ----------------------------------------------------------------------------- found by the state machine
+@pytest.mark.parametrize("what", ["ema", "scheduler"])
+def test_an_ema_or_scheduler_made_before_a_group_was_added_is_refused_by_save(tmp_path, what):
+    """Found by tests/test_state_machine.py: after ``add_param_group`` an EMA (or scheduler)
+    made before it covers fewer groups; save wrote the scheduler (then load refused the file)
+    and failed on the EMA with a bare KeyError. Save now refuses both, as their update and
+    step do, before the target is touched."""
+    opt = flatopt.AdamW({"w": np.ones(3, np.float32)}, lr=0.1)
+    more = {"ema": flatopt.EMA(opt, 0.9)} if what == "ema" else \
+        {"scheduler": flatopt.lr_scheduler.StepLR(opt, 2)}
+    target = tmp_path / "ck.h5"
+    flatopt.save(target, opt, **more)
+    before = target.read_bytes()
+    opt.add_param_group({"params": {"v": np.ones(2, np.float32)}})
+    with pytest.raises(flatopt.CheckpointOptionError, match=f"{what}=: .*(group|groups)"):
+        flatopt.save(target, opt, **more)
+    assert target.read_bytes() == before
+    with pytest.raises(flatopt.HyperparameterError):
+        (more["ema"].state_dict() if what == "ema" else more["scheduler"].state_dict())
+
+
+def test_a_grad_scaler_steps_a_lookahead():
+    """torch's GradScaler steps any optimizer, timm's Lookahead included; flatopt's refused a
+    Lookahead with a bare TypeError (found by tests/test_state_machine.py)."""
+    def kit():
+        opt = flatopt.SGD({"w": np.ones(4, np.float32)}, lr=0.1, momentum=0.9)
+        return opt, flatopt.Lookahead(opt, k=2)
+    (a, la), (b, lb) = kit(), kit()
+    scaler = flatopt.GradScaler(init_scale=8.0)
+    for step in range(4):
+        g = np.full(4, step + 1.0, np.float32)
+        scaler.step(la, {"w": g * 8.0})
+        scaler.update()
+        lb.step({"w": g})
+    assert a.params["w"].tobytes() == b.params["w"].tobytes()
+    assert la.state_dict()["steps"] == lb.state_dict()["steps"] == [4]

@@ -24,7 +24,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import CheckpointError, CheckpointMismatch, StateDictError
+from ..errors import (CheckpointError, CheckpointMismatch, CheckpointOptionError,
+                      HyperparameterError, StateDictError)
 from . import precision
 from .format import NEST, OWN_PREFIX
 
@@ -49,7 +50,10 @@ def own_arrays(opt, ema: Any, scaler: Any, lookahead: Any = None) -> dict[str, n
                                                                          None)):
             raise CheckpointError(f"ema= takes a flatopt.EMA of the optimizer being saved, got "
                                   f"{type(ema).__name__}{' of another optimizer' if hasattr(ema, 'opt') else ''}")
-        state = ema.state_dict()
+        try:
+            state = ema.state_dict()
+        except HyperparameterError as exc:   # the optimizer gained a group after the EMA
+            raise CheckpointOptionError(f"ema=: {exc}") from None
         for key in EMA_SETTINGS:
             out[NEST.join((EMA_KEY, key))] = np.asarray(state[key])
         out.update(_packed_averages(opt, state["averages"]))

@@ -31,7 +31,7 @@ import h5py
 import numpy as np
 
 from .._version import __version__
-from ..errors import CheckpointError, CheckpointOptionError
+from ..errors import CheckpointError, CheckpointOptionError, HyperparameterError
 from ..optimizer import Optimizer
 from ..schema import column_problems, slot_value_problems
 from . import files, precision
@@ -133,7 +133,11 @@ class Snapshot:
             if not callable(getattr(scheduler, "state_dict", None)):
                 raise CheckpointError(f"scheduler must have a state_dict() method, got "
                                       f"{type(scheduler).__name__}")
-            self.header["scheduler"] = to_json(scheduler.state_dict(), "scheduler.state_dict()")
+            try:
+                state = scheduler.state_dict()
+            except HyperparameterError as exc:   # built before the optimizer's last group
+                raise CheckpointOptionError(f"scheduler=: {exc}") from None
+            self.header["scheduler"] = to_json(state, "scheduler.state_dict()")
         texts = {"metadata": self.header["metadata"],
                  **({"scheduler state": self.header["scheduler"]}
                     if "scheduler" in self.header else {}),

@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from ..errors import StateDictError
+from ..errors import HyperparameterError, StateDictError
 from ._checks import (EPOCH_DEPRECATION_WARNING, any_reals, check_last_epoch,
                       check_optimizer, group_lrs, integer, is_real, plain, reals,
                       require_initial_lr)
@@ -92,7 +92,7 @@ class LRScheduler:
     def _check_group_count(self) -> None:
         count = len(self.optimizer.param_groups)
         if count != len(self.base_lrs):
-            raise ValueError(
+            raise HyperparameterError(
                 f"{type(self).__name__} was built for {len(self.base_lrs)} param groups, but "
                 f"the optimizer now has {count}: build the scheduler after the last "
                 "add_param_group()")
@@ -150,7 +150,9 @@ class LRScheduler:
         return {key: getattr(self, key) for key in self.extra_state}
 
     def state_dict(self) -> dict[str, Any]:
-        """The scheduler's state as JSON data (no optimizer), tagged with the class name."""
+        """The scheduler's state as JSON data (no optimizer), tagged with the class name.
+        Refused once the optimizer has gained a group: no load could take it back."""
+        self._check_group_count()
         state: dict[str, Any] = {"scheduler": type(self).__name__}
         for key in self._core_state:
             state[key] = getattr(self, key)

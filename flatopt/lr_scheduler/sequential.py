@@ -63,6 +63,7 @@ class _Composite(LRScheduler):
             scheduler._check_group_count()
 
     def state_dict(self) -> dict[str, Any]:
+        self._check_group_count()
         state = {"scheduler": type(self).__name__,
                  **{key: getattr(self, key) for key in self._own_state}}
         state = plain(state, f"{type(self).__name__}.state_dict()")
