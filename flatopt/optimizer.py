@@ -21,7 +21,7 @@ import numpy as np
 from . import (_codec, _device, _lossless, _params, _restore, _state_dict, _stepping, _storage,
                distributed)
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
-from ._plan import Plan, make_plan, update_together
+from ._plan import Plan, make_plan, update_all
 from ._restore import BufferState
 from ._stepping import StepResult
 from ._validated import Validated, validate_groups
@@ -30,7 +30,6 @@ from .errors import GradientError, HyperparameterError, ParamError, \
     StateDictError, UnknownPathError
 from .errors import raise_problems as _raise
 from .schema import Schema, describe_group, near
-
 
 
 def _locked(method):
@@ -428,28 +427,8 @@ class Optimizer:
         prepare, then the update (with gradient ``multiplier``), through ``layer``: the
         device, or a ZeRO-1 ``Sharding``, which runs the same update over its rank's range of
         each buffer. Whether some parameter was stepped."""
-        layer = self._device if layer is None else layer
-        scale = multiplier != 1.0
-        together = self.schema.rule.global_reductions
-        stepped = False
-        staged = []
-        for buf in self.buffers:
-            plan = self.plan(buf, settings[buf.group])
-            arrays = layer.arrays(buf, plan)
-            if arrays is None:
-                continue  # nothing to step: no state is allocated
-            if layer.prepare(buf, plan):
-                stepped = True
-                if buf.coded:  # the stochastic rounding stream of this step (a plain
-                    buf.draws += 1  # buffer draws nothing, and saves no count)
-                if together:
-                    staged.append((buf, plan, arrays))
-                else:
-                    layer.update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
-                                 else plan.one, scale)
-        if staged:
-            update_together(self, settings, staged, layer, multiplier)
-        return stepped
+        return update_all(self, settings, multiplier,
+                          self._device if layer is None else layer)
 
     def warn_once(self, message: str, stacklevel: int) -> None:
         """Warn that a step updated nothing, once per optimizer."""
