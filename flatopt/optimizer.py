@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -83,6 +84,7 @@ class Optimizer:
         self._validated: list[Validated | None] = []
         self._plans: list[Plan | None] = []
         self._warned_no_gradient = False
+        self._group_checks: list[weakref.WeakMethod] = []
         self.lock = threading.RLock()
         """Held by step, zero_grad, add_param_group, state_dict, load_state_dict, restore and
         by flatopt.save / flatopt.load for the whole save or load: one optimizer is safe to
@@ -145,6 +147,12 @@ class Optimizer:
         self.settings()  # the existing groups must be intact before more are added
         self._add_groups([group])
 
+    def check_added_groups(self, check) -> None:
+        """Have ``check(number, paths, storages)`` (a bound method, held weakly) vet every
+        group :meth:`add_param_group` adds, before anything changes: a wrapper that cannot
+        serve some groups (``Lookahead``: reduced precision) raises to refuse one."""
+        self._group_checks.append(weakref.WeakMethod(check))
+
     def _add_groups(self, groups: list, require_params: bool = False) -> None:
         """Validate every group completely, then build their buffers (all or nothing)."""
         param_problems: list[str] = []
@@ -176,6 +184,9 @@ class Optimizer:
         next_id = len(self.index)
         resolved = [_storage.resolve_group(self.schema, storage, entries, len(self.param_groups) + n)
                     for n, (_, storage, entries) in enumerate(staged)]
+        for n, ((_, _, entries), storages) in enumerate(zip(staged, resolved)):
+            for check in filter(None, (ref() for ref in self._group_checks)):
+                check(len(self.param_groups) + n, [p for p, _ in entries], storages)
         for (values, storage, entries), storages in zip(staged, resolved):
             ids = {path: next_id + k for k, (path, _) in enumerate(entries)}
             next_id += len(entries)
