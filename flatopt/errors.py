@@ -47,6 +47,12 @@ class DeviceError(FlatoptError, RuntimeError):
     an array lives on another device than the optimizer's."""
 
 
+class EnvironmentVariableError(FlatoptError, ValueError):
+    """An environment variable flatopt reads (``FLATOPT_PARALLEL``) holds a value it does not
+    know. Raised where the value would be used (a kernel call), not at import, so tools that
+    never step (``flatopt inspect``, checkpoint reading) still run."""
+
+
 class CheckpointError(FlatoptError):
     """A checkpoint could not be saved or loaded. ``path`` names the file (or None)."""
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from ._layout import CHUNK_ELEMENTS
 from .errors import DeviceError, HyperparameterError, StateDictError
+from .kernels.threads import check_policy
 from .kernels.tools import lookahead_into
 from .optimizer import Optimizer
 
@@ -123,6 +124,7 @@ class Lookahead:
 
     def _sync(self, groups) -> None:
         opt = self.optimizer
+        check_policy()  # FLATOPT_PARALLEL: refused before the first slow weight changes
         wanted = set(groups)
         with opt.lock:
             for buf, slow, started in zip(opt.buffers, self.buffers, self.started):

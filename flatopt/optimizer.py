@@ -30,6 +30,7 @@ from ._views import Gradients, ParamViews
 from .errors import GradientError, HyperparameterError, ParamError, \
     StateDictError, UnknownPathError
 from .errors import raise_problems as _raise
+from .kernels.threads import check_policy
 from .schema import Schema, describe_group, near
 
 
@@ -277,6 +278,7 @@ class Optimizer:
         array in the buffer's dtype), or None to leave it alone. A buffer whose ``slots`` are
         not allocated has no state. Sharded: each rank its own range, then the parameters
         are gathered (collective: every rank calls it)."""
+        check_policy()  # before the first buffer changes
         if self._sharding is not None:
             self._sharding.map_state(rule, slots, arguments)
             return
@@ -315,6 +317,7 @@ class Optimizer:
         Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``).
         With ``comm=``, every rank calls ``step`` (see :mod:`flatopt.distributed`).
         """
+        check_policy()  # FLATOPT_PARALLEL: refused before anything changes
         if self._sharding is not None:
             return self._sharding.step(grads, max_grad_norm=max_grad_norm, norm_type=norm_type,
                                        grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
