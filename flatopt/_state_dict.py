@@ -188,7 +188,7 @@ def _saved_settings(opt, saved_groups: Any, problems: list[str],
         values, more = opt.schema.check_group(
             merged, f"saved {describe_group(match[0], match[1])}")
         problems += more
-        settings.append(values)
+        settings.append(None if more else values)  # invalid values check no state
     return settings
 
 
