@@ -531,7 +531,7 @@ class Optimizer:
 
     @_locked
     def load_torch_state_dict(self, state_dict: Mapping[str, Any], names: Any, *,
-                              hyperparameters: str = "saved") -> None:
+                              hyperparameters: str = "saved", convert: bool = False) -> None:
         """Continue a run made with ``torch.optim``: load its ``state_dict()`` into this
         optimizer (built with the same parameters, their current values, and groups).
         ``names`` gives the path of each of torch's parameter indices: a list (torch numbers
@@ -539,9 +539,10 @@ class Optimizer:
         ``{index: path}``. torch's ``foreach``/``fused`` are dropped; its tensors become
         arrays, its step counts ints. Then exactly :meth:`load_state_dict`'s checks and
         ``hyperparameters`` option; on any problem a :class:`StateDictError` and nothing
-        changes."""
-        self.load_state_dict(_state_dict.from_torch(self, state_dict, names),
-                             hyperparameters=hyperparameters)
+        changes. ``convert=True`` loads into reduced-precision buffers (and state of another
+        float dtype than the parameter's) through float32 values, as ``load_state_dict``."""
+        self.load_state_dict(_state_dict.from_torch(self, state_dict, names, convert),
+                             hyperparameters=hyperparameters, convert=convert)
 
     # ----------------------------------------------------------------- restore (load contract)
     @_locked
