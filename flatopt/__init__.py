@@ -12,7 +12,7 @@ from .checkpoint import CheckpointData, Difference, LoadResult, load, read, save
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                      CheckpointOptionError, DeviceError, EnvironmentVariableError, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ModeError,
-                     ParamError, StateDictError,
+                     NonFiniteGradientWarning, ParamError, StateDictError,
                      UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
@@ -54,7 +54,7 @@ __all__ = [
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "ModeError", "StateDictError", "UnknownPathError", "UnknownGradientError",
-    "EnvironmentVariableError",
+    "EnvironmentVariableError", "NonFiniteGradientWarning",
     "save", "load", "read", "LoadResult", "CheckpointData", "Difference",
     "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt", "CheckpointOptionError",
     "__version__",

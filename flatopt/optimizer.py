@@ -27,7 +27,7 @@ from ._restore import BufferState
 from ._stepping import StepResult
 from ._validated import Validated, validate_groups
 from ._views import Gradients, ParamViews
-from .errors import GradientError, HyperparameterError, ParamError, \
+from .errors import GradientError, HyperparameterError, NonFiniteGradientWarning, ParamError, \
     StateDictError, UnknownPathError
 from .errors import raise_problems as _raise
 from .kernels.threads import check_policy
@@ -84,7 +84,7 @@ class Optimizer:
         self._group_paths: list[tuple[str, ...]] = []
         self._validated: list[Validated | None] = []
         self._plans: list[Plan | None] = []
-        self._warned_no_gradient = False
+        self._warned: set[type[Warning]] = set()
         self._group_checks: list[weakref.WeakMethod] = []
         self.lock = threading.RLock()
         """Held by step, zero_grad, add_param_group, state_dict, load_state_dict, restore and
@@ -314,7 +314,9 @@ class Optimizer:
           step: no parameter, state or step count changes.
         - ``error_if_nonfinite``: raise :class:`GradientError` instead (nothing changes).
 
-        Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``).
+        Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``). The first
+        non-finite gradient a step goes ahead with gives a ``NonFiniteGradientWarning`` (once;
+        until then a step without these options makes one reading pass to look for it).
         With ``comm=``, every rank calls ``step`` (see :mod:`flatopt.distributed`).
         """
         check_policy()  # FLATOPT_PARALLEL: refused before anything changes
@@ -329,12 +331,15 @@ class Optimizer:
         multiplier, result = _stepping.gradient_multiplier(
             self._device.reduce_present, max_grad_norm=max_grad_norm, norm_type=norm_type,
             grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
-            error_if_nonfinite=error_if_nonfinite)
+            error_if_nonfinite=error_if_nonfinite,
+            check_nonfinite=not self.warned(NonFiniteGradientWarning))
         if result.skipped:
             return result
         settings = self.advance(settings)
         stepped = self.update_buffers(settings, multiplier)
         self.after_step(settings)
+        if result.nonfinite:
+            self.warn_once(_stepping.NONFINITE_WARNING, 4, NonFiniteGradientWarning)
         if not stepped:
             self.warn_once("no gradient is marked present, so nothing was updated. Gradients "
                            "written into opt.grads[path] (with out= or [...] =) must be marked "
@@ -444,11 +449,18 @@ class Optimizer:
         return update_all(self, settings, multiplier,
                           self._device if layer is None else layer)
 
-    def warn_once(self, message: str, stacklevel: int) -> None:
-        """Warn that a step updated nothing, once per optimizer."""
-        if not self._warned_no_gradient:
-            self._warned_no_gradient = True
-            warnings.warn(f"{type(self).__name__}.step(): {message}", stacklevel=stacklevel)
+    def warn_once(self, message: str, stacklevel: int,
+                  category: type[Warning] = UserWarning) -> None:
+        """Warn from a step, once per optimizer and ``category``: UserWarning that a step
+        updated nothing, ``NonFiniteGradientWarning`` that one went ahead with NaN."""
+        if category not in self._warned:
+            self._warned.add(category)
+            warnings.warn(f"{type(self).__name__}.step(): {message}", category,
+                          stacklevel=stacklevel)
+
+    def warned(self, category: type[Warning]) -> bool:
+        """Whether :meth:`warn_once` has given a warning of ``category``."""
+        return category in self._warned
 
     def host_side(self):
         """A context in which host code may rewrite the buffers' host arrays and
