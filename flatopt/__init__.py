@@ -10,9 +10,10 @@ from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._views import Gradients, ParamViews
 from .checkpoint import CheckpointData, Difference, LoadResult, load, read, save
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
-                     CheckpointOptionError, DeviceError, FlatoptError,
+                     CheckpointOptionError, DeviceError, EnvironmentVariableError, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ModeError,
-                     ParamError, StateDictError, UnknownGradientError, UnknownPathError)
+                     NonFiniteGradientWarning, ParamError, StateDictError,
+                     UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
 from .optimizers import (ADOPT, ASGD, SGD, ADOPTParamState, Adadelta, AdadeltaParamState, Adafactor,
@@ -53,6 +54,7 @@ __all__ = [
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "ModeError", "StateDictError", "UnknownPathError", "UnknownGradientError",
+    "EnvironmentVariableError", "NonFiniteGradientWarning",
     "save", "load", "read", "LoadResult", "CheckpointData", "Difference",
     "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt", "CheckpointOptionError",
     "__version__",

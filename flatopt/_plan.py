@@ -57,6 +57,33 @@ def make_plan(opt, buf: FlatBuffer, settings: dict, previous: Plan | None) -> Pl
     return plan
 
 
+def update_all(opt, settings: list, multiplier: float, layer) -> bool:
+    """``Optimizer.update_buffers``: per buffer its plan, ``layer.arrays``,
+    ``layer.prepare`` and ``layer.update`` (or, with global reductions, the passes of
+    :func:`update_together` over every prepared buffer). Whether some parameter was stepped."""
+    scale = multiplier != 1.0
+    together = opt.schema.rule.global_reductions
+    stepped = False
+    staged = []
+    for buf in opt.buffers:
+        plan = opt.plan(buf, settings[buf.group])
+        arrays = layer.arrays(buf, plan)
+        if arrays is None:
+            continue  # nothing to step: no state is allocated
+        if layer.prepare(buf, plan):
+            stepped = True
+            if buf.coded:  # the stochastic rounding stream of this step (a plain
+                buf.draws += 1  # buffer draws nothing, and saves no count)
+            if together:
+                staged.append((buf, plan, arrays))
+            else:
+                layer.update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
+                             else plan.one, scale)
+    if staged:
+        update_together(opt, settings, staged, layer, multiplier)
+    return stepped
+
+
 def update_together(opt, settings: list, staged: list, layer, multiplier: float) -> None:
     """One step of a rule with global reductions over the ``staged`` (buffer, plan,
     arrays) items (prepared buffers): ``combine`` gives the reduce pass's scalars;

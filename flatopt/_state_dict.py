@@ -5,12 +5,14 @@ validates and applies, the path a checkpoint load takes too."""
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from . import _codec, _lossless, _restore
+from ._storage import BFLOAT16, dtype_name
 from .errors import StateDictError, raise_problems
 from .schema import describe_group
 
@@ -188,7 +190,7 @@ def _saved_settings(opt, saved_groups: Any, problems: list[str],
         values, more = opt.schema.check_group(
             merged, f"saved {describe_group(match[0], match[1])}")
         problems += more
-        settings.append(values)
+        settings.append(None if more else values)  # invalid values check no state
     return settings
 
 
@@ -196,72 +198,239 @@ def _saved_settings(opt, saved_groups: Any, problems: list[str],
 # torch's implementation switches in its param_groups: chosen per run, not state
 TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused")
 TORCH_REFUSED_KEYS = ("capturable", "differentiable")
+TORCH_KEYS = ("state", "param_groups")
+FLOAT_DTYPES = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32),
+                np.dtype(np.float64))
 
 
-def from_torch(opt, torch_state_dict: Any, names: Any) -> dict[str, Any]:
+def from_torch(opt, torch_state_dict: Any, names: Any, convert: bool = False) -> dict[str, Any]:
     """A flatopt state dict (see :func:`build`) from a ``torch.optim`` optimizer's
     ``state_dict()``: torch's parameter indices become ``names[index]``, its 0-d tensors the
-    schema's columns (``step`` an int), its tensors NumPy arrays. Raises StateDictError naming
-    every problem; nothing is checked against ``opt`` here but the names (``parse`` does)."""
-    problems: list[str] = []
-    if not isinstance(torch_state_dict, Mapping) or not {"state", "param_groups"} <= set(
+    schema's columns (``step`` an int), its tensors NumPy arrays (bfloat16 ones as
+    ``ml_dtypes.bfloat16``). With ``convert`` (True), float state of another dtype than the
+    live buffer computes in is cast to it (then ``load_state_dict(convert=True)`` encodes it
+    in a reduced-precision buffer's format); without, such state and any state for a
+    reduced-precision buffer is a problem that names ``convert=True``. Raises StateDictError
+    naming every problem (every level of the dict is checked for its type here, the values
+    against ``opt`` by ``parse``)."""
+    if not isinstance(convert, (bool, np.bool_)):
+        raise StateDictError(f"convert must be True or False, got {_short(convert)}")
+    if not isinstance(torch_state_dict, Mapping) or not set(TORCH_KEYS) <= set(
             torch_state_dict):
         raise StateDictError("a torch optimizer's state_dict() is a dict with 'state' and "
                              f"'param_groups', got {_describe(torch_state_dict)}")
+    problems: list[str] = []
+    extra = [key for key in torch_state_dict if key not in TORCH_KEYS]
+    if extra:
+        problems.append(f"torch state dict has keys {_short(extra)} besides 'state' and "
+                        "'param_groups', which torch's state_dict() does not write (a flatopt "
+                        "state dict loads with load_state_dict())")
+    path_of = _torch_names(opt, names, problems)
+    groups = _torch_groups(opt, torch_state_dict["param_groups"], path_of, problems)
+    state = _torch_state(opt, torch_state_dict["state"], path_of, convert, problems)
+    raise_problems(problems, StateDictError)
+    return {"format": STATE_DICT_FORMAT, "version": 1,  # float values: no storage list
+            "optimizer": opt.schema.name, "param_groups": groups, "state": state}
+
+
+def _torch_names(opt, names: Any, problems: list[str]) -> dict[int, str]:
+    """``names`` as {torch index: path}, each a distinct parameter of ``opt``."""
     if isinstance(names, Mapping):
-        path_of = dict(names)
+        items = list(names.items())
     elif isinstance(names, (list, tuple)):
-        path_of = dict(enumerate(names))
+        items = list(enumerate(names))
     else:
         raise StateDictError("names must be a list of paths (torch's parameter i is "
                              f"names[i]) or a dict {{index: path}}, got {_describe(names)}")
-    for index, path in path_of.items():
-        if path not in opt.index:
-            problems.append(f"names[{index}] = {path!r} is not a parameter of this optimizer")
+    path_of: dict[int, str] = {}
+    first: dict[str, int] = {}
+    for index, path in items:
+        if not _is_index(index):
+            problems.append(f"names: key {_short(index)} is not a parameter index (an int >= 0)")
+        elif not isinstance(path, str) or path not in opt.index:
+            problems.append(f"names[{index}] = {_short(path)} is not a parameter of this "
+                            "optimizer")
+        elif path in first:
+            problems.append(f"names[{index}] = {path!r} is names[{first[path]}] too: each "
+                            "parameter has one torch index")
+        else:
+            first[path] = int(index)
+            path_of[int(index)] = path
+    return path_of
+
+
+def _torch_groups(opt, raw: Any, path_of: dict[int, str], problems: list[str]) -> list[dict]:
+    """torch's param groups with paths for indices and its own switches dropped."""
+    if not isinstance(raw, (list, tuple)):
+        problems.append(f"torch 'param_groups' must be a list of dicts, got {_describe(raw)}")
+        return []
     groups = []
-    for number, group in enumerate(torch_state_dict["param_groups"]):
+    seen: dict[int, int] = {}
+    for number, group in enumerate(raw):
+        where = f"torch param group {number}"
+        if not isinstance(group, Mapping) or "params" not in group:
+            problems.append(f"{where} must be a dict with a 'params' list, got "
+                            f"{_describe(group)}")
+            continue
         converted = {}
         for key, value in group.items():
-            if key == "params":
-                missing = [i for i in value if i not in path_of]
-                if missing:
-                    problems.append(f"torch param group {number}: parameter indices {missing} "
-                                    "have no name in names")
-                converted["params"] = [path_of.get(i) for i in value]
+            if not isinstance(key, str):
+                problems.append(f"{where}: key {_short(key)} is not a name")
+            elif key == "params":
+                converted["params"] = _torch_params(value, where, number, path_of, seen,
+                                                    problems)
             elif key in TORCH_IMPLEMENTATION_KEYS:
                 continue
-            elif key not in opt.schema.hyperparameters and getattr(opt, key, None) == value:
+            elif key not in opt.schema.hyperparameters and _fixed(opt, key, value):
                 continue  # fixed by the class (torch's AdamW: decoupled_weight_decay=True)
-            elif key in TORCH_REFUSED_KEYS and value:
-                problems.append(f"torch param group {number}: {key}=True has no meaning in "
-                                "flatopt")
+            elif key in TORCH_REFUSED_KEYS and not _unset(value):
+                problems.append(f"{where}: {key}={_short(value)} has no meaning in flatopt")
             elif key in opt.schema.hyperparameters or key in ("initial_lr", "label") \
-                    or value:
+                    or not _unset(value):
                 converted[key] = value  # an unknown key set to a value is refused by parse
         groups.append(converted)
+    return groups
+
+
+def _torch_params(value: Any, where: str, number: int, path_of: dict[int, str],
+                  seen: dict[int, int], problems: list[str]) -> list[str]:
+    if not isinstance(value, (list, tuple)):
+        problems.append(f"{where}: 'params' must be a list of parameter indices, got "
+                        f"{_describe(value)}")
+        return []
+    indices = []
+    for index in value:
+        if not _is_index(index):
+            problems.append(f"{where}: {_short(index)} in 'params' is not a parameter index "
+                            "(an int >= 0)")
+        elif int(index) in seen:
+            problems.append(f"{where}: parameter index {index} is listed twice (also in "
+                            f"torch param group {seen[int(index)]})")
+        else:
+            seen[int(index)] = number
+            indices.append(int(index))
+    missing = [i for i in indices if i not in path_of]
+    if missing:
+        problems.append(f"{where}: parameter indices {_short(missing)} have no name in names")
+    return [path_of[i] for i in indices if i in path_of]
+
+
+def _torch_state(opt, raw: Any, path_of: dict[int, str], convert: bool,
+                 problems: list[str]) -> dict[str, dict]:
+    """torch's per-parameter state by path, each value read as flatopt keeps it."""
+    if not isinstance(raw, Mapping):
+        problems.append(f"torch 'state' must be a dict {{index: {{name: tensor}}}}, got "
+                        f"{_describe(raw)}")
+        return {}
     state = {}
-    for index, entry in torch_state_dict["state"].items():
-        path = path_of.get(index)
+    for index, entry in raw.items():
+        path = path_of.get(int(index)) if _is_index(index) else None
         if path is None:
-            problems.append(f"torch state of parameter {index} has no name in names")
+            problems.append(f"torch state of parameter {_short(index)} has no name in names")
             continue
-        state[path] = {name: _from_tensor(opt.schema, name, value)
-                       for name, value in entry.items()}
-    raise_problems(problems, StateDictError)
-    return {"format": STATE_DICT_FORMAT, "version": 1,  # float32 values: no storage list
-            "optimizer": opt.schema.name, "param_groups": groups, "state": state}
+        where = f"torch state of parameter {index} ({path!r})"
+        if not isinstance(entry, Mapping):
+            problems.append(f"{where} must be a dict {{name: tensor}}, got {_describe(entry)}")
+            continue
+        buf = opt.buffers[opt.index[path].buffer]
+        converted = {}
+        for name, value in entry.items():
+            if not isinstance(name, str):
+                problems.append(f"{where}: key {_short(name)} is not a name")
+                continue
+            try:
+                converted[name] = _from_tensor(opt.schema, name, value)
+            except Exception as exc:  # noqa: BLE001 (anything a foreign object raises)
+                problems.append(f"{where}: {name} cannot be read as an array or number "
+                                f"({type(exc).__name__}: {str(exc)[:100]})")
+                continue
+            problem = _dtype_problem(buf, name in opt.schema.slots, converted[name], convert)
+            if problem == "cast":
+                problem, converted[name] = _cast(converted[name], buf.dtype)
+            if problem:
+                problems.append(f"{where}: {name} {problem}")
+        if buf.coded and converted and not convert:
+            problems.append(f"{where}: this optimizer stores it as "
+                            f"{_lossless.fmt(_lossless.describe(buf))}; pass convert=True to "
+                            "load_torch_state_dict() to convert torch's values into that "
+                            "(through float32)")
+        state[path] = converted
+    return state
+
+
+def _dtype_problem(buf, is_slot: bool, value: Any, convert: bool) -> str | None:
+    """"cast" when a float state array is to be cast to ``buf``'s compute dtype (``convert``),
+    a problem naming convert=True when it would need to be, else None (the other checks are
+    ``parse``'s)."""
+    if not is_slot or not isinstance(value, np.ndarray) or value.dtype not in FLOAT_DTYPES \
+            or value.dtype == buf.dtype:
+        return None
+    if convert:
+        return "cast"
+    if buf.coded:
+        return None  # the entry's own problem names convert=True
+    return (f"is {dtype_name(value.dtype)}, this optimizer keeps "
+            f"{buf.dtype.name} state; pass convert=True to load_torch_state_dict() to "
+            "convert it")
+
+
+def _cast(value: np.ndarray, dtype: np.dtype) -> tuple[str | None, np.ndarray]:
+    """(problem or None, ``value`` as ``dtype``): finite values beyond its range are one."""
+    with np.errstate(over="ignore"):
+        cast = value.astype(dtype)
+    if np.count_nonzero(np.isfinite(cast)) != np.count_nonzero(np.isfinite(value)):
+        return f"holds values beyond {dtype.name}'s range", cast
+    return None, cast
 
 
 def _from_tensor(schema, name: str, value: Any) -> Any:
     """A torch state value as flatopt keeps it: a column's 0-d tensor as a Python number
-    (``step``, a float tensor in torch, as an int), anything else as a NumPy array."""
+    (``step``, a float tensor in torch, as an int), anything else as a NumPy array (None, as
+    torch < 2.3 kept SGD's unused momentum buffer, as None)."""
+    if value is None:
+        return None
     if hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        # NumPy has no bfloat16: through float32, exactly, to ml_dtypes' bfloat16
+        value = value.float().numpy().astype(BFLOAT16) \
+            if str(value.dtype) == "torch.bfloat16" else value.numpy()
     if name in schema.columns and np.ndim(value) == 0:
         number = np.asarray(value).item()
+        if isinstance(number, (bool, np.bool_)) or not isinstance(number, numbers.Real):
+            return number  # refused by the schema's checks, by name
+        if isinstance(number, numbers.Integral):
+            return int(number)
         is_int = np.dtype(schema.columns[name].dtype).kind in "iu"
         return int(number) if is_int and float(number).is_integer() else number
     return np.array(value)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)) \
+        and value >= 0
+
+
+def _fixed(opt, key: str, value: Any) -> bool:
+    """Whether ``value`` is what the class fixes ``key`` to (a plain value, compared as one)."""
+    fixed = getattr(type(opt), key, None)
+    return type(fixed) in (bool, int, float, str) and type(value) is type(fixed) \
+        and value == fixed
+
+
+def _unset(value: Any) -> bool:
+    """Whether a torch group value leaves its switch off (None, False, zero, empty): such a
+    key flatopt does not know is dropped, one set to anything else refused."""
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return not value
+    if isinstance(value, numbers.Number):
+        return value == 0
+    if isinstance(value, (str, list, tuple, dict)):
+        return len(value) == 0
+    return False
+
+
+def _short(value: Any) -> str:
+    return repr(value)[:80]
 
 
 def _describe(value: Any) -> str:

@@ -15,7 +15,9 @@ from .kernels import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
 class StepResult(NamedTuple):
     """What one ``step()`` did. ``grad_norm`` is the total norm of the present gradients
     (loss scale removed, before clipping) when clipping asked for it; ``nonfinite`` whether one
-    of them held NaN or infinity, when that was checked; ``skipped`` whether the whole step was
+    of them held NaN or infinity, when that was checked (clipping, ``skip_nonfinite``,
+    ``error_if_nonfinite``, and every step until the optimizer's first
+    ``NonFiniteGradientWarning``; None otherwise); ``skipped`` whether the whole step was
     skipped for it (``skip_nonfinite=True``: no parameter, state or step count changed)."""
 
     skipped: bool = False
@@ -24,6 +26,12 @@ class StepResult(NamedTuple):
 
 
 NOT_CHECKED = StepResult()
+
+NONFINITE_WARNING = (
+    "a gradient holds NaN or infinity and the step went ahead (torch's semantics): the "
+    "parameters it updated (with max_grad_norm, all of them) may hold NaN now. Pass "
+    "skip_nonfinite=True to skip such steps or error_if_nonfinite=True to raise; "
+    "StepResult.nonfinite reports them. (Said once per optimizer.)")
 
 #: torch.nn.utils.clip_grad_norm_'s guard against a zero norm
 CLIP_EPSILON = 1e-6
@@ -61,12 +69,14 @@ def total_norm(reduce, norm_type: Any) -> tuple[float, int]:
 
 
 def gradient_multiplier(reduce, *, max_grad_norm, norm_type, grad_scale, skip_nonfinite,
-                        error_if_nonfinite) -> tuple[float, StepResult]:
+                        error_if_nonfinite, check_nonfinite: bool = False
+                        ) -> tuple[float, StepResult]:
     """The factor every present gradient is multiplied by inside this step, and the result so
     far (``skipped`` set when the step must not happen); ``reduce`` as for
-    :func:`total_norm`."""
+    :func:`total_norm`. ``check_nonfinite``: fill ``nonfinite`` even when no option asks for
+    a pass over the gradients (the non-finite warning), at the cost of that pass."""
     inverse_scale = 1.0 if grad_scale is None else 1.0 / positive("grad_scale", grad_scale)
-    if max_grad_norm is None and not skip_nonfinite and not error_if_nonfinite:
+    if max_grad_norm is None and not (skip_nonfinite or error_if_nonfinite or check_nonfinite):
         return inverse_scale, NOT_CHECKED
     if max_grad_norm is None:
         _, bad = reduce(COUNT_NONFINITE, 0.0)
@@ -76,9 +86,11 @@ def gradient_multiplier(reduce, *, max_grad_norm, norm_type, grad_scale, skip_no
         norm, bad = total_norm(reduce, norm_type)
         norm *= inverse_scale
     if bad and error_if_nonfinite:
-        raise GradientError(f"{bad} gradient value(s) are NaN or infinite, so the gradient norm "
-                            "cannot be clipped; nothing was changed (pass skip_nonfinite=True "
-                            "to skip such steps, as loss scaling does)")
+        consequence = ("so the gradient norm cannot be clipped" if max_grad_norm is not None
+                       else "and error_if_nonfinite=True refuses them")
+        raise GradientError(f"{bad} gradient value(s) are NaN or infinite, {consequence}; "
+                            "nothing was changed (pass skip_nonfinite=True to skip such "
+                            "steps, as loss scaling does)")
     if bad and skip_nonfinite:
         return inverse_scale, StepResult(True, norm, True)
     multiplier = inverse_scale

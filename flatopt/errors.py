@@ -47,6 +47,18 @@ class DeviceError(FlatoptError, RuntimeError):
     an array lives on another device than the optimizer's."""
 
 
+class EnvironmentVariableError(FlatoptError, ValueError):
+    """An environment variable flatopt reads (``FLATOPT_PARALLEL``) holds a value it does not
+    know. Raised where the value would be used (a kernel call), not at import, so tools that
+    never step (``flatopt inspect``, checkpoint reading) still run."""
+
+
+class NonFiniteGradientWarning(UserWarning):
+    """A NaN or infinite gradient reached a step that was not skipped, so the parameters it
+    updates are NaN or infinite now (torch's semantics). Said once per optimizer; pass
+    ``skip_nonfinite=True`` or ``error_if_nonfinite=True`` to ``step`` to act on it instead."""
+
+
 class CheckpointError(FlatoptError):
     """A checkpoint could not be saved or loaded. ``path`` names the file (or None)."""
 

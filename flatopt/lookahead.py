@@ -11,6 +11,7 @@ import numpy as np
 
 from ._layout import CHUNK_ELEMENTS
 from .errors import DeviceError, HyperparameterError, StateDictError
+from .kernels.threads import check_policy
 from .kernels.tools import lookahead_into
 from .optimizer import Optimizer
 
@@ -50,10 +51,10 @@ class Lookahead:
             raise DeviceError("Lookahead wraps an optimizer whose buffers are on the host and "
                               "not sharded over ranks (device='cpu', no comm=); not yet on "
                               "CUDA or ZeRO-1")
-        if any(buf.coded for buf in optimizer.buffers):
-            raise HyperparameterError("Lookahead wraps optimizers with float32 or float64 "
-                                      "buffers; not yet reduced-precision ones (16-bit "
-                                      "parameters, master_weights, state_dtype)")
+        for buf in optimizer.buffers:
+            if buf.coded:
+                _refuse(buf.group, buf.paths[0], buf.storage,
+                        "this optimizer cannot be wrapped")
         self.optimizer = optimizer
         self.alpha = _alpha(alpha)
         self.k = _k(k)
@@ -63,6 +64,14 @@ class Lookahead:
         self.started: list[np.ndarray] = []
         """Per buffer, by the parameter's slot: whether its slow weights have begun."""
         self._check_layout()
+        # a group added later is vetted by the optimizer's add_param_group, before it adds it
+        optimizer.check_added_groups(self._check_added_group)
+
+    def _check_added_group(self, number: int, paths: list, storages: list) -> None:
+        for path, storage in zip(paths, storages):
+            if not storage.plain:
+                _refuse(number, path, storage, "add_param_group() refuses the group while a "
+                        "Lookahead wraps the optimizer; nothing was added")
 
     # ----------------------------------------------------------------- the optimizer's
     @property
@@ -115,6 +124,7 @@ class Lookahead:
 
     def _sync(self, groups) -> None:
         opt = self.optimizer
+        check_policy()  # FLATOPT_PARALLEL: refused before the first slow weight changes
         wanted = set(groups)
         with opt.lock:
             for buf, slow, started in zip(opt.buffers, self.buffers, self.started):
@@ -184,6 +194,16 @@ class Lookahead:
 
     def __repr__(self) -> str:
         return f"Lookahead({self.optimizer!r}, alpha={self.alpha}, k={self.k})"
+
+
+def _refuse(group: int, path: str, storage, outcome: str) -> None:
+    # the sync is a float32/float64 kernel writing the stored parameters (16-bit ones, or
+    # ones under master weights, it cannot write), and a checkpoint packs the slow weights as
+    # plain buffers are packed (a reduced-precision optimizer's file packs them otherwise)
+    raise HyperparameterError(
+        f"param group {group}: {path!r} is stored in reduced precision ({storage.describe()}); "
+        f"Lookahead works over float32 and float64 buffers only (not yet 16-bit parameters, "
+        f"master_weights or state_dtype): {outcome}")
 
 
 def _alpha(value: Any) -> float:

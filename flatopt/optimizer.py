@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -21,16 +22,16 @@ import numpy as np
 from . import (_codec, _device, _lossless, _params, _restore, _state_dict, _stepping, _storage,
                distributed)
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
-from ._plan import Plan, make_plan, update_together
+from ._plan import Plan, make_plan, update_all
 from ._restore import BufferState
 from ._stepping import StepResult
 from ._validated import Validated, validate_groups
 from ._views import Gradients, ParamViews
-from .errors import GradientError, HyperparameterError, ParamError, \
+from .errors import GradientError, HyperparameterError, NonFiniteGradientWarning, ParamError, \
     StateDictError, UnknownPathError
 from .errors import raise_problems as _raise
+from .kernels.threads import check_policy
 from .schema import Schema, describe_group, near
-
 
 
 def _locked(method):
@@ -83,7 +84,8 @@ class Optimizer:
         self._group_paths: list[tuple[str, ...]] = []
         self._validated: list[Validated | None] = []
         self._plans: list[Plan | None] = []
-        self._warned_no_gradient = False
+        self._warned: set[type[Warning]] = set()
+        self._group_checks: list[weakref.WeakMethod] = []
         self.lock = threading.RLock()
         """Held by step, zero_grad, add_param_group, state_dict, load_state_dict, restore and
         by flatopt.save / flatopt.load for the whole save or load: one optimizer is safe to
@@ -146,6 +148,12 @@ class Optimizer:
         self.settings()  # the existing groups must be intact before more are added
         self._add_groups([group])
 
+    def check_added_groups(self, check) -> None:
+        """Have ``check(number, paths, storages)`` (a bound method, held weakly) vet every
+        group :meth:`add_param_group` adds, before anything changes: a wrapper that cannot
+        serve some groups (``Lookahead``: reduced precision) raises to refuse one."""
+        self._group_checks.append(weakref.WeakMethod(check))
+
     def _add_groups(self, groups: list, require_params: bool = False) -> None:
         """Validate every group completely, then build their buffers (all or nothing)."""
         param_problems: list[str] = []
@@ -177,6 +185,9 @@ class Optimizer:
         next_id = len(self.index)
         resolved = [_storage.resolve_group(self.schema, storage, entries, len(self.param_groups) + n)
                     for n, (_, storage, entries) in enumerate(staged)]
+        for n, ((_, _, entries), storages) in enumerate(zip(staged, resolved)):
+            for check in filter(None, (ref() for ref in self._group_checks)):
+                check(len(self.param_groups) + n, [p for p, _ in entries], storages)
         for (values, storage, entries), storages in zip(staged, resolved):
             ids = {path: next_id + k for k, (path, _) in enumerate(entries)}
             next_id += len(entries)
@@ -267,6 +278,7 @@ class Optimizer:
         array in the buffer's dtype), or None to leave it alone. A buffer whose ``slots`` are
         not allocated has no state. Sharded: each rank its own range, then the parameters
         are gathered (collective: every rank calls it)."""
+        check_policy()  # before the first buffer changes
         if self._sharding is not None:
             self._sharding.map_state(rule, slots, arguments)
             return
@@ -302,9 +314,12 @@ class Optimizer:
           step: no parameter, state or step count changes.
         - ``error_if_nonfinite``: raise :class:`GradientError` instead (nothing changes).
 
-        Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``).
+        Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``). The first
+        non-finite gradient a step goes ahead with gives a ``NonFiniteGradientWarning`` (once;
+        until then a step without these options makes one reading pass to look for it).
         With ``comm=``, every rank calls ``step`` (see :mod:`flatopt.distributed`).
         """
+        check_policy()  # FLATOPT_PARALLEL: refused before anything changes
         if self._sharding is not None:
             return self._sharding.step(grads, max_grad_norm=max_grad_norm, norm_type=norm_type,
                                        grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
@@ -316,12 +331,15 @@ class Optimizer:
         multiplier, result = _stepping.gradient_multiplier(
             self._device.reduce_present, max_grad_norm=max_grad_norm, norm_type=norm_type,
             grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
-            error_if_nonfinite=error_if_nonfinite)
+            error_if_nonfinite=error_if_nonfinite,
+            check_nonfinite=not self.warned(NonFiniteGradientWarning))
         if result.skipped:
             return result
         settings = self.advance(settings)
         stepped = self.update_buffers(settings, multiplier)
         self.after_step(settings)
+        if result.nonfinite:
+            self.warn_once(_stepping.NONFINITE_WARNING, 4, NonFiniteGradientWarning)
         if not stepped:
             self.warn_once("no gradient is marked present, so nothing was updated. Gradients "
                            "written into opt.grads[path] (with out= or [...] =) must be marked "
@@ -428,34 +446,21 @@ class Optimizer:
         prepare, then the update (with gradient ``multiplier``), through ``layer``: the
         device, or a ZeRO-1 ``Sharding``, which runs the same update over its rank's range of
         each buffer. Whether some parameter was stepped."""
-        layer = self._device if layer is None else layer
-        scale = multiplier != 1.0
-        together = self.schema.rule.global_reductions
-        stepped = False
-        staged = []
-        for buf in self.buffers:
-            plan = self.plan(buf, settings[buf.group])
-            arrays = layer.arrays(buf, plan)
-            if arrays is None:
-                continue  # nothing to step: no state is allocated
-            if layer.prepare(buf, plan):
-                stepped = True
-                if buf.coded:  # the stochastic rounding stream of this step (a plain
-                    buf.draws += 1  # buffer draws nothing, and saves no count)
-                if together:
-                    staged.append((buf, plan, arrays))
-                else:
-                    layer.update(buf, plan, arrays, buf.dtype.type(multiplier) if scale
-                                 else plan.one, scale)
-        if staged:
-            update_together(self, settings, staged, layer, multiplier)
-        return stepped
+        return update_all(self, settings, multiplier,
+                          self._device if layer is None else layer)
 
-    def warn_once(self, message: str, stacklevel: int) -> None:
-        """Warn that a step updated nothing, once per optimizer."""
-        if not self._warned_no_gradient:
-            self._warned_no_gradient = True
-            warnings.warn(f"{type(self).__name__}.step(): {message}", stacklevel=stacklevel)
+    def warn_once(self, message: str, stacklevel: int,
+                  category: type[Warning] = UserWarning) -> None:
+        """Warn from a step, once per optimizer and ``category``: UserWarning that a step
+        updated nothing, ``NonFiniteGradientWarning`` that one went ahead with NaN."""
+        if category not in self._warned:
+            self._warned.add(category)
+            warnings.warn(f"{type(self).__name__}.step(): {message}", category,
+                          stacklevel=stacklevel)
+
+    def warned(self, category: type[Warning]) -> bool:
+        """Whether :meth:`warn_once` has given a warning of ``category``."""
+        return category in self._warned
 
     def host_side(self):
         """A context in which host code may rewrite the buffers' host arrays and
@@ -538,7 +543,7 @@ class Optimizer:
 
     @_locked
     def load_torch_state_dict(self, state_dict: Mapping[str, Any], names: Any, *,
-                              hyperparameters: str = "saved") -> None:
+                              hyperparameters: str = "saved", convert: bool = False) -> None:
         """Continue a run made with ``torch.optim``: load its ``state_dict()`` into this
         optimizer (built with the same parameters, their current values, and groups).
         ``names`` gives the path of each of torch's parameter indices: a list (torch numbers
@@ -546,9 +551,10 @@ class Optimizer:
         ``{index: path}``. torch's ``foreach``/``fused`` are dropped; its tensors become
         arrays, its step counts ints. Then exactly :meth:`load_state_dict`'s checks and
         ``hyperparameters`` option; on any problem a :class:`StateDictError` and nothing
-        changes."""
-        self.load_state_dict(_state_dict.from_torch(self, state_dict, names),
-                             hyperparameters=hyperparameters)
+        changes. ``convert=True`` loads into reduced-precision buffers (and state of another
+        float dtype than the parameter's) through float32 values, as ``load_state_dict``."""
+        self.load_state_dict(_state_dict.from_torch(self, state_dict, names, convert),
+                             hyperparameters=hyperparameters, convert=convert)
 
     # ----------------------------------------------------------------- restore (load contract)
     @_locked

@@ -17,6 +17,7 @@ from . import _stepping
 from ._stepping import StepResult
 from .errors import GradientError, HyperparameterError, StateDictError
 from .lookahead import Lookahead
+from .kernels.threads import check_policy
 from .optimizer import Optimizer
 
 
@@ -62,6 +63,7 @@ def clip_grad_norm(opt: Optimizer, max_norm: float, norm_type: float = 2.0,
 def scale_gradients(opt: Optimizer, factor: float) -> None:
     """Multiply every present gradient of ``opt`` in place by ``factor`` (rounded once to
     each buffer's dtype)."""
+    check_policy()  # FLATOPT_PARALLEL: refused before the first buffer changes
     with opt.lock:
         opt.buffer_device.scale_gradients(factor)
 
@@ -216,6 +218,7 @@ class EMA:
     def update(self) -> None:
         """Move every average toward the optimizer's current parameters."""
         self._check_layout()
+        check_policy()  # FLATOPT_PARALLEL: refused before the first average changes
         weight = 1.0 - self.current_decay()
         with self.opt.lock:
             for average, buf in zip(self.buffers, self.opt.buffers):

@@ -31,6 +31,7 @@ from typing import Callable
 
 from numba import get_num_threads, njit, set_num_threads
 
+from ..errors import EnvironmentVariableError
 from ._bind import instantiate
 
 # Below this many elements a kernel always runs on the calling thread: a parallel launch pays
@@ -64,7 +65,9 @@ def _usable_cores(cpu_max: str = CGROUP_CPU_MAX) -> int:
 
 
 USABLE_CORES = _usable_cores()
-_policy = "auto"
+_policy: str | None = "auto"
+"""None while ``FLATOPT_PARALLEL`` holds an unknown value (and no :func:`set_policy` since)."""
+_environment_problem = ""
 
 
 def set_policy(policy: str) -> str:
@@ -74,16 +77,41 @@ def set_policy(policy: str) -> str:
     if policy not in POLICIES:
         raise ValueError(f"parallel policy must be one of {POLICIES}, got {policy!r}")
     previous, _policy = _policy, policy
-    return previous
+    return "auto" if previous is None else previous
 
 
 def get_policy() -> str:
+    check_policy()
     return _policy
+
+
+def check_policy() -> None:
+    """Raise :class:`EnvironmentVariableError` while ``FLATOPT_PARALLEL`` names no policy:
+    called where an operation over several buffers begins, so that it fails before it
+    changes anything (a kernel call raises it too)."""
+    if _policy is None:
+        raise EnvironmentVariableError(_environment_problem)
+
+
+def _policy_from_environment(value: str | None) -> None:
+    """The policy ``FLATOPT_PARALLEL`` names. An unknown value does not fail the import (so
+    ``flatopt inspect`` and checkpoint reading still work): it is kept as a problem that the
+    first threaded kernel call raises, until :func:`set_policy` chooses one."""
+    global _policy, _environment_problem
+    policy = (value or "").strip().lower() or "auto"
+    if policy in POLICIES:
+        _policy, _environment_problem = policy, ""
+    else:
+        _policy = None
+        _environment_problem = (f"environment variable FLATOPT_PARALLEL={value!r} is not one "
+                                f"of {', '.join(POLICIES)}; unset it or pick one (or call "
+                                "flatopt.set_parallel_policy() before stepping)")
 
 
 def run_serially(n_elements: int) -> bool:
     """Whether a kernel call over ``n_elements`` stays on the calling thread whatever the
     timings say."""
+    check_policy()  # first: whether it raises must not depend on the buffer's size
     return (n_elements < PARALLEL_MIN_ELEMENTS or _policy == "never" or USABLE_CORES == 1
             or get_num_threads() == 1)
 
@@ -199,10 +227,7 @@ def threaded(**options) -> Callable[[Callable], Threaded]:
     return decorate
 
 
-try:
-    set_policy(os.environ.get("FLATOPT_PARALLEL", "auto").strip().lower() or "auto")
-except ValueError as exc:
-    raise ValueError(f"environment variable FLATOPT_PARALLEL: {exc}") from None
+_policy_from_environment(os.environ.get("FLATOPT_PARALLEL"))
 
 __all__ = ["ALL", "PARALLEL_MIN_ELEMENTS", "POLICIES", "RETRY_EVERY", "Threaded", "USABLE_CORES",
-           "get_policy", "run_serially", "set_policy", "threaded"]
+           "check_policy", "get_policy", "run_serially", "set_policy", "threaded"]

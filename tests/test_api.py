@@ -342,6 +342,8 @@ def test_load_state_dict_restores_the_saved_label_and_initial_lr():
     (lambda sd: sd.update(state=[1]), "'state' must be a dict"),
     (lambda sd: sd.update(param_groups=[3]), "'param_groups' must be a list of dicts"),
     (lambda sd: sd["param_groups"][0].update(params=5), "'param_groups' must be a list"),
+    # an invalid flag the state checks read (amsgrad: which slots are used) was a KeyError
+    (lambda sd: sd["param_groups"][0].update(amsgrad=0), "amsgrad=0 is invalid"),
 ])
 def test_malformed_state_dicts_raise_state_dict_error_and_change_nothing(mangle, words):
     a = flatopt.Adam({"x": f32(2), "y": f32(2)}, lr=0.1)

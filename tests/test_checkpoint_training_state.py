@@ -129,11 +129,33 @@ def test_loading_what_the_file_lacks_is_a_mismatch_unless_not_strict(tmp_path):
 def test_save_refuses_an_ema_of_another_optimizer(tmp_path):
     opt, _, _ = trained()
     other, other_ema, _ = fresh()
-    with pytest.raises(flatopt.CheckpointError, match="EMA of the optimizer being saved"):
+    with pytest.raises(flatopt.CheckpointOptionError, match="EMA of the optimizer being saved"):
         flatopt.save(tmp_path / "ck.h5", opt, ema=other_ema)
-    with pytest.raises(flatopt.CheckpointError, match="GradScaler"):
+    with pytest.raises(flatopt.CheckpointOptionError, match="GradScaler"):
         flatopt.save(tmp_path / "ck.h5", opt, scaler=object())
     assert not (tmp_path / "ck.h5").exists()
+
+
+def test_load_refuses_what_save_refuses_before_anything_changes(tmp_path):
+    """An EMA (or Lookahead) of another optimizer with the same paths and shapes loaded
+    without complaint, although save refuses it."""
+    opt, ema, _ = trained()
+    path = flatopt.save(tmp_path / "ck.h5", opt, ema=ema, lookahead=flatopt.Lookahead(opt))
+    target, target_ema, _ = fresh()
+    other, other_ema, _ = fresh(seed=9)  # the same paths, shapes and dtypes as target
+    before, ema_before = snapshot(target), other_ema.state_dict()
+    for options, match in ((dict(ema=other_ema), "EMA of the optimizer being loaded"),
+                           (dict(scaler=object()), "GradScaler"),
+                           (dict(lookahead=flatopt.Lookahead(other)),
+                            "Lookahead over the optimizer being loaded")):
+        with pytest.raises(flatopt.CheckpointOptionError, match=match):
+            flatopt.load(path, target, **options)
+    assert same_snapshot(before, snapshot(target))
+    assert other_ema.state_dict()["num_updates"] == ema_before["num_updates"]
+    assert all(np.array_equal(other_ema.params[p], ema_before["averages"][p])
+               for p in other_ema.params)
+    flatopt.load(path, target, ema=target_ema)  # its own EMA loads
+    assert same_ema(ema, target_ema)
 
 
 def test_a_failing_last_restore_undoes_the_optimizer_scheduler_and_ema(tmp_path, monkeypatch):

@@ -298,3 +298,22 @@ def test_the_cli_shows_each_member(tmp_path, capsys):
     os.remove(os.path.join(a, member))
     assert cli.main(["verify", a]) == 1
     assert "NOT SOUND" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- the environment
+def test_a_bad_parallel_policy_does_not_stop_the_cli_or_checkpoint_reading(tmp_path):
+    """An unknown FLATOPT_PARALLEL made ``import flatopt`` raise; the error now waits for a
+    step (tests/test_threads.py), so inspect, verify and reading a checkpoint work."""
+    opt = make_opt("Adam", seed=1)
+    path = flatopt.save(tmp_path / "ck.h5", opt)
+    env = {**os.environ, "FLATOPT_PARALLEL": "sometimes"}
+    for command in (["inspect", path], ["verify", path], ["inspect", "--tensors", path]):
+        out = subprocess.run([sys.executable, "-m", "flatopt", *command], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout, (command, out.stderr[-2000:])
+    code = ("import sys, flatopt; data = flatopt.read(sys.argv[1], state=True); "
+            "print(len(data.params), data.info['optimizer'])")
+    out = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == [str(len(opt.index)), "Adam"], \
+        out.stderr[-2000:]

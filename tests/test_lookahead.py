@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -215,3 +216,53 @@ def test_a_group_added_later_gets_its_own_count():
     la.step({"w": np.ones(3, np.float32), "v": np.ones(2, np.float32)})
     assert la.steps == [2, 1]
     assert "w" in la.state_dict()["slow"] and "v" not in la.state_dict()["slow"]
+
+
+REDUCED_GROUPS = {
+    "bfloat16 params": lambda: {"params": {"v": np.ones(3, ml_dtypes.bfloat16)}},
+    "float16 params, master weights": lambda: {"params": {"v": np.ones(3, np.float16)},
+                                               "master_weights": True},
+    "bfloat16 state": lambda: {"params": {"v": np.ones(300, np.float32)},
+                               "state_dtype": "bfloat16"},
+    "int8 state": lambda: {"params": {"v": np.ones(4096, np.float32)}, "state_dtype": "int8"},
+}
+
+
+@pytest.mark.parametrize("group", REDUCED_GROUPS, ids=list(REDUCED_GROUPS))
+def test_a_reduced_precision_group_added_later_is_refused_before_anything_changes(group):
+    """Lookahead refuses reduced-precision optimizers at construction; such a group added
+    later was accepted, and every sync after it died in Numba (once the step was taken and
+    the counts advanced)."""
+    opt = flatopt.AdamW({"w": np.ones(3, np.float32)}, lr=0.1)
+    la = flatopt.Lookahead(opt, k=1)
+    la.step({"w": np.full(3, 0.5, np.float32)})
+    la.step({"w": np.full(3, 0.5, np.float32)})
+    before = la.state_dict(), opt.state_dict(), opt.params["w"].copy()
+    with pytest.raises(flatopt.HyperparameterError,
+                       match=r"param group 1: 'v' is stored in reduced precision .*nothing was "
+                             r"added"):
+        opt.add_param_group(REDUCED_GROUPS[group]())
+    assert len(opt.param_groups) == 1 and "v" not in opt.index and len(opt.buffers) == 1
+    after = la.state_dict(), opt.state_dict(), opt.params["w"]
+    assert after[0]["steps"] == before[0]["steps"] == [2]
+    assert np.array_equal(after[0]["slow"]["w"], before[0]["slow"]["w"])
+    assert after[1]["state"]["w"]["step"] == 2 and np.array_equal(after[2], before[2])
+    la.step({"w": np.full(3, 0.5, np.float32)})  # the syncs go on
+    assert la.steps == [3]
+    opt.add_param_group({"params": {"u": np.ones(2, np.float32)}})  # a float32 one is fine
+    la.step({"w": np.full(3, 0.5, np.float32), "u": np.ones(2, np.float32)})
+    assert la.steps == [4, 1]
+
+
+def test_reduced_precision_is_refused_at_construction_and_only_while_wrapped():
+    with pytest.raises(flatopt.HyperparameterError,
+                       match=r"param group 0: 'w' .*state bfloat16.*cannot be wrapped"):
+        flatopt.Lookahead(flatopt.AdamW({"w": np.ones(3, np.float32)},
+                                        state_dtype="bfloat16"))
+    opt = flatopt.AdamW({"w": np.ones(3, np.float32)}, lr=0.1)
+    la = flatopt.Lookahead(opt)
+    with pytest.raises(flatopt.HyperparameterError, match="reduced precision"):
+        opt.add_param_group(REDUCED_GROUPS["bfloat16 params"]())
+    del la  # the optimizer alone takes any group (the Lookahead's check is held weakly)
+    opt.add_param_group(REDUCED_GROUPS["bfloat16 params"]())
+    assert opt.params["v"].dtype == ml_dtypes.bfloat16

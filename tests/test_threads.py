@@ -183,7 +183,44 @@ def test_the_policy_comes_from_the_environment_and_bad_values_are_named():
     assert out.stdout.strip() == "never", out.stderr
     env["FLATOPT_PARALLEL"] = "maybe"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode != 0 and "FLATOPT_PARALLEL" in out.stderr and "maybe" in out.stderr
+    assert out.returncode != 0 and "EnvironmentVariableError" in out.stderr
+    assert "FLATOPT_PARALLEL='maybe'" in out.stderr and "auto, always, never" in out.stderr
+
+
+BAD_POLICY_STEP = """
+import numpy as np, flatopt
+opt = flatopt.SGD({"w": np.ones(300000, np.float32), "b": np.ones(3, np.float32)}, lr=0.1,
+                  momentum=0.9)
+ema = flatopt.EMA(opt)
+grads = {"w": np.ones(300000, np.float32), "b": np.ones(3, np.float32)}
+calls = [lambda: opt.step(grads), lambda: opt.step(grads, max_grad_norm=1.0), ema.update,
+         lambda: flatopt.scale_gradients(opt, 0.5)]
+for call in calls:
+    try:
+        call()
+    except flatopt.EnvironmentVariableError as exc:
+        assert "FLATOPT_PARALLEL='maybe'" in str(exc) and "auto, always, never" in str(exc)
+    else:
+        raise AssertionError("no error")
+assert opt.state_of("w") is None and (opt.params["w"] == 1).all()  # nothing changed
+assert (ema.params["w"] == 1).all() and not opt.grads.is_present("w")
+flatopt.set_parallel_policy("never")  # an explicit choice replaces the variable's
+opt.step(grads)
+assert opt.state_of("w").momentum_buffer[0] == 1 and flatopt.get_parallel_policy() == "never"
+print("ok")
+"""
+
+
+def test_a_bad_policy_in_the_environment_fails_the_step_not_the_import():
+    """An unknown FLATOPT_PARALLEL made ``import flatopt`` raise, so nothing (not even
+    ``flatopt inspect``) ran: the typed error comes from the first step, before it changes
+    anything; tools that do not step work (tests/test_cli.py)."""
+    import subprocess
+    import sys
+    env = {**__import__("os").environ, "FLATOPT_PARALLEL": "maybe"}
+    out = subprocess.run([sys.executable, "-c", BAD_POLICY_STEP], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_usable_cores_take_a_containers_cpu_quota(tmp_path):

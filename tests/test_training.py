@@ -109,6 +109,44 @@ def test_nonfinite_gradients_skip_the_step_or_raise_and_change_nothing():
     assert opt.step(grads_for(2), skip_nonfinite=True) == flatopt.StepResult(False, None, False)
 
 
+@pytest.mark.parametrize("options", [{}, dict(grad_scale=4.0), dict(max_grad_norm=1.0)],
+                         ids=["plain", "grad_scale", "clipped"])
+@pytest.mark.parametrize("value", [np.nan, -np.inf])
+def test_a_nonfinite_gradient_in_a_step_that_goes_ahead_warns_once(options, value):
+    """torch's semantics (the step goes ahead, NaN spreads) with a warning the first time: a
+    NaN gradient turned every parameter into NaN, said only by ``StepResult.nonfinite``."""
+    opt = make(flatopt.Adam)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opt.step(grads_for(0), **options).nonfinite is False  # checked, and clean
+    bad = grads_for(1)
+    bad["e"][7] = value
+    with pytest.warns(flatopt.NonFiniteGradientWarning, match="skip_nonfinite=True") as caught:
+        result = opt.step(bad, **options)
+    assert len(caught) == 1 and caught[0].filename == __file__  # the caller's line
+    assert result.nonfinite and not result.skipped and not np.isfinite(opt.params["e"][7])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = opt.step(bad, **options)  # said once per optimizer
+    # once said, a step without options no longer pays for the pass that looks
+    assert again.nonfinite is (True if options.get("max_grad_norm") else None)
+    skipped = make(flatopt.Adam)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert skipped.step(bad, skip_nonfinite=True, **options).skipped  # never warns
+
+
+def test_error_if_nonfinite_speaks_of_clipping_only_when_clipping():
+    opt = make()
+    bad = grads_for(1)
+    bad["b"][0] = np.inf
+    with pytest.raises(flatopt.GradientError) as caught:
+        opt.step(bad, error_if_nonfinite=True)
+    assert "clip" not in str(caught.value) and "error_if_nonfinite" in str(caught.value)
+    with pytest.raises(flatopt.GradientError, match="norm cannot be clipped"):
+        opt.step(bad, error_if_nonfinite=True, max_grad_norm=1.0)
+
+
 def test_bad_step_options_are_refused_before_anything_changes():
     opt = make()
     for options, match in ((dict(max_grad_norm=-1), "max_grad_norm"),

@@ -41,15 +41,31 @@ def _buffer_key(group: int, dtype: str, key: str = EMA_KEY) -> str:
     return NEST.join((key, str(group), dtype))
 
 
+def check_companions(opt, ema: Any, scaler: Any, lookahead: Any, action: str) -> None:
+    """CheckpointOptionError unless ``ema`` is an EMA of ``opt``, ``scaler`` a GradScaler and
+    ``lookahead`` a Lookahead over ``opt`` (each or None): save and load (``action``: "saved"
+    or "loaded") refuse the same, before any file is touched. An EMA or Lookahead of another
+    optimizer with the same paths and shapes would load without complaint otherwise."""
+    if ema is not None and (getattr(ema, "opt", None) is not opt or not callable(
+            getattr(ema, "state_dict", None))):
+        raise CheckpointOptionError(
+            f"ema= takes a flatopt.EMA of the optimizer being {action}, got "
+            f"{type(ema).__name__}{' of another optimizer' if hasattr(ema, 'opt') else ''}")
+    if scaler is not None and (not callable(getattr(scaler, "state_dict", None))
+                               or not callable(getattr(scaler, "is_enabled", None))):
+        raise CheckpointOptionError(f"scaler= takes a flatopt.GradScaler, got "
+                                    f"{type(scaler).__name__}")
+    if lookahead is not None and getattr(lookahead, "optimizer", None) is not opt:
+        raise CheckpointOptionError(f"lookahead= takes a flatopt.Lookahead over the optimizer "
+                                    f"being {action}, got {type(lookahead).__name__}")
+
+
 def own_arrays(opt, ema: Any, scaler: Any, lookahead: Any = None) -> dict[str, np.ndarray]:
     """The arrays that store ``ema`` (an EMA of ``opt``), ``scaler`` and ``lookahead`` (a
-    Lookahead over ``opt``); CheckpointError for anything else (nothing is written)."""
+    Lookahead over ``opt``); CheckpointOptionError for anything else (nothing is written)."""
+    check_companions(opt, ema, scaler, lookahead, "saved")
     out: dict[str, np.ndarray] = {}
     if ema is not None:
-        if getattr(ema, "opt", None) is not opt or not callable(getattr(ema, "state_dict",
-                                                                         None)):
-            raise CheckpointError(f"ema= takes a flatopt.EMA of the optimizer being saved, got "
-                                  f"{type(ema).__name__}{' of another optimizer' if hasattr(ema, 'opt') else ''}")
         try:
             state = ema.state_dict()
         except HyperparameterError as exc:   # the optimizer gained a group after the EMA
@@ -58,18 +74,11 @@ def own_arrays(opt, ema: Any, scaler: Any, lookahead: Any = None) -> dict[str, n
             out[NEST.join((EMA_KEY, key))] = np.asarray(state[key])
         out.update(_packed_averages(opt, state["averages"]))
     if scaler is not None:
-        if not callable(getattr(scaler, "state_dict", None)) \
-                or not callable(getattr(scaler, "is_enabled", None)):
-            raise CheckpointError(f"scaler= takes a flatopt.GradScaler, got "
-                                  f"{type(scaler).__name__}")
         state = scaler.state_dict()
         out[NEST.join((SCALER_KEY, "enabled"))] = np.asarray(bool(scaler.is_enabled()))
         for key in SCALER_SETTINGS if state else ():
             out[NEST.join((SCALER_KEY, key))] = np.asarray(state[key])
     if lookahead is not None:
-        if getattr(lookahead, "optimizer", None) is not opt:
-            raise CheckpointError(f"lookahead= takes a flatopt.Lookahead over the optimizer "
-                                  f"being saved, got {type(lookahead).__name__}")
         state = lookahead.state_dict()
         out[NEST.join((LOOKAHEAD_KEY, "alpha"))] = np.asarray(state["alpha"], np.float64)
         out[NEST.join((LOOKAHEAD_KEY, "k"))] = np.asarray(state["k"], np.int64)

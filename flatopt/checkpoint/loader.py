@@ -314,6 +314,7 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     """
     check_options(opt, rename, hyperparameters, staging)
     check_flags(strict=strict, regroup=regroup, convert=convert)
+    extras.check_companions(opt, ema, scaler, lookahead, "loaded")
     if opt.sharding is not None:
         raise CheckpointOptionError("loader.load() loads an optimizer that holds all of its "
                                     "state; flatopt.load sends a sharded one to sharded.load")

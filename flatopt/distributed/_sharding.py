@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from .. import _codec, _stepping
+from ..errors import NonFiniteGradientWarning
 from .._layout import WalkLayout, aligned_zeros, chunk_table
 from ..kernels import MAX_ABS
 from ..kernels import backend as kernel_backend
@@ -432,13 +433,17 @@ class Sharding:
         multiplier, result = _stepping.gradient_multiplier(
             self.reduce_present, max_grad_norm=max_grad_norm, norm_type=norm_type,
             grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
-            error_if_nonfinite=error_if_nonfinite)
+            error_if_nonfinite=error_if_nonfinite,
+            # every rank has warned or none has: the count is the sum over all of them
+            check_nonfinite=not opt.warned(NonFiniteGradientWarning))
         clock = self._timed("reduce", clock)
         if result.skipped:
             return result
         settings = opt.advance(settings)
         opt.update_buffers(settings, multiplier, self)
         opt.after_step(settings)
+        if result.nonfinite:
+            opt.warn_once(_stepping.NONFINITE_WARNING, 4, NonFiniteGradientWarning)
         clock = self._timed("step", clock)
         for shard in active:
             if not shard.replicated:
