@@ -16,8 +16,7 @@ class StepResult(NamedTuple):
     """What one ``step()`` did. ``grad_norm`` is the total norm of the present gradients
     (loss scale removed, before clipping) when clipping asked for it; ``nonfinite`` whether one
     of them held NaN or infinity, when that was checked (clipping, ``skip_nonfinite``,
-    ``error_if_nonfinite``, and every step until the optimizer's first
-    ``NonFiniteGradientWarning``; None otherwise); ``skipped`` whether the whole step was
+    ``error_if_nonfinite``; None otherwise); ``skipped`` whether the whole step was
     skipped for it (``skip_nonfinite=True``: no parameter, state or step count changed)."""
 
     skipped: bool = False
@@ -69,14 +68,13 @@ def total_norm(reduce, norm_type: Any) -> tuple[float, int]:
 
 
 def gradient_multiplier(reduce, *, max_grad_norm, norm_type, grad_scale, skip_nonfinite,
-                        error_if_nonfinite, check_nonfinite: bool = False
-                        ) -> tuple[float, StepResult]:
+                        error_if_nonfinite) -> tuple[float, StepResult]:
     """The factor every present gradient is multiplied by inside this step, and the result so
     far (``skipped`` set when the step must not happen); ``reduce`` as for
-    :func:`total_norm`. ``check_nonfinite``: fill ``nonfinite`` even when no option asks for
-    a pass over the gradients (the non-finite warning), at the cost of that pass."""
+    :func:`total_norm`. A step without these options reads the gradients no extra time (so
+    its ``nonfinite`` is None, and it gives no non-finite warning)."""
     inverse_scale = 1.0 if grad_scale is None else 1.0 / positive("grad_scale", grad_scale)
-    if max_grad_norm is None and not (skip_nonfinite or error_if_nonfinite or check_nonfinite):
+    if max_grad_norm is None and not (skip_nonfinite or error_if_nonfinite):
         return inverse_scale, NOT_CHECKED
     if max_grad_norm is None:
         _, bad = reduce(COUNT_NONFINITE, 0.0)

@@ -315,8 +315,9 @@ class Optimizer:
         - ``error_if_nonfinite``: raise :class:`GradientError` instead (nothing changes).
 
         Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``). The first
-        non-finite gradient a step goes ahead with gives a ``NonFiniteGradientWarning`` (once;
-        until then a step without these options makes one reading pass to look for it).
+        non-finite gradient a step with ``max_grad_norm`` goes ahead with gives a
+        ``NonFiniteGradientWarning`` (once per optimizer, from the count the norm's pass
+        makes; a step without these options reads the gradients no extra time to look).
         With ``comm=``, every rank calls ``step`` (see :mod:`flatopt.distributed`).
         """
         check_policy()  # FLATOPT_PARALLEL: refused before anything changes
@@ -331,8 +332,7 @@ class Optimizer:
         multiplier, result = _stepping.gradient_multiplier(
             self._device.reduce_present, max_grad_norm=max_grad_norm, norm_type=norm_type,
             grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
-            error_if_nonfinite=error_if_nonfinite,
-            check_nonfinite=not self.warned(NonFiniteGradientWarning))
+            error_if_nonfinite=error_if_nonfinite)
         if result.skipped:
             return result
         settings = self.advance(settings)

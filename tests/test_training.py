@@ -109,12 +109,14 @@ def test_nonfinite_gradients_skip_the_step_or_raise_and_change_nothing():
     assert opt.step(grads_for(2), skip_nonfinite=True) == flatopt.StepResult(False, None, False)
 
 
-@pytest.mark.parametrize("options", [{}, dict(grad_scale=4.0), dict(max_grad_norm=1.0)],
-                         ids=["plain", "grad_scale", "clipped"])
+@pytest.mark.parametrize("options", [dict(max_grad_norm=1.0),
+                                     dict(max_grad_norm=1e9, grad_scale=4.0)],
+                         ids=["clipped", "scaled"])
 @pytest.mark.parametrize("value", [np.nan, -np.inf])
 def test_a_nonfinite_gradient_in_a_step_that_goes_ahead_warns_once(options, value):
-    """torch's semantics (the step goes ahead, NaN spreads) with a warning the first time: a
-    NaN gradient turned every parameter into NaN, said only by ``StepResult.nonfinite``."""
+    """torch's semantics (the step goes ahead, NaN spreads) with a warning the first time,
+    where the step counts non-finite values anyway (clipping's pass): a NaN gradient turned
+    every parameter into NaN, said only by ``StepResult.nonfinite``."""
     opt = make(flatopt.Adam)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -127,13 +129,23 @@ def test_a_nonfinite_gradient_in_a_step_that_goes_ahead_warns_once(options, valu
     assert result.nonfinite and not result.skipped and not np.isfinite(opt.params["e"][7])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = opt.step(bad, **options)  # said once per optimizer
-    # once said, a step without options no longer pays for the pass that looks
-    assert again.nonfinite is (True if options.get("max_grad_norm") else None)
+        assert opt.step(bad, **options).nonfinite  # said once per optimizer
     skipped = make(flatopt.Adam)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert skipped.step(bad, skip_nonfinite=True, **options).skipped  # never warns
+
+
+def test_a_step_without_options_reads_the_gradients_no_extra_time():
+    """The warning costs nothing: a plain step makes no pass over the gradients to look for
+    NaN (that pass costs 16-28% of a 16M-element AdamW step here), so it neither checks nor
+    warns; clipping, skip_nonfinite and error_if_nonfinite are the ways to be told."""
+    opt = make(flatopt.Adam)
+    bad = grads_for(1)
+    bad["e"][7] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opt.step(bad) == flatopt.StepResult(False, None, None)
 
 
 def test_error_if_nonfinite_speaks_of_clipping_only_when_clipping():

@@ -433,9 +433,7 @@ class Sharding:
         multiplier, result = _stepping.gradient_multiplier(
             self.reduce_present, max_grad_norm=max_grad_norm, norm_type=norm_type,
             grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
-            error_if_nonfinite=error_if_nonfinite,
-            # every rank has warned or none has: the count is the sum over all of them
-            check_nonfinite=not opt.warned(NonFiniteGradientWarning))
+            error_if_nonfinite=error_if_nonfinite)
         clock = self._timed("reduce", clock)
         if result.skipped:
             return result
