@@ -196,6 +196,13 @@ def fingerprint(kit: Kit, prefix: str = "") -> dict:
     })
 
 
+def views_of(record) -> dict:
+    """The fields of a ``state_of`` record that view the optimizer's buffers (step counts are
+    numbers, and 8-bit or bfloat16 state comes decoded: copies)."""
+    return {name: value for name, value in record._asdict().items()
+            if isinstance(value, np.ndarray) and value.base is not None}
+
+
 @contextlib.contextmanager
 def serial():
     """The twin's way: one thread, no parallel kernels."""
@@ -379,32 +386,98 @@ class Machine(RuleBasedStateMachine):
                 kit.aux.params[path] = np.array(value)
         self.kit = kit
 
-    def save_file(self, kit: Kit, background: bool, **more) -> str:
+    def save_file(self, kit: Kit, background: bool, **more) -> str | None:
+        """A checkpoint of ``kit``, verified sound; None where save refused it (state a
+        non-finite gradient reached, which load would refus: nothing is written)."""
         target = self.path("ck") + ".h5"
         arrays = {"loader": {"order": np.arange(self.saves), "seed": np.int64(self.saves)}}
-        handle = flatopt.save(target, kit.opt, metadata={"save": self.saves}, arrays=arrays,
-                              background=background, **kit.extras(), **more)
-        if background:
-            handle.wait()
+
+        def save():
+            handle = flatopt.save(target, kit.opt, metadata={"save": self.saves},
+                                  arrays=arrays, background=background, **kit.extras(), **more)
+            return handle.wait() if background else handle
+        _, error = outcome(save)
+        if error is not None:
+            self.refused_as_nonfinite(error, target)
+            return None
         assert verify_checkpoint(target)["ok"], target
         return target
+
+    def refused_as_nonfinite(self, error, target: str) -> None:
+        """A save refused because a NaN or infinite gradient reached the state (which load
+        would refuse): allowed only then, and nothing may be written."""
+        assert issubclass(error, flatopt.CheckpointError), error
+        assert self.nonfinite(), f"save refused {error.__name__} with finite state"
+        assert not os.path.exists(target)
+
+    def nonfinite(self) -> bool:
+        """Whether a NaN or infinity is anywhere in the kit's parameters or state."""
+        def bad(value) -> bool:
+            if isinstance(value, np.ndarray) and value.dtype.kind == "f" or \
+                    isinstance(value, np.ndarray) and value.dtype == BF16:
+                return not np.isfinite(value.astype(np.float64)).all()
+            if isinstance(value, dict):
+                return any(bad(v) for v in value.values())
+            if isinstance(value, (list, tuple)):
+                return any(bad(v) for v in value)
+            if isinstance(value, float):
+                return not np.isfinite(value)
+            return False
+        return bad({p: np.array(v) for p, v in self.kit.opt.params.items()}) or \
+            bad(self.kit.opt.state_dict())
 
     @rule(background=st.booleans(), convert=st.booleans())
     def save_and_load_file(self, background, convert):
         target = self.save_file(self.kit, background)
+        if target is None:
+            return
         fresh = self.fresh()
         result = flatopt.load(target, fresh.opt, convert=convert, **fresh.extras())
         assert result.metadata == {"save": self.saves}
         assert np.array_equal(result.arrays["loader"]["order"], np.arange(self.saves))
         self.adopt(fresh)
 
+    @rule(data=st.data())
+    def load_in_place_keeps_views_live(self, data):
+        """A load into the same optimizer: parameter views and ``state_of`` records taken
+        before it show the loaded values after it, and later steps (they view the buffers)."""
+        target = self.save_file(self.kit, False)
+        if target is None:
+            return
+        path = data.draw(st.sampled_from(sorted(self.kit.opt.params)))
+        view, record = self.kit.opt.params[path], self.kit.opt.state_of(path)
+        flatopt.load(target, self.kit.opt, **self.kit.extras())
+        assert np.shares_memory(view, self.kit.opt.params[path]) or view.size == 0
+        live = self.kit.opt.state_of(path)
+        assert (record is None) == (live is None)
+        if record is not None:
+            for name, value in views_of(record).items():
+                assert plain(value) == plain(getattr(live, name)), (path, name)
+        self.record, self.record_owner = (path, record), self.kit
+
+    @invariant()
+    def a_record_stays_live(self):
+        """The ``state_of`` record taken before the last load in place still shows the
+        optimizer's current state (the arrays were not replaced)."""
+        if getattr(self, "record", None) is None or self.kit is None:
+            return
+        path, record = self.record
+        live = self.kit.opt.state_of(path) if path in self.kit.opt.params else None
+        if record is None or live is None or self.record_owner is not self.kit:
+            return
+        for name, value in views_of(record).items():
+            assert plain(value) == plain(getattr(live, name)), (path, name)
+
     @rule()
     def save_and_load_run(self):
         target = self.path("run")
-        flatopt.save(target, {"main": self.kit.opt, "aux": self.kit.aux},
-                     schedulers={"main": self.kit.scheduler}, ema=[self.kit.ema],
-                     scaler=self.kit.scaler, metadata={"save": self.saves},
-                     arrays={"nested": {"a": {"b": np.arange(3.0)}}})
+        _, error = outcome(lambda: flatopt.save(
+            target, {"main": self.kit.opt, "aux": self.kit.aux},
+            schedulers={"main": self.kit.scheduler}, ema=[self.kit.ema],
+            scaler=self.kit.scaler, metadata={"save": self.saves},
+            arrays={"nested": {"a": {"b": np.arange(3.0)}}}))
+        if error is not None:
+            return self.refused_as_nonfinite(error, target)
         assert run_mod.verify_run(target)["ok"]
         fresh = self.fresh()
         if fresh.lookahead is not None:
@@ -419,25 +492,30 @@ class Machine(RuleBasedStateMachine):
     @rule()
     def state_dict_round_trip(self):
         fresh = self.fresh()
+        # parameters are not in a state dict: they travel as the user's arrays, written first
+        # (writing a parameter resets its master copy and compensation, as documented)
+        for path, value in self.kit.opt.params.items():
+            fresh.opt.params[path] = np.array(value)
         fresh.opt.load_state_dict(copy.deepcopy(self.kit.opt.state_dict()))
         fresh.scheduler.load_state_dict(self.kit.scheduler.state_dict())
         fresh.ema.load_state_dict(self.kit.ema.state_dict())
         fresh.scaler.load_state_dict(self.kit.scaler.state_dict())
         if fresh.lookahead is not None:
             fresh.lookahead.load_state_dict(self.kit.lookahead.state_dict())
-        # parameters are not in a state dict: they travel as the user's arrays
-        for path, value in self.kit.opt.params.items():
-            fresh.opt.params[path] = np.array(value)
         self.adopt(fresh)
 
     @rule()
     def load_renamed_and_back(self):
         target = self.save_file(self.kit, False)
+        if target is None:
+            return
         renamed = self.fresh(prefix="r/")
         flatopt.load(target, renamed.opt, rename={p: "r/" + p for p in self.recipe.paths()},
                      **renamed.extras())
         assert fingerprint(renamed, "r/")["params"] == fingerprint(self.kit)["params"]
         back_file = self.save_file(renamed, False)
+        if back_file is None:
+            return
         back = self.fresh()
         flatopt.load(back_file, back.opt, rename={"r/" + p: p for p in self.recipe.paths()},
                      **back.extras())
@@ -448,6 +526,8 @@ class Machine(RuleBasedStateMachine):
         """Into an optimizer with one group more (strict=False leaves it as built); the twin
         gains the same group by add_param_group."""
         target = self.save_file(self.kit, False)
+        if target is None:
+            return
         number = len(self.recipe.groups) + len(self.recipe.added)
         extra = {"params": {f"x{number}.w": self.rng.standard_normal(
                      fit_shape(self.NAME, (2, 3))).astype(F32)},
@@ -456,7 +536,8 @@ class Machine(RuleBasedStateMachine):
         if fresh.lookahead is not None:
             return   # a Lookahead's counts are per group: it loads into the same groups only
         # the scheduler and the EMA are made again after the new group (see outgrown)
-        flatopt.load(target, fresh.opt, strict=False, regroup=True, scaler=fresh.scaler)
+        flatopt.load(target, fresh.opt, strict=False, regroup=True, scaler=fresh.scaler,
+                     hyperparameters="saved")
         twin_added = outcome(lambda: self.twin.opt.add_param_group(
             {**extra, "params": {p: a.copy() for p, a in extra["params"].items()}}))
         assert twin_added[1] is None
@@ -511,6 +592,8 @@ class Machine(RuleBasedStateMachine):
             flatopt.save(target, registry.lookup(other)(params))
         else:
             target = self.save_file(self.kit, False)
+            if target is None:
+                return
             data = bytearray(open(target, "rb").read())
             if how == "damaged":
                 data[len(data) // 2] ^= 0x5A
@@ -543,6 +626,8 @@ class Machine(RuleBasedStateMachine):
     @rule(how=st.sampled_from(["no_directory", "bad_metadata", "bad_arrays"]))
     def refused_save(self, how):
         good = self.save_file(self.kit, False)
+        if good is None:
+            return
         if how == "no_directory":
             target = os.path.join(self.dir, "missing", "x.h5")
             self.refused(lambda: flatopt.save(target, self.kit.opt), file=target)
