@@ -294,10 +294,17 @@ class Staged:
                 np.copyto(getattr(buf, name), getattr(self, name))
         for name, column in buf.columns.items():
             column[...] = self.columns[name]
-        buf.state.clear()
-        buf.state.update(self.state)
-        buf.absmax.clear()
-        buf.absmax.update(self.absmax)
+        # into the live arrays where they exist, as a float32 restore writes: the views
+        # handed out (state_of records, the plans) keep seeing the state
+        for live, new in ((buf.state, self.state), (buf.absmax, self.absmax)):
+            for name, flat in new.items():
+                held = live.get(name)
+                if held is not None and held.shape == flat.shape and held.dtype == flat.dtype:
+                    np.copyto(held, flat)
+                else:
+                    live[name] = flat
+            for name in [name for name in live if name not in new]:
+                del live[name]
         buf.draws = int(self.draws)
 
 

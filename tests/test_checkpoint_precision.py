@@ -363,3 +363,29 @@ def test_an_ema_of_a_reduced_precision_optimizer_in_a_run(tmp_path):
     flatopt.load(tmp_path / "run", {"a": other}, ema=[other_ema])
     for p, average in ema.params.items():
         np.testing.assert_array_equal(other_ema.params[p], average, err_msg=p)
+
+
+@pytest.mark.parametrize("mode", ["bf16_nearest", "bf16_master", "bf16_kahan"])
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_a_state_of_record_stays_live_across_a_load(mode, how, tmp_path):
+    """As with float32 parameters, a record taken before a load views the buffers: it shows
+    the loaded state, then what later steps make of it (a load writes into the live arrays
+    instead of replacing them)."""
+    a = build(mode)
+    run(a, 0, SPLIT)
+    b = build(mode)
+    run(b, 10, 11)  # other state, so that the record shows the load
+    record = b.state_of("w")
+    if how == "checkpoint":
+        flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b)
+    else:
+        for path in b.index.paths:
+            b.params[path][...] = a.params[path]
+        b.load_state_dict(a.state_dict())
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_array_equal(getattr(record, name), getattr(a.state_of("w"), name))
+    run(a, SPLIT, SPLIT + 1)
+    run(b, SPLIT, SPLIT + 1)
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_array_equal(getattr(record, name), getattr(a.state_of("w"), name))
+        np.testing.assert_array_equal(getattr(record, name), getattr(b.state_of("w"), name))
