@@ -40,12 +40,14 @@ def build(opt, state: dict) -> dict[str, Any]:
 
 def saved_entry(opt, buf, slot: int) -> dict | None:
     """``state_dict()``'s entry of parameter ``slot`` of ``buf``: lossless for a coded buffer
-    (its stored arrays, see ``flatopt._lossless``), else :func:`param_state`'s copies."""
+    (its stored arrays, see ``flatopt._lossless``; a parameter without state keeps an entry
+    of its master weights or compensation where the buffer has them), else
+    :func:`param_state`'s copies."""
     if not buf.coded:
         return param_state(opt, buf, slot, copy=True)
     if not opt.schema.stateful({name: column[slot] for name, column in buf.columns.items()
                                 if name in opt.schema.columns}):
-        return None
+        return _lossless.extras_entry(buf, slot) or None
     return _lossless.path_entry(opt, buf, slot)
 
 
@@ -102,12 +104,13 @@ def param_state(opt, buf, slot: int, copy: bool) -> dict | None:
 
 
 def parse(opt, state_dict: Any, hyperparameters: str, convert: bool = False):
-    """``(state, settings, staged)`` for ``opt.restore`` from a snapshot: its structure,
-    format, version and optimizer checked, and with ``hyperparameters="saved"`` each live
-    group's values taken from the saved group with exactly its parameters (``settings`` None
-    with ``"live"``); ``staged``: the coded buffers' new contents (``_lossless.stage``), whose
-    storage must be the saved one unless ``convert``. Every problem, including restore's own,
-    in one StateDictError."""
+    """``(state, settings, params, staged)`` for ``opt.restore`` from a snapshot: its
+    structure, format, version and optimizer checked, and with ``hyperparameters="saved"``
+    each live group's values taken from the saved group with exactly its parameters
+    (``settings`` None with ``"live"``); ``params``: the values of plain buffers' parameters
+    converted from master weights or compensation (``convert``); ``staged``: the coded
+    buffers' new contents (``_lossless.stage``), whose storage must be the saved one unless
+    ``convert``. Every problem, including restore's own, in one StateDictError."""
     if hyperparameters not in ("saved", "live"):
         raise ValueError("hyperparameters must be 'saved' or 'live', got "
                          f"{hyperparameters!r}")
@@ -144,15 +147,18 @@ def parse(opt, state_dict: Any, hyperparameters: str, convert: bool = False):
         info = opt.index.get(path) if isinstance(path, str) else None
         if desc is None and info is not None:
             desc = _lossless.plain(opt.buffers[info.buffer].dtype.name)
-        saved[path] = _lossless.Saved(desc, entry, None, draws)
+        extras = None
+        if draws is not None:  # a coded buffer's: master weights and compensation apart
+            entry, extras = _lossless.split(opt.schema, entry)
+        saved[path] = _lossless.Saved(desc, entry, None, draws, extras)
     for path, (desc, draws) in storage.items():  # a coded buffer's parameters without state
         if path not in saved:
             saved[path] = _lossless.Saved(desc, None, None, draws)
-    staged, state, _ = _lossless.stage(opt, saved, settings, convert, problems)
+    staged, state, params = _lossless.stage(opt, saved, settings, convert, problems)
     problems += _restore.restore_problems(opt, {**state, **{
-        path: None for path in saved if path not in opt.index}}, settings, None, None)
+        path: None for path in saved if path not in opt.index}}, settings, params, None)
     raise_problems(problems, StateDictError)
-    return state, settings, staged
+    return state, settings, params, staged
 
 
 def _saved_settings(opt, saved_groups: Any, problems: list[str],

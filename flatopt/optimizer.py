@@ -523,17 +523,19 @@ class Optimizer:
         and loads state only. Data is copied: the snapshot and the optimizer never share memory.
         Reduced-precision buffers load losslessly (stored arrays, master weights,
         compensation, the rounding stream's draws); a saved storage other than the live one
-        is refused by path unless ``convert=True`` (through float32 values).
+        is refused by path unless ``convert=True`` (through float32 values; a snapshot holds
+        no parameters, but a converted one's master weights, or the live value plus its saved
+        Kahan compensation, become its value).
         """
         if self._sharding is not None:
             self._sharding.refuse("load_state_dict()")
         if not isinstance(convert, (bool, np.bool_)):
             raise StateDictError(f"convert must be True or False, got {convert!r}")
         self._device.pull()  # CUDA: what the load keeps is staged from the mirror
-        state, settings, staged = _state_dict.parse(self, state_dict, hyperparameters,
-                                                    convert)
+        state, settings, params, staged = _state_dict.parse(self, state_dict,
+                                                            hyperparameters, convert)
         with self.host_side():
-            _restore.apply(self, state, settings, None, None)
+            _restore.apply(self, state, settings, params, None)
             _lossless.commit(self, staged)
 
     @_locked

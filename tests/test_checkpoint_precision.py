@@ -389,3 +389,119 @@ def test_a_state_of_record_stays_live_across_a_load(mode, how, tmp_path):
     for name in ("exp_avg", "exp_avg_sq"):
         np.testing.assert_array_equal(getattr(record, name), getattr(a.state_of("w"), name))
         np.testing.assert_array_equal(getattr(record, name), getattr(b.state_of("w"), name))
+
+
+# ----------------------------------------------------------------------------- master copies
+STATELESS = {"master": {"master_weights": True}, "kahan": {"rounding": "kahan"}}
+
+
+def _sgd(mode, dtype=BF16):
+    """SGD without momentum: no state, but a float32 master copy or a Kahan compensation
+    that holds what the 16-bit parameters cannot."""
+    return flatopt.SGD(params(dtype), lr=1e-3, **STATELESS[mode])
+
+
+def _beyond_16_bits(opt, path="w"):
+    """The parameter's value beyond its 16 bits: its master copy, or its compensation."""
+    buf = opt.buffers[opt.index[path].buffer]
+    slot = opt.index[path].slot
+    if buf.master is not None:
+        return buf.view(buf.master, slot) - opt.params[path].astype(np.float32)
+    return buf.view(buf.compensation, slot).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", STATELESS)
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_master_copy_of_a_stateless_rule_resumes_bit_exact(mode, how, tmp_path):
+    a = _sgd(mode)
+    run(a, 0, SPLIT)
+    assert a.state_of("w") is None and np.any(_beyond_16_bits(a) != 0)
+    b = _sgd(mode)
+    if how == "checkpoint":
+        flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b)
+    else:
+        sd = a.state_dict()
+        kept = {"master"} if mode == "master" else {"compensation"}
+        assert set(sd["state"]) == {"w", "b"} and set(sd["state"]["w"]) == kept
+        for path in b.index.paths:
+            b.params[path][...] = a.params[path]
+        b.load_state_dict(sd)
+    sa, sb = stored(a), stored(b)
+    assert sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
+    assert b.state_of("w") is None  # still without state: SGD's momentum stays unseeded
+    run(b, SPLIT, TOTAL)
+    never_saved = _sgd(mode)
+    run(never_saved, 0, TOTAL)
+    assert_same_bits(bits(never_saved), bits(b))
+
+
+@pytest.mark.parametrize("mode", STATELESS)
+def test_master_copy_entry_is_checked(mode):
+    a = _sgd(mode)
+    run(a, 0, 1)
+    sd = a.state_dict()
+    name = "master" if mode == "master" else "compensation"
+    sd["state"]["w"][name] = sd["state"]["w"][name][:3]
+    b = _sgd(mode)
+    before = stored(b)
+    with pytest.raises(StateDictError, match=rf"'w': {name} must be"):
+        b.load_state_dict(sd)
+    after = stored(b)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def _best_float32(opt, path):
+    """What a float32 parameter converted from ``opt`` should hold: the master copy, or the
+    16-bit value plus its compensation."""
+    return opt.params[path].astype(np.float32) + _beyond_16_bits(opt, path)
+
+
+@pytest.mark.parametrize("mode", ["bf16_master", "bf16_kahan", "int8_master_g32"])
+@pytest.mark.parametrize("target", ["float32", "float32 int8 state"])
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_converting_into_float32_keeps_the_master_copy(mode, target, how, tmp_path):
+    """A float32 parameter converted from 16-bit ones takes the best value saved for it: the
+    master copy, or the parameter plus its Kahan compensation, never the rounded values.
+    Under int8 state, the float32 'b' (300 elements) sits in a plain float32 buffer."""
+    a = build(mode)
+    run(a, 0, SPLIT)
+    assert all(np.any(_beyond_16_bits(a, p) != 0) for p in a.index.paths)
+    kwargs = {"state_dtype": "int8"} if target == "float32 int8 state" else {}
+    # a state dict holds no parameters: the live ones are the saved 16-bit values
+    b = flatopt.AdamW({p: v.astype(np.float32) for p, v in a.params.items()}, lr=1e-2,
+                      **kwargs)
+    if how == "checkpoint":
+        flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b, convert=True)
+    else:
+        b.load_state_dict(a.state_dict(), convert=True)
+    for path in a.index.paths:
+        np.testing.assert_array_equal(b.params[path], _best_float32(a, path), err_msg=path)
+        assert not np.array_equal(b.params[path], a.params[path].astype(np.float32))
+    np.testing.assert_array_equal(b.state_of("b").exp_avg, a.state_of("b").exp_avg)
+
+
+def test_kahan_converted_into_master_weights_keeps_the_compensation(tmp_path):
+    a = build("bf16_kahan")
+    run(a, 0, SPLIT)
+    b = build("bf16_master")
+    flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b, convert=True)
+    for path in a.index.paths:
+        np.testing.assert_array_equal(b.params[path].astype(np.float32) + _beyond_16_bits(
+            b, path), _best_float32(a, path), err_msg=path)
+
+
+def test_float32_converted_into_kahan_carries_the_rounding_in_the_compensation(tmp_path):
+    """Into 16-bit parameters with Kahan summation the float32 values are rounded to
+    nearest and what that lost becomes the compensation."""
+    a = flatopt.AdamW(params(np.float32), lr=1e-2)
+    run(a, 0, SPLIT)
+    b = build("bf16_kahan")
+    flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b, convert=True)
+    for path in a.index.paths:
+        want = a.params[path]
+        np.testing.assert_array_equal(b.params[path], want.astype(BF16))
+        carried = b.params[path].astype(np.float32) + _beyond_16_bits(b, path)
+        assert np.all(np.abs(carried - want) <= np.abs(b.params[path].astype(np.float32)
+                                                       - want))
+        assert np.mean(np.abs(carried - want)) < 0.01 * np.mean(
+            np.abs(b.params[path].astype(np.float32) - want))

@@ -196,9 +196,10 @@ def _check_item(ck, group: int, number: int, item) -> None:
 
 
 def saved_records(ck, opt, matches, arrays, float32_entry, convert: bool) -> dict:
-    """``_lossless.Saved`` for each (live info, saved entry) whose live buffer is coded: from
-    the stored arrays for a coded saved buffer, from the float32 view (``float32_entry(entry)
-    -> (params, state entry or None)``) for a plain one."""
+    """``_lossless.Saved`` for each (live info, saved entry) whose live buffer is coded or
+    whose saved one is: from the stored arrays for a coded saved buffer (master weights and
+    compensation of every parameter, with state or without), from the float32 view
+    (``float32_entry(entry) -> (params, state entry or None)``) for a plain one."""
     out = {}
     for info, entry in matches:
         stored = ck.storage.get(entry.path)
@@ -226,12 +227,10 @@ def saved_records(ck, opt, matches, arrays, float32_entry, convert: bool) -> dic
                         first:first + _lossless.blocks(entry.size)]}
                 else:
                     state[name] = flat.reshape(entry.shape)
-            for name in _lossless.EXTRAS:
-                if name in names:
-                    flat = arrays[names[name]][window]
-                    state[name] = flat.view(dtype if name == "compensation"
-                                            else np.float32).reshape(entry.shape)
-        out[info.path] = _lossless.Saved(desc, state, params, draws)
+        extras = {name: arrays[names[name]][window].view(
+            dtype if name == "compensation" else np.float32).reshape(entry.shape)
+            for name in _lossless.EXTRAS if name in names}
+        out[info.path] = _lossless.Saved(desc, state, params, draws, extras)
     return out
 
 
