@@ -87,7 +87,8 @@ def decode(value: Any, state: str, is_signed: bool, size: int) -> np.ndarray:
         codes = np.asarray(value["codes"])
         scales = np.repeat(np.asarray(value["absmax"], np.float32), BLOCK)[:size]
         table = TABLES[0 if is_signed else 1]
-        return (table[codes.reshape(-1)] * scales).reshape(codes.shape)
+        with np.errstate(invalid="ignore"):  # an infinite scale: 0 * inf is NaN, as stepped
+            return (table[codes.reshape(-1)] * scales).reshape(codes.shape)
     return np.asarray(value).astype(np.float32)
 
 
@@ -98,7 +99,10 @@ def _q8_encode(x: np.ndarray, is_signed: bool) -> dict:
     n = flat.size
     padded = np.zeros(blocks(n) * BLOCK, np.float32)
     padded[:n] = flat
-    absmax = np.abs(padded.reshape(-1, BLOCK)).max(axis=1).astype(np.float32)
+    magnitudes = np.abs(padded.reshape(-1, BLOCK))
+    # NaN skipped, an inf kept, as the kernels' q8_block_absmax: never a NaN scale
+    absmax = np.where(np.isnan(magnitudes), np.float32(0), magnitudes).max(axis=1) \
+        .astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         v = (padded.reshape(-1, BLOCK) * (np.float32(1) / absmax)[:, None]).reshape(-1)[:n]
         c = np.clip(v, np.float32(-1), np.float32(1)).astype(np.float32)
@@ -162,6 +166,15 @@ def split(schema, entry: Any) -> tuple[Any, dict]:
 
 
 # ----------------------------------------------------------------------------- checks
+def scales_problem(absmax: np.ndarray) -> str | None:
+    """Why ``absmax`` are not int8 block scales a step writes: each the largest magnitude of
+    its block, >= 0 and never NaN, but inf for a block that holds an inf (torch keeps an
+    infinite momentum too: it is saved and loaded as it is)."""
+    if not (absmax >= 0).all():  # False for NaN
+        return "has block scales that are negative or NaN"
+    return None
+
+
 def _array_problem(value: Any, shape: tuple, dtype: np.dtype) -> str | None:
     if not isinstance(value, np.ndarray):
         return f"must be an array, got {type(value).__name__}"
@@ -193,10 +206,8 @@ def entry_problems(opt, path: str, entry: Any, desc: Mapping, shape: tuple,
                 problems.append(f"{where} must be a dict with 'codes' and 'absmax' (int8)")
                 continue
             problem = (_array_problem(value["codes"], shape, np.dtype(np.uint8))
-                       or _array_problem(value["absmax"], (blocks(size),), FLOAT32))
-            if problem is None and not (np.isfinite(value["absmax"]).all()
-                                        and (value["absmax"] >= 0).all()):
-                problem = "has block scales that are negative or not finite"
+                       or _array_problem(value["absmax"], (blocks(size),), FLOAT32)
+                       or scales_problem(value["absmax"]))
         else:
             problem = _array_problem(value, shape, NUMPY_DTYPES[desc["state"]])
         if problem:

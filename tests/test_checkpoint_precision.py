@@ -18,6 +18,7 @@ from flatopt.checkpoint import inspect_checkpoint
 from flatopt.errors import CheckpointCorrupt, CheckpointMismatch, StateDictError
 from checkpoint_helpers import add_buffer, reseal
 from flatopt.checkpoint.h5write import set_text
+from flatopt.kernels.storage import BLOCK
 
 BF16 = ml_dtypes.bfloat16
 MODES = {
@@ -505,3 +506,118 @@ def test_float32_converted_into_kahan_carries_the_rounding_in_the_compensation(t
                                                        - want))
         assert np.mean(np.abs(carried - want)) < 0.01 * np.mean(
             np.abs(b.params[path].astype(np.float32) - want))
+
+
+# ----------------------------------------------------------------------------- int8 and inf
+INT8_SIGNED = {"SGD": {"momentum": 0.9}, "Lion": {}}
+
+
+def _int8(name, extra=None):
+    rng = np.random.default_rng(1)
+    return getattr(flatopt, name)({"w": rng.standard_normal(5000).astype(np.float32),
+                                   "b": rng.standard_normal(300).astype(np.float32)},
+                                  lr=1e-3, state_dtype="int8", **(extra or {}))
+
+
+def _inf_steps(opt, start, stop):
+    """Steps whose gradients hold an inf at step 1 (a run without non-finite skipping)."""
+    for k in range(start, stop):
+        g = grads(opt, k)
+        if k == 1:
+            g["w"][700] = np.inf
+        opt.step(g)
+
+
+@pytest.mark.parametrize("name", INT8_SIGNED)
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_int8_state_with_an_infinite_block_scale_round_trips(name, how, tmp_path):
+    """An inf gradient element makes its 8-bit block's scale inf (the block then decodes to
+    inf and NaN, as a float32 momentum would be inf). Like torch's inf momentum buffer, it is
+    saved, verified sound and loaded as it is: the resumed run has the same bits as one that
+    never saved."""
+    a = _int8(name, INT8_SIGNED[name])
+    _inf_steps(a, 0, SPLIT)
+    slot = next(iter(a.buffers[0].absmax))
+    assert np.isinf(a.buffers[0].absmax[slot]).any()
+    b = _int8(name, INT8_SIGNED[name])
+    if how == "checkpoint":
+        path = flatopt.save(tmp_path / "ck.h5", a)
+        report = flatopt.checkpoint.verify_checkpoint(path)
+        assert report["ok"], report["problems"]
+        flatopt.load(path, b)
+    else:
+        for p in b.index.paths:
+            b.params[p] = a.params[p]
+        b.load_state_dict(a.state_dict())
+    sa, sb = stored(a), stored(b)
+    assert sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
+    _inf_steps(b, SPLIT, TOTAL)
+    never_saved = _int8(name, INT8_SIGNED[name])
+    _inf_steps(never_saved, 0, TOTAL)
+    assert_same_bits(bits(never_saved), bits(b))
+
+
+def test_an_infinite_second_moment_is_refused_before_the_file_is_touched(tmp_path):
+    """An unsigned (second-moment) slot must hold finite values: save refuses an infinite
+    scale there before it touches the target, so the previous checkpoint stays."""
+    a = _int8("Adam")
+    _inf_steps(a, 0, 1)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    good = path.read_bytes() if hasattr(path, "read_bytes") else open(path, "rb").read()
+    _inf_steps(a, 1, 2)
+    assert np.isinf(a.buffers[0].absmax["exp_avg_sq"]).any()
+    with pytest.raises(flatopt.errors.CheckpointError, match="exp_avg_sq"):
+        flatopt.save(path, a)
+    assert open(path, "rb").read() == good
+    flatopt.load(path, _int8("Adam"))
+
+
+def test_a_nan_block_scale_is_refused_by_load_and_verify(tmp_path):
+    """No step writes a NaN (or negative) scale: a file or state dict holding one is
+    damaged, for load, load_state_dict and verify alike."""
+    a = _int8("SGD", INT8_SIGNED["SGD"])
+    run(a, 0, 2)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+
+    def poison(f):
+        key, ds = _storage_array(f, "momentum_buffer.absmax")
+        values = ds[...]
+        values[3] = np.nan
+        _replace_array(f, key, values)
+    damaged = _tampered(path, poison)
+    report = flatopt.checkpoint.verify_checkpoint(io.BytesIO(damaged.getvalue()))
+    assert not report["ok"] and any("NaN" in p for p in report["problems"])
+    b = _int8("SGD", INT8_SIGNED["SGD"])
+    before = stored(b)
+    with pytest.raises(CheckpointCorrupt, match="negative or NaN"):
+        flatopt.load(damaged, b)
+    sd = a.state_dict()
+    sd["state"]["w"]["momentum_buffer"]["absmax"][0] = -1.0
+    with pytest.raises(StateDictError, match="'w': momentum_buffer has block scales"):
+        b.load_state_dict(sd)
+    after = stored(b)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_non_finite_float32_state_converts_to_int8_scales_a_step_would_write(tmp_path):
+    """float32 momentum holding a NaN (block 0) and an inf (block 1), converted into int8:
+    the scales are what a step writes (NaN skipped, an inf kept: never a NaN scale), so the
+    converted optimizer saves what loads, and back in float32 the inf is still there."""
+    def sgd(**kwargs):
+        return flatopt.SGD(params(np.float32), lr=1e-3, momentum=0.9, **kwargs)
+    f = sgd()
+    run(f, 0, 1)
+    g = grads(f, 1)
+    g["w"][0, 5], g["w"][3, 7] = np.nan, np.inf  # flat elements 5 and 391
+    f.step(g)
+    c = sgd(state_dtype="int8")
+    flatopt.load(flatopt.save(tmp_path / "f32.h5", f), c, convert=True)
+    scales = c.buffers[0].absmax["momentum_buffer"]
+    momentum = np.abs(f.state_of("w").momentum_buffer.reshape(-1))
+    assert scales[0] == np.nanmax(momentum[:BLOCK]) and np.isinf(scales[1])
+    assert not np.isnan(scales).any()
+    again = flatopt.save(tmp_path / "again.h5", c)
+    flatopt.load(again, sgd(state_dtype="int8"))
+    back = sgd()
+    flatopt.load(again, back, convert=True)
+    assert np.isinf(back.state_of("w").momentum_buffer.reshape(-1)[BLOCK:2 * BLOCK]).any()

@@ -353,6 +353,7 @@ class Prepared:
                                                regroup=regroup, scheduler=scheduler,
                                                convert=convert)
         arrays = guarded(ck, lambda: ck.read_arrays())
+        precision.check_arrays(ck, arrays)
         wanted = extras.wanted_states(ck, extras.split(arrays)[1], plan.matches, strict=strict,
                                       ema=ema, scaler=scaler, scheduler=scheduler,
                                       lookahead=lookahead)

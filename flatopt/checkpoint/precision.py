@@ -195,6 +195,24 @@ def _check_item(ck, group: int, number: int, item) -> None:
         ck.storage[path] = (desc, item["draws"], full_names, offset)
 
 
+def array_problem(name: str, values: np.ndarray) -> str | None:
+    """Why a stored array of the file cannot be what a save wrote (block scales negative or
+    NaN; an infinite one is a block that held an inf), or None: ``load`` and ``verify`` make
+    the same check."""
+    if name.startswith(STORAGE_KEY + NEST) and name.endswith(".absmax"):
+        problem = _lossless.scales_problem(values)
+        return None if problem is None else f"storage array {name!r} {problem}"
+    return None
+
+
+def check_arrays(ck, arrays) -> None:
+    """:func:`array_problem` over the file's extra arrays (by stored name)."""
+    for name, values in arrays.items():
+        problem = array_problem(name, values)
+        if problem:
+            raise ck.corrupt(problem)
+
+
 def saved_records(ck, opt, matches, arrays, float32_entry, convert: bool) -> dict:
     """``_lossless.Saved`` for each (live info, saved entry) whose live buffer is coded or
     whose saved one is: from the stored arrays for a coded saved buffer (master weights and
