@@ -313,6 +313,7 @@ class Optimizer:
         self.check_step(settings)
         if grads is not None:
             self.stage_gradients(grads)
+        _stepping.check_counters(self, settings)
         multiplier, result = _stepping.gradient_multiplier(
             self._device.reduce_present, max_grad_norm=max_grad_norm, norm_type=norm_type,
             grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,

@@ -12,6 +12,8 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flatopt
 from flatopt.checkpoint import inspect_checkpoint
@@ -19,6 +21,7 @@ from flatopt.errors import CheckpointCorrupt, CheckpointMismatch, StateDictError
 from checkpoint_helpers import add_buffer, reseal
 from flatopt.checkpoint.h5write import set_text
 from flatopt.kernels.storage import BLOCK
+from flatopt.schema import MAX_STEP
 
 BF16 = ml_dtypes.bfloat16
 MODES = {
@@ -621,3 +624,93 @@ def test_non_finite_float32_state_converts_to_int8_scales_a_step_would_write(tmp
     back = sgd()
     flatopt.load(again, back, convert=True)
     assert np.isinf(back.state_of("w").momentum_buffer.reshape(-1)[BLOCK:2 * BLOCK]).any()
+
+
+# ----------------------------------------------------------------------------- integers
+OUT_OF_RANGE = {  # each storage integer: values no save writes (bools are not integers)
+    "draws": st.one_of(st.integers(MAX_STEP + 1, 2 ** 80), st.integers(-2 ** 70, -1),
+                       st.just(True), st.just(2 ** 64)),
+    "seed": st.one_of(st.integers(2 ** 63, 2 ** 80), st.integers(-2 ** 70, -1),
+                      st.just(False)),
+}
+SLOW = settings(max_examples=12, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _stochastic():
+    opt = build("bf16_stochastic")
+    run(opt, 0, 1)
+    return opt
+
+
+def _unchanged(opt, before):
+    after = stored(opt)
+    assert before.keys() == after.keys() and all(
+        np.array_equal(before[k], after[k]) for k in before)
+    assert [dict(g) for g in opt.param_groups][0]["lr"] == 1e-2
+
+
+@pytest.mark.parametrize("field", OUT_OF_RANGE)
+@SLOW
+@given(data=st.data())
+def test_a_state_dict_storage_integer_out_of_range_is_refused(field, data):
+    """A ``draws`` past 2**53 (2**64 made every later step raise after advancing the step
+    counts) or a seed outside [0, 2**63): refused naming the entry, before anything changes;
+    the optimizer steps on."""
+    value = data.draw(OUT_OF_RANGE[field])
+    a = _stochastic()
+    sd = a.state_dict()
+    sd["storage"][0][field] = value
+    b = _stochastic()
+    before = stored(b)
+    with pytest.raises(StateDictError, match=rf"'storage' entry 0 .*{field} must be an "
+                                             r"integer in \[0, "):
+        b.load_state_dict(sd)
+    _unchanged(b, before)
+    run(b, 1, 2)
+
+
+@pytest.mark.parametrize("field", [*OUT_OF_RANGE, "offsets"])
+@SLOW
+@given(data=st.data())
+def test_a_checkpoint_storage_integer_out_of_range_is_corrupt(field, data, tmp_path):
+    a = _stochastic()
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    value = data.draw(OUT_OF_RANGE.get(field, st.just(False)))
+
+    def change(f):
+        g = f["groups"]["0"]
+        items = json.loads(g.attrs["storage"])
+        if field == "offsets":  # JSON false is a Python bool, not the offset 0
+            assert items[0]["offsets"][0] == 0
+            items[0]["offsets"][0] = value
+        else:
+            items[0][field] = value
+        set_text(g, "storage", json.dumps(items))
+    b = _stochastic()
+    before = stored(b)
+    with pytest.raises(CheckpointCorrupt, match="group 0 storage 0"):
+        flatopt.load(_tampered(path, change), b)
+    _unchanged(b, before)
+
+
+def test_draws_at_the_limit_load_save_and_refuse_the_next_step(tmp_path):
+    """2**53 draws is the largest count kept: it loads and saves, and a step from there
+    refuses before anything changes (it would make a count no load accepts)."""
+    a = _stochastic()
+    sd = a.state_dict()
+    sd["storage"][0]["draws"] = MAX_STEP
+    b = _stochastic()
+    b.load_state_dict(sd)
+    assert b.buffers[0].draws == MAX_STEP
+    c = _stochastic()
+    flatopt.load(flatopt.save(tmp_path / "limit.h5", b), c)
+    assert c.buffers[0].draws == MAX_STEP
+    before = stored(c)
+    with pytest.raises(flatopt.errors.StepLimitError, match="drawn 9007199254740992"):
+        run(c, 1, 2)
+    _unchanged(c, before)
+    c.buffers[0].draws = MAX_STEP + 1  # only by hand: save refuses it before the file
+    with pytest.raises(flatopt.errors.CheckpointError, match="drawn 9007199254740993"):
+        flatopt.save(tmp_path / "limit.h5", c)
+    flatopt.load(tmp_path / "limit.h5", _stochastic())

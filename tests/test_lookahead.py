@@ -7,6 +7,8 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flatopt
 from flatopt.kernels import threads
@@ -215,3 +217,20 @@ def test_a_group_added_later_gets_its_own_count():
     la.step({"w": np.ones(3, np.float32), "v": np.ones(2, np.float32)})
     assert la.steps == [2, 1]
     assert "w" in la.state_dict()["slow"] and "v" not in la.state_dict()["slow"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(key=st.sampled_from(["k", "steps"]),
+       value=st.one_of(st.integers(2 ** 63, 2 ** 80), st.integers(-2 ** 70, -1),
+                       st.just(True)))
+def test_counts_a_file_cannot_hold_are_refused(key, value):
+    """k and the groups' step counts: at most 2**63 - 1 (what a checkpoint's int64 arrays
+    hold, so that what loads also saves), refused before anything changes."""
+    la = trained()
+    bad = la.state_dict()
+    bad[key] = value if key == "k" else [value] * len(bad["steps"])
+    other = trained(seed=9, steps=1)
+    before = other.state_dict()
+    with pytest.raises((flatopt.StateDictError, flatopt.HyperparameterError), match=key):
+        other.load_state_dict(bad)
+    assert other.state_dict()["steps"] == before["steps"] and other.k == la.k
