@@ -12,7 +12,8 @@ from .checkpoint import CheckpointData, Difference, LoadResult, load, read, save
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                      CheckpointOptionError, DeviceError, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ModeError,
-                     ParamError, StateDictError, UnknownGradientError, UnknownPathError)
+                     ParamError, StateDictError, StepLimitError, UnknownGradientError,
+                     UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
 from .optimizers import (ADOPT, ASGD, SGD, ADOPTParamState, Adadelta, AdadeltaParamState, Adafactor,
@@ -52,7 +53,8 @@ __all__ = [
     "ProdigyParamState", "AdEMAMixParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
-    "GradientError", "ModeError", "StateDictError", "UnknownPathError", "UnknownGradientError",
+    "GradientError", "ModeError", "StateDictError", "StepLimitError", "UnknownPathError",
+    "UnknownGradientError",
     "save", "load", "read", "LoadResult", "CheckpointData", "Difference",
     "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt", "CheckpointOptionError",
     "__version__",
