@@ -643,11 +643,18 @@ def _stochastic():
     return opt
 
 
+def _everything(opt):
+    """Every stored array, the draws, the per-parameter columns and the groups."""
+    return {**stored(opt), **{(buf.number, name): column.copy() for buf in opt.buffers
+                              for name, column in buf.columns.items()},
+            "groups": [dict(g) for g in opt.param_groups]}
+
+
 def _unchanged(opt, before):
-    after = stored(opt)
-    assert before.keys() == after.keys() and all(
-        np.array_equal(before[k], after[k]) for k in before)
-    assert [dict(g) for g in opt.param_groups][0]["lr"] == 1e-2
+    after = _everything(opt)
+    assert before.keys() == after.keys()
+    assert all(before[k] == after[k] if k == "groups" else np.array_equal(before[k], after[k])
+               for k in before)
 
 
 @pytest.mark.parametrize("field", OUT_OF_RANGE)
@@ -662,7 +669,7 @@ def test_a_state_dict_storage_integer_out_of_range_is_refused(field, data):
     sd = a.state_dict()
     sd["storage"][0][field] = value
     b = _stochastic()
-    before = stored(b)
+    before = _everything(b)
     with pytest.raises(StateDictError, match=rf"'storage' entry 0 .*{field} must be an "
                                              r"integer in \[0, "):
         b.load_state_dict(sd)
@@ -688,7 +695,7 @@ def test_a_checkpoint_storage_integer_out_of_range_is_corrupt(field, data, tmp_p
             items[0][field] = value
         set_text(g, "storage", json.dumps(items))
     b = _stochastic()
-    before = stored(b)
+    before = _everything(b)
     with pytest.raises(CheckpointCorrupt, match="group 0 storage 0"):
         flatopt.load(_tampered(path, change), b)
     _unchanged(b, before)
@@ -706,7 +713,7 @@ def test_draws_at_the_limit_load_save_and_refuse_the_next_step(tmp_path):
     c = _stochastic()
     flatopt.load(flatopt.save(tmp_path / "limit.h5", b), c)
     assert c.buffers[0].draws == MAX_STEP
-    before = stored(c)
+    before = _everything(c)
     with pytest.raises(flatopt.errors.StepLimitError, match="drawn 9007199254740992"):
         run(c, 1, 2)
     _unchanged(c, before)
