@@ -12,7 +12,7 @@ from .checkpoint import CheckpointData, Difference, LoadResult, load, read, save
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                      CheckpointOptionError, DeviceError, EnvironmentVariableError, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ModeError,
-                     NonFiniteGradientWarning, ParamError, StateDictError,
+                     NonFiniteGradientWarning, ParamError, StateDictError, StepLimitError,
                      UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
@@ -53,8 +53,8 @@ __all__ = [
     "ProdigyParamState", "AdEMAMixParamState",
     "Schema", "Hyperparameter", "Column", "Slot", "BufferState", "registry",
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
-    "GradientError", "ModeError", "StateDictError", "UnknownPathError", "UnknownGradientError",
-    "EnvironmentVariableError", "NonFiniteGradientWarning",
+    "GradientError", "ModeError", "StateDictError", "StepLimitError", "UnknownPathError",
+    "UnknownGradientError", "EnvironmentVariableError", "NonFiniteGradientWarning",
     "save", "load", "read", "LoadResult", "CheckpointData", "Difference",
     "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt", "CheckpointOptionError",
     "__version__",

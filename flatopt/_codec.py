@@ -150,7 +150,8 @@ def read_slot(buf: FlatBuffer, schema, name: str, slot: int) -> np.ndarray:
     if fmt in (Q8_SIGNED, Q8_UNSIGNED):
         scales = np.repeat(buf.absmax[name][start // BLOCK:-(-(start + size) // BLOCK)],
                            BLOCK)[:size]
-        values = TABLES[fmt - Q8_SIGNED][flat] * scales
+        with np.errstate(invalid="ignore"):  # an infinite scale: 0 * inf is NaN, as stepped
+            values = TABLES[fmt - Q8_SIGNED][flat] * scales
     else:
         values = flat.astype(np.float32)
     return values.reshape(buf.shapes[slot])

@@ -7,7 +7,15 @@ A lossless entry of one parameter (``state_dict()["state"][path]`` of a coded bu
 its state-dict columns, each state slot as stored (a float32 or ``ml_dtypes.bfloat16`` array
 of the slot's shape; for int8 a dict ``{"codes": uint8 array, "absmax": float32 array}``, one
 scale per 256-element block from the parameter's first element), and ``master`` (float32) and
-``compensation`` (the parameter's 16-bit dtype) where the buffer keeps them.
+``compensation`` (the parameter's 16-bit dtype) where the buffer keeps them. Those two are
+kept for every parameter of such a buffer, with state or without (SGD without momentum): they
+are the parameter's value beyond its 16 bits, so a parameter without state has an entry that
+holds only them (:func:`split`).
+
+Converted (``convert=True``), a parameter takes the best float32 value saved for it: its
+master weights, else its 16-bit value plus its Kahan compensation (the 16-bit value alone
+without one); a 16-bit target gets that value rounded to nearest and, with Kahan summation,
+what the rounding lost as its compensation.
 """
 
 from __future__ import annotations
@@ -79,7 +87,8 @@ def decode(value: Any, state: str, is_signed: bool, size: int) -> np.ndarray:
         codes = np.asarray(value["codes"])
         scales = np.repeat(np.asarray(value["absmax"], np.float32), BLOCK)[:size]
         table = TABLES[0 if is_signed else 1]
-        return (table[codes.reshape(-1)] * scales).reshape(codes.shape)
+        with np.errstate(invalid="ignore"):  # an infinite scale: 0 * inf is NaN, as stepped
+            return (table[codes.reshape(-1)] * scales).reshape(codes.shape)
     return np.asarray(value).astype(np.float32)
 
 
@@ -90,7 +99,10 @@ def _q8_encode(x: np.ndarray, is_signed: bool) -> dict:
     n = flat.size
     padded = np.zeros(blocks(n) * BLOCK, np.float32)
     padded[:n] = flat
-    absmax = np.abs(padded.reshape(-1, BLOCK)).max(axis=1).astype(np.float32)
+    magnitudes = np.abs(padded.reshape(-1, BLOCK))
+    # NaN skipped, an inf kept, as the kernels' q8_block_absmax: never a NaN scale
+    absmax = np.where(np.isnan(magnitudes), np.float32(0), magnitudes).max(axis=1) \
+        .astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
         v = (padded.reshape(-1, BLOCK) * (np.float32(1) / absmax)[:, None]).reshape(-1)[:n]
         c = np.clip(v, np.float32(-1), np.float32(1)).astype(np.float32)
@@ -128,14 +140,41 @@ def path_entry(opt, buf, slot: int, columns: Mapping[str, Any] | None = None) ->
                            "absmax": buf.absmax[name][first:first + blocks(size)].copy()}
         else:
             entry[name] = view
-    for name in EXTRAS:
-        flat = getattr(buf, name)
-        if flat is not None:
-            entry[name] = buf.view(flat, slot).copy()
+    entry.update(extras_entry(buf, slot))
     return entry
 
 
+def extras_entry(buf, slot: int) -> dict:
+    """Parameter ``slot``'s master weights and compensation where ``buf`` keeps them
+    (copies): the entry of a parameter without state."""
+    return {name: buf.view(getattr(buf, name), slot).copy() for name in EXTRAS
+            if getattr(buf, name) is not None}
+
+
+def split(schema, entry: Any) -> tuple[Any, dict]:
+    """A saved entry of a coded buffer as (its state, or None for a parameter without state;
+    its master weights and compensation): an entry holding nothing but those is a parameter
+    without state (state holds a column or a slot; only an eager schema's entries are state
+    whatever they hold)."""
+    if not isinstance(entry, Mapping):
+        return entry, {}
+    extras = {key: value for key, value in entry.items() if key in EXTRAS}
+    state = {key: value for key, value in entry.items() if key not in EXTRAS}
+    if extras and not state and not schema.eager:
+        return None, extras
+    return state, extras
+
+
 # ----------------------------------------------------------------------------- checks
+def scales_problem(absmax: np.ndarray) -> str | None:
+    """Why ``absmax`` are not int8 block scales a step writes: each the largest magnitude of
+    its block, >= 0 and never NaN, but inf for a block that holds an inf (torch keeps an
+    infinite momentum too: it is saved and loaded as it is)."""
+    if not (absmax >= 0).all():  # False for NaN
+        return "has block scales that are negative or NaN"
+    return None
+
+
 def _array_problem(value: Any, shape: tuple, dtype: np.dtype) -> str | None:
     if not isinstance(value, np.ndarray):
         return f"must be an array, got {type(value).__name__}"
@@ -147,15 +186,16 @@ def _array_problem(value: Any, shape: tuple, dtype: np.dtype) -> str | None:
 
 def entry_problems(opt, path: str, entry: Any, desc: Mapping, shape: tuple,
                    settings: Mapping) -> list[str]:
-    """Why ``entry`` is not a lossless entry of a parameter of ``shape`` stored as ``desc``
-    (its stored arrays' dtypes and shapes, int8 codes and scales, then the schema's own checks
-    of the decoded float32 values)."""
+    """Why ``entry`` (without master weights and compensation, see :func:`split`) is not a
+    lossless entry of a parameter of ``shape`` stored as ``desc`` (its stored arrays' dtypes
+    and shapes, int8 codes and scales, then the schema's own checks of the decoded float32
+    values)."""
     schema = opt.schema
     if not isinstance(entry, Mapping):
         return [f"state for {path!r} must be a dict, got {type(entry).__name__}"]
     problems = []
     size = int(np.prod(shape, dtype=np.int64))
-    decoded = {key: value for key, value in entry.items() if key not in EXTRAS}
+    decoded = dict(entry)
     for name in schema.slots:
         value = entry.get(name)
         if value is None:
@@ -166,36 +206,41 @@ def entry_problems(opt, path: str, entry: Any, desc: Mapping, shape: tuple,
                 problems.append(f"{where} must be a dict with 'codes' and 'absmax' (int8)")
                 continue
             problem = (_array_problem(value["codes"], shape, np.dtype(np.uint8))
-                       or _array_problem(value["absmax"], (blocks(size),), FLOAT32))
-            if problem is None and not (np.isfinite(value["absmax"]).all()
-                                        and (value["absmax"] >= 0).all()):
-                problem = "has block scales that are negative or not finite"
+                       or _array_problem(value["absmax"], (blocks(size),), FLOAT32)
+                       or scales_problem(value["absmax"]))
         else:
             problem = _array_problem(value, shape, NUMPY_DTYPES[desc["state"]])
         if problem:
             problems.append(f"{where} {problem}")
             continue
         decoded[name] = decode(value, desc["state"], signed(schema, name), size)
-    wanted = {"master": desc["master"], "compensation": desc["rounding"] == "kahan"}
-    for name, kept in wanted.items():
-        dtype = FLOAT32 if name == "master" else NUMPY_DTYPES[desc["param"]]
-        if not kept:
-            if name in entry:
-                problems.append(f"state for {path!r} has {name!r}, which {fmt(desc)} lacks")
-        elif name not in entry:
-            problems.append(f"state for {path!r} lacks {name!r} ({fmt(desc)})")
-        else:
-            problem = _array_problem(entry[name], shape, dtype)
-            if problem:
-                problems.append(f"state for {path!r}: {name} {problem}")
     if problems:
         return problems
     return schema.state_problems(path, decoded, shape, FLOAT32, settings)
 
 
+def extras_problems(path: str, extras: Mapping, desc: Mapping, shape: tuple) -> list[str]:
+    """Why ``extras`` are not the master weights and compensation a parameter of ``shape``
+    stored as ``desc`` keeps (exactly those it keeps, each of its shape and dtype)."""
+    problems = []
+    wanted = {"master": desc["master"], "compensation": desc["rounding"] == "kahan"}
+    for name, kept in wanted.items():
+        dtype = FLOAT32 if name == "master" else NUMPY_DTYPES[desc["param"]]
+        if not kept:
+            if name in extras:
+                problems.append(f"state for {path!r} has {name!r}, which {fmt(desc)} lacks")
+        elif name not in extras:
+            problems.append(f"state for {path!r} lacks {name!r} ({fmt(desc)})")
+        else:
+            problem = _array_problem(extras[name], shape, dtype)
+            if problem:
+                problems.append(f"state for {path!r}: {name} {problem}")
+    return problems
+
+
 def to_float32(opt, entry: Mapping, desc: Mapping, shape: tuple) -> dict:
-    """A checked lossless entry as the float32 entry a plain buffer keeps (columns kept;
-    master and compensation dropped)."""
+    """A checked lossless entry (without master weights and compensation) as the float32
+    entry a plain buffer keeps."""
     size = int(np.prod(shape, dtype=np.int64))
     out = {key: value for key, value in entry.items()
            if key not in EXTRAS and key not in opt.schema.slots}
@@ -205,18 +250,13 @@ def to_float32(opt, entry: Mapping, desc: Mapping, shape: tuple) -> dict:
     return out
 
 
-def from_float32(opt, entry: Mapping, desc: Mapping, master: np.ndarray | None) -> dict:
-    """A float32 entry in the stored format ``desc`` (conversion; ``master``: float32 values
-    for a buffer with master weights, compensation zero)."""
+def from_float32(opt, entry: Mapping, desc: Mapping) -> dict:
+    """A float32 entry in the stored format ``desc`` (conversion; its slots encoded)."""
     out = {key: value for key, value in entry.items() if key not in opt.schema.slots}
     for name in opt.schema.slots:
         if entry.get(name) is not None:
             out[name] = encode(np.asarray(entry[name], np.float32), desc["state"],
                                signed(opt.schema, name))
-    if desc["master"] and master is not None:
-        out["master"] = np.asarray(master, np.float32).copy()
-    if desc["rounding"] == "kahan" and master is not None:
-        out["compensation"] = np.zeros(np.shape(master), NUMPY_DTYPES[desc["param"]])
     return out
 
 
@@ -281,10 +321,6 @@ class Staged:
                 self.absmax[name][first:first + blocks(size)] = value["absmax"]
             else:
                 self.state[name][start:start + size] = np.asarray(value).reshape(-1)
-        for name in EXTRAS:
-            target = getattr(self, name)
-            if target is not None and entry.get(name) is not None:
-                buf.view(target, slot)[...] = entry[name]
 
     def commit(self) -> None:
         buf = self.buf
@@ -294,10 +330,17 @@ class Staged:
                 np.copyto(getattr(buf, name), getattr(self, name))
         for name, column in buf.columns.items():
             column[...] = self.columns[name]
-        buf.state.clear()
-        buf.state.update(self.state)
-        buf.absmax.clear()
-        buf.absmax.update(self.absmax)
+        # into the live arrays where they exist, as a float32 restore writes: the views
+        # handed out (state_of records, the plans) keep seeing the state
+        for live, new in ((buf.state, self.state), (buf.absmax, self.absmax)):
+            for name, flat in new.items():
+                held = live.get(name)
+                if held is not None and held.shape == flat.shape and held.dtype == flat.dtype:
+                    np.copyto(held, flat)
+                else:
+                    live[name] = flat
+            for name in [name for name in live if name not in new]:
+                del live[name]
         buf.draws = int(self.draws)
 
 
@@ -312,13 +355,16 @@ def commit(opt, staged: Mapping[int, Staged]) -> None:
 # ----------------------------------------------------------------------------- loads
 class Saved:
     """One saved parameter as a load hands it over: its storage ``desc``, its state ``entry``
-    (lossless in ``desc``'s format; float32 values for a plain one) or None, its stored
-    parameter values (``params``, ``desc["param"]``'s dtype; None: keep the live ones) and the
-    ``draws`` of the buffer it was saved from (None: a plain buffer)."""
+    (lossless in ``desc``'s format, without master weights and compensation; float32 values
+    for a plain one) or None, its stored parameter values (``params``, ``desc["param"]``'s
+    dtype; None: keep the live ones), the ``draws`` of the buffer it was saved from (None: a
+    plain buffer) and its ``extras``: master weights and compensation as saved (checked
+    against ``desc``; None: nothing was saved for the parameter, the live ones are kept)."""
 
     def __init__(self, desc: Mapping, entry: Any = None, params: np.ndarray | None = None,
-                 draws: int | None = None):
+                 draws: int | None = None, extras: Mapping | None = None):
         self.desc, self.entry, self.params, self.draws = desc, entry, params, draws
+        self.extras = extras
 
 
 def mismatch(path: str, saved: Mapping, live: Mapping, what: str) -> str:
@@ -329,10 +375,12 @@ def mismatch(path: str, saved: Mapping, live: Mapping, what: str) -> str:
 def stage(opt, saved: Mapping[str, Saved], settings, convert: bool, problems: list,
           what: str = "the state dict") -> tuple[dict[int, Staged], dict[str, Any],
                                                 dict[str, np.ndarray]]:
-    """``(staged coded buffers, float32 state entries and parameter values for the plain
-    buffers)`` for a load of ``saved`` (path -> :class:`Saved`); every coded buffer is staged
+    """``(staged coded buffers, state entries and parameter values for the plain buffers)``
+    for a load of ``saved`` (path -> :class:`Saved`); every coded buffer is staged
     (parameters without a saved entry get fresh state). A storage that differs from the
-    live one is a problem naming the path and both formats unless ``convert``."""
+    live one is a problem naming the path and both formats unless ``convert``; converted
+    into a plain buffer, a parameter takes the best float32 value saved (the module
+    docstring)."""
     live_settings = opt.settings()
     effective = [new if new is not None else old
                  for new, old in zip(settings or [None] * len(live_settings), live_settings)]
@@ -367,7 +415,7 @@ def stage(opt, saved: Mapping[str, Saved], settings, convert: bool, problems: li
                 plain_params[path] = params
             continue
         target = staged[buf.number]
-        if params is not None or master is not None:
+        if params is not None or master is not None or compensation is not None:
             values = params if params is not None else buf.view(buf.params, info.slot)
             target.set_params(info.slot, values, master, compensation)
         if entry is not None:
@@ -382,39 +430,53 @@ def _take(opt, buf, info, item: Saved, live: Mapping, exact: bool, settings,
           problems: list):
     """``(entry, params, master, compensation)`` of one saved parameter in the live format
     (converted through float32 values unless ``exact``), or None after adding its problems."""
-    entry, desc = item.entry, item.desc
-    if entry is not None:
-        more = entry_problems(opt, info.path, entry, desc, info.shape, settings) \
-            if desc is not None and item.draws is not None else []
+    entry, desc, extras = item.entry, item.desc, item.extras or {}
+    if item.draws is not None and (entry is not None or item.extras is not None):
+        more = [] if entry is None else entry_problems(opt, info.path, entry, desc,
+                                                       info.shape, settings)
+        more += extras_problems(info.path, extras, desc, info.shape)
         if more:
             problems += more
             return None
     if exact:
-        params = item.params
-        master = entry.get("master") if entry is not None else None
-        compensation = entry.get("compensation") if entry is not None else None
-        return entry, params, master, compensation
-    # conversion: the saved values (or master weights) become the live ones
-    values = None
-    if item.params is not None:
-        values = np.asarray(item.params).astype(FLOAT32)
-    if entry is not None and entry.get("master") is not None:
-        values = np.asarray(entry["master"], FLOAT32)
+        return entry, item.params, extras.get("master"), extras.get("compensation")
+    values = _best_values(buf, info, item.params, extras)
     if entry is not None and item.draws is not None:
         entry = to_float32(opt, entry, desc, info.shape)
-    params = None if values is None else values.astype(NUMPY_DTYPES[live["param"]]) \
-        if buf.coded else values.astype(buf.dtype)
-    if buf.coded:
-        master = values if values is not None else \
-            buf.view(buf.params, info.slot).astype(FLOAT32)
+    if not buf.coded:
         if entry is not None:
-            more = opt.schema.state_problems(info.path, entry, info.shape, FLOAT32, settings)
-            if more:
-                problems += more
-                return None
-            entry = from_float32(opt, entry, live, None)
-        return entry, params, (master if live["master"] else None), None
+            entry = {key: (np.asarray(value).astype(buf.dtype) if key in opt.schema.slots
+                           else value) for key, value in entry.items()}
+        return entry, None if values is None else values.astype(buf.dtype), None, None
     if entry is not None:
-        entry = {key: (np.asarray(value).astype(buf.dtype) if key in opt.schema.slots
-                       else value) for key, value in entry.items()}
-    return entry, params, None, None
+        more = opt.schema.state_problems(info.path, entry, info.shape, FLOAT32, settings)
+        if more:
+            problems += more
+            return None
+        entry = from_float32(opt, entry, live)
+    if values is None:
+        master = buf.view(buf.params, info.slot).astype(FLOAT32) if live["master"] else None
+        return entry, None, master, None
+    dtype = NUMPY_DTYPES[live["param"]]
+    params = values.astype(dtype)
+    compensation = None
+    if live["rounding"] == "kahan":  # what rounding to nearest lost, carried on
+        compensation = (values - params.astype(FLOAT32)).astype(dtype)
+    return entry, params, (values if live["master"] else None), compensation
+
+
+def _best_values(buf, info, params: np.ndarray | None, extras: Mapping) -> np.ndarray | None:
+    """The best float32 values saved for a parameter: its master weights; else its 16-bit
+    values plus their Kahan compensation (a state dict holds no parameters: the live ones,
+    which a state-dict load takes for the saved ones); else its values; None: nothing."""
+    if extras.get("master") is not None:
+        return np.array(extras["master"], FLOAT32)
+    compensation = extras.get("compensation")
+    if params is None and compensation is not None:
+        params = buf.view(buf.params, info.slot)
+    if params is None:
+        return None
+    values = np.asarray(params).astype(FLOAT32)
+    if compensation is not None:
+        values = values + np.asarray(compensation).astype(FLOAT32)  # one float32 rounding
+    return values

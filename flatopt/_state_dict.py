@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from . import _codec, _lossless, _restore
-from ._storage import BFLOAT16, dtype_name
+from ._storage import BFLOAT16, ROUNDINGS, dtype_name
 from .errors import StateDictError, raise_problems
-from .schema import describe_group
+from .schema import MAX_STEP, describe_group
 
 STATE_DICT_FORMAT = "flatopt.state_dict"
 STATE_DICT_VERSION = 2
@@ -42,22 +42,52 @@ def build(opt, state: dict) -> dict[str, Any]:
 
 def saved_entry(opt, buf, slot: int) -> dict | None:
     """``state_dict()``'s entry of parameter ``slot`` of ``buf``: lossless for a coded buffer
-    (its stored arrays, see ``flatopt._lossless``), else :func:`param_state`'s copies."""
+    (its stored arrays, see ``flatopt._lossless``; a parameter without state keeps an entry
+    of its master weights or compensation where the buffer has them), else
+    :func:`param_state`'s copies."""
     if not buf.coded:
         return param_state(opt, buf, slot, copy=True)
     if not opt.schema.stateful({name: column[slot] for name, column in buf.columns.items()
                                 if name in opt.schema.columns}):
-        return None
+        return _lossless.extras_entry(buf, slot) or None
     return _lossless.path_entry(opt, buf, slot)
 
 
 STORAGE_FIELDS = {"paths": list, "param": str, "grad": str, "state": str, "master": bool,
                   "rounding": str, "seed": int, "draws": int}
+STORAGE_VALUES = {"param": tuple(_lossless.NUMPY_DTYPES), "grad": tuple(_lossless.NUMPY_DTYPES),
+                  "state": ("float32", "float64", "bfloat16", "int8"),
+                  "rounding": ROUNDINGS, "master": (True, False)}
+STORAGE_RANGES = {"seed": (0, (1 << 63) - 1), "draws": (0, MAX_STEP)}
+"""The integers a storage holds, bounded as the optimizer bounds them: the seed as
+``Storage`` checks it; ``draws`` counts steps, bounded as step counts are (a step refuses to
+go past it, see ``_stepping.check_counters``)."""
+
+
+def _storage_problem(item: Any) -> str | None:
+    """Why ``item`` is not one buffer storage of a ``"storage"`` list, or None."""
+    if not isinstance(item, Mapping) or set(item) != set(STORAGE_FIELDS):
+        return f"must be a dict with exactly {sorted(STORAGE_FIELDS)}"
+    for key, kind in STORAGE_FIELDS.items():
+        value = item[key]
+        if kind is int:
+            low, high = STORAGE_RANGES[key]
+            if isinstance(value, (bool, np.bool_)) or not isinstance(
+                    value, numbers.Integral) or not low <= value <= high:
+                return f"{key} must be an integer in [{low}, {high}], got {value!r}"[:300]
+        elif kind is list:
+            if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(path, str) for path in value):
+                return f"{key} must be a list of parameter paths"
+        elif not isinstance(value, kind) or value not in STORAGE_VALUES[key]:
+            return f"{key} must be one of {list(STORAGE_VALUES[key])}, got {value!r}"[:300]
+    return None
 
 
 def saved_storage(state_dict: Mapping, problems: list[str]) -> dict[str, tuple[dict, int]]:
-    """A version-2 state dict's ``"storage"`` list: path -> (storage, draws), checked."""
-    out: dict[str, tuple[dict, int]] = {}
+    """A version-2 state dict's ``"storage"`` list: path -> (storage, draws), checked; the
+    paths of a refused entry map to None (its problem is reported, theirs would repeat it)."""
+    out: dict[str, tuple[dict, int] | None] = {}
     if "storage" not in state_dict:  # state_dict() writes version 2 only with it
         problems.append("state dict version 2 has no 'storage' list; was it made by "
                         "flatopt's state_dict()?")
@@ -67,17 +97,22 @@ def saved_storage(state_dict: Mapping, problems: list[str]) -> dict[str, tuple[d
         problems.append("state dict 'storage' must be a list of buffer storages")
         return out
     for number, item in enumerate(raw):
-        if not isinstance(item, Mapping) or set(item) != set(STORAGE_FIELDS) or not all(
-                isinstance(item[key], kind) for key, kind in STORAGE_FIELDS.items()) or \
-                item["param"] not in _lossless.NUMPY_DTYPES or item["draws"] < 0 or \
-                item["state"] not in ("float32", "float64", "bfloat16", "int8") or \
-                not all(isinstance(path, str) for path in item["paths"]):
+        problem = _storage_problem(item)
+        if problem is None:
+            twice = [path for path in item["paths"] if out.get(path) is not None]
+            if twice:
+                problem = f"names {twice[0]!r}, which an earlier entry names too"
+        if problem:
             problems.append(f"state dict 'storage' entry {number} is not a buffer storage "
-                            f"({sorted(STORAGE_FIELDS)}, as state_dict() writes them)")
+                            f"as state_dict() writes them: {problem}")
+            paths = item.get("paths") if isinstance(item, Mapping) else None
+            out.update({path: None for path in paths if isinstance(path, str)}
+                       if isinstance(paths, (list, tuple)) else {})
             continue
         desc = {key: item[key] for key in STORAGE_FIELDS if key not in ("paths", "draws")}
+        desc["seed"] = int(desc["seed"])
         for path in item["paths"]:
-            out[path] = (desc, item["draws"])
+            out[path] = (desc, int(item["draws"]))
     return out
 
 
@@ -104,12 +139,13 @@ def param_state(opt, buf, slot: int, copy: bool) -> dict | None:
 
 
 def parse(opt, state_dict: Any, hyperparameters: str, convert: bool = False):
-    """``(state, settings, staged)`` for ``opt.restore`` from a snapshot: its structure,
-    format, version and optimizer checked, and with ``hyperparameters="saved"`` each live
-    group's values taken from the saved group with exactly its parameters (``settings`` None
-    with ``"live"``); ``staged``: the coded buffers' new contents (``_lossless.stage``), whose
-    storage must be the saved one unless ``convert``. Every problem, including restore's own,
-    in one StateDictError."""
+    """``(state, settings, params, staged)`` for ``opt.restore`` from a snapshot: its
+    structure, format, version and optimizer checked, and with ``hyperparameters="saved"``
+    each live group's values taken from the saved group with exactly its parameters
+    (``settings`` None with ``"live"``); ``params``: the values of plain buffers' parameters
+    converted from master weights or compensation (``convert``); ``staged``: the coded
+    buffers' new contents (``_lossless.stage``), whose storage must be the saved one unless
+    ``convert``. Every problem, including restore's own, in one StateDictError."""
     if hyperparameters not in ("saved", "live"):
         raise ValueError("hyperparameters must be 'saved' or 'live', got "
                          f"{hyperparameters!r}")
@@ -141,20 +177,27 @@ def parse(opt, state_dict: Any, hyperparameters: str, convert: bool = False):
         settings = _saved_settings(opt, saved_groups, problems, only=opt.schema.group_state)
     storage = saved_storage(state_dict, problems) if version >= 2 else {}
     saved = {}
+    refused = {path for path, item in storage.items() if item is None}
+    storage = {path: item for path, item in storage.items() if item is not None}
     for path, entry in state.items():
+        if path in refused:
+            continue
         desc, draws = storage.get(path, (None, None))
         info = opt.index.get(path) if isinstance(path, str) else None
         if desc is None and info is not None:
             desc = _lossless.plain(opt.buffers[info.buffer].dtype.name)
-        saved[path] = _lossless.Saved(desc, entry, None, draws)
+        extras = None
+        if draws is not None:  # a coded buffer's: master weights and compensation apart
+            entry, extras = _lossless.split(opt.schema, entry)
+        saved[path] = _lossless.Saved(desc, entry, None, draws, extras)
     for path, (desc, draws) in storage.items():  # a coded buffer's parameters without state
         if path not in saved:
             saved[path] = _lossless.Saved(desc, None, None, draws)
-    staged, state, _ = _lossless.stage(opt, saved, settings, convert, problems)
+    staged, state, params = _lossless.stage(opt, saved, settings, convert, problems)
     problems += _restore.restore_problems(opt, {**state, **{
-        path: None for path in saved if path not in opt.index}}, settings, None, None)
+        path: None for path in saved if path not in opt.index}}, settings, params, None)
     raise_problems(problems, StateDictError)
-    return state, settings, staged
+    return state, settings, params, staged
 
 
 def _saved_settings(opt, saved_groups: Any, problems: list[str],

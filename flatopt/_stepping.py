@@ -8,8 +8,9 @@ import math
 import numbers
 from typing import Any, NamedTuple
 
-from .errors import GradientError, HyperparameterError
+from .errors import GradientError, HyperparameterError, StepLimitError
 from .kernels import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
+from .schema import MAX_STEP
 
 
 class StepResult(NamedTuple):
@@ -44,6 +45,38 @@ def positive(name: str, value: Any, allow_inf: bool = False) -> float:
         raise HyperparameterError(f"{name} must be a {'' if allow_inf else 'finite '}number > 0,"
                                   f" got {value!r}")
     return number
+
+
+def check_counters(opt, settings: list) -> None:
+    """Refuse, before anything changes, a step that would take a count past ``MAX_STEP``
+    (the largest that loads and saves accept, so a loaded one is never stuck half-stepped): a
+    present parameter's step count (an integer column bounded by it), a group's step count
+    (integer group state: schedule-free's and Prodigy's ``k``, AdEMAMix's ``step``, each
+    advanced by every step), a reduced-precision buffer's ``draws``."""
+    problems = []
+    for number, values in enumerate(settings):
+        for key in opt.schema.group_state:
+            value = values.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= MAX_STEP:
+                problems.append(f"param group {number}: {key} is {value}")
+    counts = [name for name, column in opt.schema.columns.items()
+              if not column.is_float and column.high == MAX_STEP]
+    for buf in opt.buffers:
+        if not buf.present.any():
+            continue
+        for name in counts:
+            column = buf.columns[name]
+            if column.size and column.max() >= MAX_STEP:  # the cheap test first
+                full = (column >= MAX_STEP) & (buf.present != 0)
+                if full.any():
+                    problems.append(f"{buf.paths[int(full.argmax())]!r}: {name} is "
+                                    f"{int(column[full.argmax()])}")
+        if buf.coded and buf.draws >= MAX_STEP:
+            problems.append(f"param group {buf.group}: its buffer of {buf.paths[0]!r} has "
+                            f"drawn {buf.draws} rounding streams")
+    if problems:
+        raise StepLimitError(f"cannot step: a count is at {MAX_STEP}, the largest flatopt "
+                             "keeps (2**53); nothing was changed: " + "; ".join(problems[:20]))
 
 
 def norm_mode(norm_type: Any) -> tuple[int, float]:

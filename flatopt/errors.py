@@ -38,6 +38,12 @@ class ModeError(FlatoptError, RuntimeError):
     ``x``, not the training point): call ``opt.train()`` first."""
 
 
+class StepLimitError(FlatoptError, OverflowError):
+    """A step would take a count past the largest flatopt keeps, saves and loads (2**53, a
+    step count that float64 holds exactly): a parameter's or group's step count, or the
+    draws of a reduced-precision buffer. Nothing was changed."""
+
+
 class StateDictError(FlatoptError, ValueError):
     """An in-memory state dict does not fit the optimizer it is loaded into."""
 

@@ -14,6 +14,7 @@ from .errors import DeviceError, HyperparameterError, StateDictError
 from .kernels.threads import check_policy
 from .kernels.tools import lookahead_into
 from .optimizer import Optimizer
+from .schema import MAX_COUNT
 
 
 def _pieces(offsets: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -167,10 +168,10 @@ class Lookahead:
             problems.append(str(exc))
         steps = state["steps"]
         if not isinstance(steps, (list, tuple)) or len(steps) != len(self.steps) or not all(
-                isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 0
-                for s in steps):
-            problems.append(f"Lookahead steps must be {len(self.steps)} ints >= 0 (one per "
-                            f"param group), got {steps!r}"[:300])
+                isinstance(s, numbers.Integral) and not isinstance(s, bool)
+                and 0 <= s <= MAX_COUNT for s in steps):
+            problems.append(f"Lookahead steps must be {len(self.steps)} ints in [0, "
+                            f"{MAX_COUNT}] (one per param group), got {steps!r}"[:300])
         slow = state["slow"]
         if not isinstance(slow, Mapping):
             problems.append("Lookahead 'slow' must be {path: array}")
@@ -215,7 +216,8 @@ def _alpha(value: Any) -> float:
 
 
 def _k(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise HyperparameterError(f"Lookahead k (steps between syncs) must be an int >= 1, "
-                                  f"got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or not 1 <= value <= MAX_COUNT:
+        raise HyperparameterError(f"Lookahead k (steps between syncs) must be an int in [1, "
+                                  f"{MAX_COUNT}], got {value!r}")
     return int(value)

@@ -329,6 +329,7 @@ class Optimizer:
         self.check_step(settings)
         if grads is not None:
             self.stage_gradients(grads)
+        _stepping.check_counters(self, settings)
         multiplier, result = _stepping.gradient_multiplier(
             self._device.reduce_present, max_grad_norm=max_grad_norm, norm_type=norm_type,
             grad_scale=grad_scale, skip_nonfinite=skip_nonfinite,
@@ -528,17 +529,19 @@ class Optimizer:
         and loads state only. Data is copied: the snapshot and the optimizer never share memory.
         Reduced-precision buffers load losslessly (stored arrays, master weights,
         compensation, the rounding stream's draws); a saved storage other than the live one
-        is refused by path unless ``convert=True`` (through float32 values).
+        is refused by path unless ``convert=True`` (through float32 values; a snapshot holds
+        no parameters, but a converted one's master weights, or the live value plus its saved
+        Kahan compensation, become its value).
         """
         if self._sharding is not None:
             self._sharding.refuse("load_state_dict()")
         if not isinstance(convert, (bool, np.bool_)):
             raise StateDictError(f"convert must be True or False, got {convert!r}")
         self._device.pull()  # CUDA: what the load keeps is staged from the mirror
-        state, settings, staged = _state_dict.parse(self, state_dict, hyperparameters,
-                                                    convert)
+        state, settings, params, staged = _state_dict.parse(self, state_dict,
+                                                            hyperparameters, convert)
         with self.host_side():
-            _restore.apply(self, state, settings, None, None)
+            _restore.apply(self, state, settings, params, None)
             _lossless.commit(self, staged)
 
     @_locked

@@ -29,6 +29,11 @@ MAX_STEP = 1 << 53
 """Largest step count accepted: float64 represents every count up to it exactly (so bias
 corrections such as ``beta ** t`` are exact in ``t``), and an int64 count cannot overflow."""
 
+MAX_COUNT = (1 << 63) - 1
+"""Largest count the training tools accept in a state dict (an EMA's updates, a GradScaler's
+and a Lookahead's counters): what the int64 arrays of a checkpoint hold, so that what loads
+also saves."""
+
 GROUP_EXTRAS = ("params", "label", "initial_lr")
 """Keys a group may hold besides hyperparameters: its parameters, a free-form label, and the
 ``initial_lr`` that learning-rate schedulers record (as in torch)."""

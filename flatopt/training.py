@@ -19,6 +19,7 @@ from .errors import GradientError, HyperparameterError, StateDictError
 from .lookahead import Lookahead
 from .kernels.threads import check_policy
 from .optimizer import Optimizer
+from .schema import MAX_COUNT
 
 
 def _is_flag(value: Any) -> bool:
@@ -91,9 +92,9 @@ class GradScaler:
         if not (isinstance(backoff_factor, numbers.Real) and 0.0 < backoff_factor < 1.0):
             raise HyperparameterError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-                or growth_interval <= 0:
-            raise HyperparameterError(f"growth_interval must be an int > 0, got "
-                                      f"{growth_interval!r}")
+                or not 0 < growth_interval <= MAX_COUNT:
+            raise HyperparameterError(f"growth_interval must be an int in [1, {MAX_COUNT}], "
+                                      f"got {growth_interval!r}")
         self._scale = float(np.float32(_stepping.positive("init_scale", init_scale)))
         self._growth_factor = float(growth_factor)
         self._backoff_factor = float(backoff_factor)
@@ -161,8 +162,12 @@ class GradScaler:
         restored = GradScaler(state["scale"], state["growth_factor"], state["backoff_factor"],
                               state["growth_interval"])
         tracker = state["_growth_tracker"]
-        if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker < 0:
-            raise StateDictError(f"_growth_tracker must be an int >= 0, got {tracker!r}")
+        # the clean steps since the scale last changed: it grows (and this restarts) when
+        # they reach growth_interval, so a step never leaves it there
+        if isinstance(tracker, bool) or not isinstance(tracker, int) \
+                or not 0 <= tracker < restored._growth_interval:
+            raise StateDictError(f"_growth_tracker must be an int in [0, growth_interval), "
+                                 f"got {tracker!r}")
         self.__dict__.update(restored.__dict__)
         self._growth_tracker = tracker
 
@@ -279,8 +284,9 @@ class EMA:
         problems += [f"EMA average for unknown parameter {path!r}" for path in averages
                      if path not in self.params]
         count = state.get("num_updates")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            problems.append(f"EMA num_updates must be an int >= 0, got {count!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_COUNT:
+            problems.append(f"EMA num_updates must be an int in [0, {MAX_COUNT}], got "
+                            f"{count!r}")
         decay = state.get("decay")
         if isinstance(decay, bool) or not isinstance(decay, numbers.Real) \
                 or not 0.0 <= decay < 1.0:

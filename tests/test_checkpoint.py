@@ -16,6 +16,8 @@ import sys
 import h5py
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flatopt
 from flatopt import cli
@@ -23,6 +25,7 @@ from flatopt.checkpoint import manifest
 from flatopt.checkpoint import writer as writer_mod
 from flatopt.checkpoint.h5write import set_text
 from flatopt.checkpoint.writer import Snapshot
+from flatopt.schema import MAX_STEP
 from checkpoint_helpers import (add_buffer, check_round_trip, data_extent, edit, grouped,
                                 make_opt, model_params, same_snapshot, snapshot, state_equal,
                                 step_with_grads)
@@ -805,3 +808,88 @@ def test_a_scheduler_restores_the_values_it_owns_and_nothing_else(tmp_path):
     with pytest.raises(flatopt.CheckpointMismatch, match="weight_decay") as info:
         flatopt.load(tmp_path / "ck.h5", changed, scheduler=changed_sched)
     assert not any("lr" in d.where.split()[-1] for d in info.value.differences)
+
+
+# --------------------------------------------------------------------------- integer bounds
+# Every count a state dict or a file carries is bounded by what the code keeps: 2**53 for a
+# step count (schema.MAX_STEP: float64-exact) and a group's counter; a step from the limit
+# refuses before anything changes, so what is stepped always saves and loads.
+COUNTERS = {  # optimizer: (where the count is, its name)
+    "Adam": ("column", "step"),
+    "AdEMAMix": ("group", "step"),
+    "Prodigy": ("group", "k"),
+    "ScheduleFreeAdamW": ("group", "k"),
+}
+PAST_THE_LIMIT = st.one_of(st.integers(MAX_STEP + 1, 2 ** 63 - 1), st.integers(-2 ** 63, -1),
+                           st.just(True))
+
+
+def _counted(kind):
+    opt = getattr(flatopt, kind)({"w": np.linspace(-1, 1, 300, dtype=np.float32)}, lr=1e-3)
+    opt.step({"w": np.ones(300, np.float32)})
+    return opt
+
+
+def _set_count(kind, sd, value):
+    where, name = COUNTERS[kind]
+    if where == "column":
+        sd["state"]["w"][name] = value
+    else:
+        sd["param_groups"][0][name] = value
+
+
+@pytest.mark.parametrize("kind", COUNTERS)
+@settings(max_examples=10, deadline=None)
+@given(value=PAST_THE_LIMIT)
+def test_a_count_out_of_range_is_refused_by_load_state_dict(kind, value):
+    sd = _counted(kind).state_dict()
+    _set_count(kind, sd, value)
+    live = _counted(kind)
+    before = snapshot(live)
+    with pytest.raises((flatopt.errors.StateDictError, flatopt.HyperparameterError),
+                       match=COUNTERS[kind][1]):
+        live.load_state_dict(sd)
+    assert same_snapshot(before, snapshot(live))
+
+
+@pytest.mark.parametrize("kind", COUNTERS)
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=st.one_of(st.integers(MAX_STEP + 1, 2 ** 63 - 1), st.integers(-2 ** 63, -1)))
+def test_a_count_out_of_range_in_a_file_is_corrupt(kind, value, tmp_path):
+    flatopt.save(tmp_path / "ck.h5", _counted(kind))
+    where, name = COUNTERS[kind]
+
+    def change(f):
+        if where == "column":
+            column = f["index"][name][...]
+            column[0] = value
+            del f["index"][name]
+            f["index"].create_dataset(name, data=column)
+        else:
+            values = json.loads(f["groups/0"].attrs["hyperparameters"])
+            values[name] = value
+            set_text(f["groups/0"], "hyperparameters", json.dumps(values))
+    live = _counted(kind)
+    before = snapshot(live)
+    with pytest.raises(flatopt.CheckpointCorrupt, match=name):
+        flatopt.load(edit((tmp_path / "ck.h5").read_bytes(), change), live)
+    assert same_snapshot(before, snapshot(live))
+
+
+@pytest.mark.parametrize("kind", COUNTERS)
+def test_a_count_at_the_limit_loads_saves_and_refuses_the_next_step(kind, tmp_path):
+    sd = _counted(kind).state_dict()
+    _set_count(kind, sd, MAX_STEP)
+    live = _counted(kind)
+    live.load_state_dict(sd)
+    path = flatopt.save(tmp_path / "limit.h5", live)
+    other = _counted(kind)
+    flatopt.load(path, other)
+    before = snapshot(other)
+    with pytest.raises(flatopt.errors.StepLimitError,
+                       match=rf"{COUNTERS[kind][1]} is {MAX_STEP}.*nothing was changed|"
+                             rf"nothing was changed.*{COUNTERS[kind][1]} is {MAX_STEP}"):
+        other.step({"w": np.ones(300, np.float32)})
+    assert same_snapshot(before, snapshot(other))
+    assert other.state_dict()["param_groups"] == sd["param_groups"]

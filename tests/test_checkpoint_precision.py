@@ -12,12 +12,16 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import flatopt
 from flatopt.checkpoint import inspect_checkpoint
 from flatopt.errors import CheckpointCorrupt, CheckpointMismatch, StateDictError
 from checkpoint_helpers import add_buffer, reseal
 from flatopt.checkpoint.h5write import set_text
+from flatopt.kernels.storage import BLOCK
+from flatopt.schema import MAX_STEP
 
 BF16 = ml_dtypes.bfloat16
 MODES = {
@@ -363,3 +367,357 @@ def test_an_ema_of_a_reduced_precision_optimizer_in_a_run(tmp_path):
     flatopt.load(tmp_path / "run", {"a": other}, ema=[other_ema])
     for p, average in ema.params.items():
         np.testing.assert_array_equal(other_ema.params[p], average, err_msg=p)
+
+
+@pytest.mark.parametrize("mode", ["bf16_nearest", "bf16_master", "bf16_kahan"])
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_a_state_of_record_stays_live_across_a_load(mode, how, tmp_path):
+    """As with float32 parameters, a record taken before a load views the buffers: it shows
+    the loaded state, then what later steps make of it (a load writes into the live arrays
+    instead of replacing them)."""
+    a = build(mode)
+    run(a, 0, SPLIT)
+    b = build(mode)
+    run(b, 10, 11)  # other state, so that the record shows the load
+    record = b.state_of("w")
+    if how == "checkpoint":
+        flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b)
+    else:
+        for path in b.index.paths:
+            b.params[path][...] = a.params[path]
+        b.load_state_dict(a.state_dict())
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_array_equal(getattr(record, name), getattr(a.state_of("w"), name))
+    run(a, SPLIT, SPLIT + 1)
+    run(b, SPLIT, SPLIT + 1)
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_array_equal(getattr(record, name), getattr(a.state_of("w"), name))
+        np.testing.assert_array_equal(getattr(record, name), getattr(b.state_of("w"), name))
+
+
+# ----------------------------------------------------------------------------- master copies
+STATELESS = {"master": {"master_weights": True}, "kahan": {"rounding": "kahan"}}
+
+
+def _sgd(mode, dtype=BF16):
+    """SGD without momentum: no state, but a float32 master copy or a Kahan compensation
+    that holds what the 16-bit parameters cannot."""
+    return flatopt.SGD(params(dtype), lr=1e-3, **STATELESS[mode])
+
+
+def _beyond_16_bits(opt, path="w"):
+    """The parameter's value beyond its 16 bits: its master copy, or its compensation."""
+    buf = opt.buffers[opt.index[path].buffer]
+    slot = opt.index[path].slot
+    if buf.master is not None:
+        return buf.view(buf.master, slot) - opt.params[path].astype(np.float32)
+    return buf.view(buf.compensation, slot).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", STATELESS)
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_master_copy_of_a_stateless_rule_resumes_bit_exact(mode, how, tmp_path):
+    a = _sgd(mode)
+    run(a, 0, SPLIT)
+    assert a.state_of("w") is None and np.any(_beyond_16_bits(a) != 0)
+    b = _sgd(mode)
+    if how == "checkpoint":
+        flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b)
+    else:
+        sd = a.state_dict()
+        kept = {"master"} if mode == "master" else {"compensation"}
+        assert set(sd["state"]) == {"w", "b"} and set(sd["state"]["w"]) == kept
+        for path in b.index.paths:
+            b.params[path][...] = a.params[path]
+        b.load_state_dict(sd)
+    sa, sb = stored(a), stored(b)
+    assert sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
+    assert b.state_of("w") is None  # still without state: SGD's momentum stays unseeded
+    run(b, SPLIT, TOTAL)
+    never_saved = _sgd(mode)
+    run(never_saved, 0, TOTAL)
+    assert_same_bits(bits(never_saved), bits(b))
+
+
+@pytest.mark.parametrize("mode", STATELESS)
+def test_master_copy_entry_is_checked(mode):
+    a = _sgd(mode)
+    run(a, 0, 1)
+    sd = a.state_dict()
+    name = "master" if mode == "master" else "compensation"
+    sd["state"]["w"][name] = sd["state"]["w"][name][:3]
+    b = _sgd(mode)
+    before = stored(b)
+    with pytest.raises(StateDictError, match=rf"'w': {name} must be"):
+        b.load_state_dict(sd)
+    after = stored(b)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def _best_float32(opt, path):
+    """What a float32 parameter converted from ``opt`` should hold: the master copy, or the
+    16-bit value plus its compensation."""
+    return opt.params[path].astype(np.float32) + _beyond_16_bits(opt, path)
+
+
+@pytest.mark.parametrize("mode", ["bf16_master", "bf16_kahan", "int8_master_g32"])
+@pytest.mark.parametrize("target", ["float32", "float32 int8 state"])
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_converting_into_float32_keeps_the_master_copy(mode, target, how, tmp_path):
+    """A float32 parameter converted from 16-bit ones takes the best value saved for it: the
+    master copy, or the parameter plus its Kahan compensation, never the rounded values.
+    Under int8 state, the float32 'b' (300 elements) sits in a plain float32 buffer."""
+    a = build(mode)
+    run(a, 0, SPLIT)
+    assert all(np.any(_beyond_16_bits(a, p) != 0) for p in a.index.paths)
+    kwargs = {"state_dtype": "int8"} if target == "float32 int8 state" else {}
+    # a state dict holds no parameters: the live ones are the saved 16-bit values
+    b = flatopt.AdamW({p: v.astype(np.float32) for p, v in a.params.items()}, lr=1e-2,
+                      **kwargs)
+    if how == "checkpoint":
+        flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b, convert=True)
+    else:
+        b.load_state_dict(a.state_dict(), convert=True)
+    for path in a.index.paths:
+        np.testing.assert_array_equal(b.params[path], _best_float32(a, path), err_msg=path)
+        assert not np.array_equal(b.params[path], a.params[path].astype(np.float32))
+    np.testing.assert_array_equal(b.state_of("b").exp_avg, a.state_of("b").exp_avg)
+
+
+def test_kahan_converted_into_master_weights_keeps_the_compensation(tmp_path):
+    a = build("bf16_kahan")
+    run(a, 0, SPLIT)
+    b = build("bf16_master")
+    flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b, convert=True)
+    for path in a.index.paths:
+        np.testing.assert_array_equal(b.params[path].astype(np.float32) + _beyond_16_bits(
+            b, path), _best_float32(a, path), err_msg=path)
+
+
+def test_float32_converted_into_kahan_carries_the_rounding_in_the_compensation(tmp_path):
+    """Into 16-bit parameters with Kahan summation the float32 values are rounded to
+    nearest and what that lost becomes the compensation."""
+    a = flatopt.AdamW(params(np.float32), lr=1e-2)
+    run(a, 0, SPLIT)
+    b = build("bf16_kahan")
+    flatopt.load(flatopt.save(tmp_path / "ck.h5", a), b, convert=True)
+    for path in a.index.paths:
+        want = a.params[path]
+        np.testing.assert_array_equal(b.params[path], want.astype(BF16))
+        carried = b.params[path].astype(np.float32) + _beyond_16_bits(b, path)
+        assert np.all(np.abs(carried - want) <= np.abs(b.params[path].astype(np.float32)
+                                                       - want))
+        assert np.mean(np.abs(carried - want)) < 0.01 * np.mean(
+            np.abs(b.params[path].astype(np.float32) - want))
+
+
+# ----------------------------------------------------------------------------- int8 and inf
+INT8_SIGNED = {"SGD": {"momentum": 0.9}, "Lion": {}}
+
+
+def _int8(name, extra=None):
+    rng = np.random.default_rng(1)
+    return getattr(flatopt, name)({"w": rng.standard_normal(5000).astype(np.float32),
+                                   "b": rng.standard_normal(300).astype(np.float32)},
+                                  lr=1e-3, state_dtype="int8", **(extra or {}))
+
+
+def _inf_steps(opt, start, stop):
+    """Steps whose gradients hold an inf at step 1 (a run without non-finite skipping)."""
+    for k in range(start, stop):
+        g = grads(opt, k)
+        if k == 1:
+            g["w"][700] = np.inf
+        opt.step(g)
+
+
+@pytest.mark.parametrize("name", INT8_SIGNED)
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_int8_state_with_an_infinite_block_scale_round_trips(name, how, tmp_path):
+    """An inf gradient element makes its 8-bit block's scale inf (the block then decodes to
+    inf and NaN, as a float32 momentum would be inf). Like torch's inf momentum buffer, it is
+    saved, verified sound and loaded as it is: the resumed run has the same bits as one that
+    never saved."""
+    a = _int8(name, INT8_SIGNED[name])
+    _inf_steps(a, 0, SPLIT)
+    slot = next(iter(a.buffers[0].absmax))
+    assert np.isinf(a.buffers[0].absmax[slot]).any()
+    b = _int8(name, INT8_SIGNED[name])
+    if how == "checkpoint":
+        path = flatopt.save(tmp_path / "ck.h5", a)
+        report = flatopt.checkpoint.verify_checkpoint(path)
+        assert report["ok"], report["problems"]
+        flatopt.load(path, b)
+    else:
+        for p in b.index.paths:
+            b.params[p] = a.params[p]
+        b.load_state_dict(a.state_dict())
+    sa, sb = stored(a), stored(b)
+    assert sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
+    _inf_steps(b, SPLIT, TOTAL)
+    never_saved = _int8(name, INT8_SIGNED[name])
+    _inf_steps(never_saved, 0, TOTAL)
+    assert_same_bits(bits(never_saved), bits(b))
+
+
+def test_an_infinite_second_moment_is_refused_before_the_file_is_touched(tmp_path):
+    """An unsigned (second-moment) slot must hold finite values: save refuses an infinite
+    scale there before it touches the target, so the previous checkpoint stays."""
+    a = _int8("Adam")
+    _inf_steps(a, 0, 1)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    good = path.read_bytes() if hasattr(path, "read_bytes") else open(path, "rb").read()
+    _inf_steps(a, 1, 2)
+    assert np.isinf(a.buffers[0].absmax["exp_avg_sq"]).any()
+    with pytest.raises(flatopt.errors.CheckpointError, match="exp_avg_sq"):
+        flatopt.save(path, a)
+    assert open(path, "rb").read() == good
+    flatopt.load(path, _int8("Adam"))
+
+
+def test_a_nan_block_scale_is_refused_by_load_and_verify(tmp_path):
+    """No step writes a NaN (or negative) scale: a file or state dict holding one is
+    damaged, for load, load_state_dict and verify alike."""
+    a = _int8("SGD", INT8_SIGNED["SGD"])
+    run(a, 0, 2)
+    path = flatopt.save(tmp_path / "ck.h5", a)
+
+    def poison(f):
+        key, ds = _storage_array(f, "momentum_buffer.absmax")
+        values = ds[...]
+        values[3] = np.nan
+        _replace_array(f, key, values)
+    damaged = _tampered(path, poison)
+    report = flatopt.checkpoint.verify_checkpoint(io.BytesIO(damaged.getvalue()))
+    assert not report["ok"] and any("NaN" in p for p in report["problems"])
+    b = _int8("SGD", INT8_SIGNED["SGD"])
+    before = stored(b)
+    with pytest.raises(CheckpointCorrupt, match="negative or NaN"):
+        flatopt.load(damaged, b)
+    sd = a.state_dict()
+    sd["state"]["w"]["momentum_buffer"]["absmax"][0] = -1.0
+    with pytest.raises(StateDictError, match="'w': momentum_buffer has block scales"):
+        b.load_state_dict(sd)
+    after = stored(b)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_non_finite_float32_state_converts_to_int8_scales_a_step_would_write(tmp_path):
+    """float32 momentum holding a NaN (block 0) and an inf (block 1), converted into int8:
+    the scales are what a step writes (NaN skipped, an inf kept: never a NaN scale), so the
+    converted optimizer saves what loads, and back in float32 the inf is still there."""
+    def sgd(**kwargs):
+        return flatopt.SGD(params(np.float32), lr=1e-3, momentum=0.9, **kwargs)
+    f = sgd()
+    run(f, 0, 1)
+    g = grads(f, 1)
+    g["w"][0, 5], g["w"][3, 7] = np.nan, np.inf  # flat elements 5 and 391
+    f.step(g)
+    c = sgd(state_dtype="int8")
+    flatopt.load(flatopt.save(tmp_path / "f32.h5", f), c, convert=True)
+    scales = c.buffers[0].absmax["momentum_buffer"]
+    momentum = np.abs(f.state_of("w").momentum_buffer.reshape(-1))
+    assert scales[0] == np.nanmax(momentum[:BLOCK]) and np.isinf(scales[1])
+    assert not np.isnan(scales).any()
+    again = flatopt.save(tmp_path / "again.h5", c)
+    flatopt.load(again, sgd(state_dtype="int8"))
+    back = sgd()
+    flatopt.load(again, back, convert=True)
+    assert np.isinf(back.state_of("w").momentum_buffer.reshape(-1)[BLOCK:2 * BLOCK]).any()
+
+
+# ----------------------------------------------------------------------------- integers
+OUT_OF_RANGE = {  # each storage integer: values no save writes (bools are not integers)
+    "draws": st.one_of(st.integers(MAX_STEP + 1, 2 ** 80), st.integers(-2 ** 70, -1),
+                       st.just(True), st.just(2 ** 64)),
+    "seed": st.one_of(st.integers(2 ** 63, 2 ** 80), st.integers(-2 ** 70, -1),
+                      st.just(False)),
+}
+SLOW = settings(max_examples=12, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _stochastic():
+    opt = build("bf16_stochastic")
+    run(opt, 0, 1)
+    return opt
+
+
+def _everything(opt):
+    """Every stored array, the draws, the per-parameter columns and the groups."""
+    return {**stored(opt), **{(buf.number, name): column.copy() for buf in opt.buffers
+                              for name, column in buf.columns.items()},
+            "groups": [dict(g) for g in opt.param_groups]}
+
+
+def _unchanged(opt, before):
+    after = _everything(opt)
+    assert before.keys() == after.keys()
+    assert all(before[k] == after[k] if k == "groups" else np.array_equal(before[k], after[k])
+               for k in before)
+
+
+@pytest.mark.parametrize("field", OUT_OF_RANGE)
+@SLOW
+@given(data=st.data())
+def test_a_state_dict_storage_integer_out_of_range_is_refused(field, data):
+    """A ``draws`` past 2**53 (2**64 made every later step raise after advancing the step
+    counts) or a seed outside [0, 2**63): refused naming the entry, before anything changes;
+    the optimizer steps on."""
+    value = data.draw(OUT_OF_RANGE[field])
+    a = _stochastic()
+    sd = a.state_dict()
+    sd["storage"][0][field] = value
+    b = _stochastic()
+    before = _everything(b)
+    with pytest.raises(StateDictError, match=rf"'storage' entry 0 .*{field} must be an "
+                                             r"integer in \[0, "):
+        b.load_state_dict(sd)
+    _unchanged(b, before)
+    run(b, 1, 2)
+
+
+@pytest.mark.parametrize("field", [*OUT_OF_RANGE, "offsets"])
+@SLOW
+@given(data=st.data())
+def test_a_checkpoint_storage_integer_out_of_range_is_corrupt(field, data, tmp_path):
+    a = _stochastic()
+    path = flatopt.save(tmp_path / "ck.h5", a)
+    value = data.draw(OUT_OF_RANGE.get(field, st.just(False)))
+
+    def change(f):
+        g = f["groups"]["0"]
+        items = json.loads(g.attrs["storage"])
+        if field == "offsets":  # JSON false is a Python bool, not the offset 0
+            assert items[0]["offsets"][0] == 0
+            items[0]["offsets"][0] = value
+        else:
+            items[0][field] = value
+        set_text(g, "storage", json.dumps(items))
+    b = _stochastic()
+    before = _everything(b)
+    with pytest.raises(CheckpointCorrupt, match="group 0 storage 0"):
+        flatopt.load(_tampered(path, change), b)
+    _unchanged(b, before)
+
+
+def test_draws_at_the_limit_load_save_and_refuse_the_next_step(tmp_path):
+    """2**53 draws is the largest count kept: it loads and saves, and a step from there
+    refuses before anything changes (it would make a count no load accepts)."""
+    a = _stochastic()
+    sd = a.state_dict()
+    sd["storage"][0]["draws"] = MAX_STEP
+    b = _stochastic()
+    b.load_state_dict(sd)
+    assert b.buffers[0].draws == MAX_STEP
+    c = _stochastic()
+    flatopt.load(flatopt.save(tmp_path / "limit.h5", b), c)
+    assert c.buffers[0].draws == MAX_STEP
+    before = _everything(c)
+    with pytest.raises(flatopt.errors.StepLimitError, match="drawn 9007199254740992"):
+        run(c, 1, 2)
+    _unchanged(c, before)
+    c.buffers[0].draws = MAX_STEP + 1  # only by hand: save refuses it before the file
+    with pytest.raises(flatopt.errors.CheckpointError, match="drawn 9007199254740993"):
+        flatopt.save(tmp_path / "limit.h5", c)
+    flatopt.load(tmp_path / "limit.h5", _stochastic())

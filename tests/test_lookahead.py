@@ -8,6 +8,8 @@ from collections import defaultdict
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flatopt
 from flatopt.kernels import threads
@@ -266,3 +268,20 @@ def test_reduced_precision_is_refused_at_construction_and_only_while_wrapped():
     del la  # the optimizer alone takes any group (the Lookahead's check is held weakly)
     opt.add_param_group(REDUCED_GROUPS["bfloat16 params"]())
     assert opt.params["v"].dtype == ml_dtypes.bfloat16
+
+
+@settings(max_examples=15, deadline=None)
+@given(key=st.sampled_from(["k", "steps"]),
+       value=st.one_of(st.integers(2 ** 63, 2 ** 80), st.integers(-2 ** 70, -1),
+                       st.just(True)))
+def test_counts_a_file_cannot_hold_are_refused(key, value):
+    """k and the groups' step counts: at most 2**63 - 1 (what a checkpoint's int64 arrays
+    hold, so that what loads also saves), refused before anything changes."""
+    la = trained()
+    bad = la.state_dict()
+    bad[key] = value if key == "k" else [value] * len(bad["steps"])
+    other = trained(seed=9, steps=1)
+    before = other.state_dict()
+    with pytest.raises((flatopt.StateDictError, flatopt.HyperparameterError), match=key):
+        other.load_state_dict(bad)
+    assert other.state_dict()["steps"] == before["steps"] and other.k == la.k

@@ -9,6 +9,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flatopt
 
@@ -382,3 +384,36 @@ def test_a_loop_with_every_tool_resumes_bit_identically_in_a_fresh_process(tmp_p
     fresh[3].__init__(fresh[0], decay=0.9, warmup=True)
     script.train(fresh, script.SPLIT, script.TOTAL)
     assert script.dump(fresh)["enc.weight/ema"].tobytes() != expected["enc.weight/ema"].tobytes()
+
+
+@settings(max_examples=15, deadline=None)
+@given(key=st.sampled_from(["num_updates", "growth_interval", "_growth_tracker"]),
+       value=st.one_of(st.integers(2 ** 63, 2 ** 80), st.integers(-2 ** 70, -1),
+                       st.just(True)))
+def test_counts_a_file_cannot_hold_are_refused(key, value):
+    """An EMA's updates and a GradScaler's counters: at most 2**63 - 1 (what a checkpoint's
+    int64 arrays hold: what loads also saves), refused before anything changes."""
+    opt = make()
+    if key == "num_updates":
+        tool = flatopt.EMA(opt, decay=0.9)
+        tool.update()
+    else:
+        tool = flatopt.GradScaler()
+    bad = tool.state_dict()
+    bad[key] = value
+    before = tool.state_dict()
+    with pytest.raises((flatopt.StateDictError, flatopt.HyperparameterError), match=key):
+        tool.load_state_dict(bad)
+    after = tool.state_dict()
+    assert {k: v for k, v in after.items() if k != "averages"} == \
+        {k: v for k, v in before.items() if k != "averages"}
+
+
+def test_a_growth_tracker_at_its_interval_is_refused():
+    """The clean steps since the scale changed restart when they reach growth_interval: a
+    state with them there (or past) is no scaler's, and would never grow the scale again."""
+    scaler = flatopt.GradScaler(growth_interval=3)
+    state = {**scaler.state_dict(), "_growth_tracker": 3}
+    with pytest.raises(flatopt.StateDictError, match="_growth_tracker"):
+        scaler.load_state_dict(state)
+    scaler.load_state_dict({**state, "_growth_tracker": 2})

@@ -290,8 +290,10 @@ def load(source, opt: Optimizer, *, strict: bool = True,
     - ``convert=True``: a parameter saved with another storage than the live one (16-bit
       parameters, master weights, bfloat16 or int8 state; see ``flatopt.checkpoint.precision``)
       is converted through float32 values: the saved state decoded and encoded in the live
-      format, the saved parameter (or its master weights) the live parameter and master,
-      Kahan compensation zero. Without it such a parameter is a mismatch naming both formats;
+      format; the best float32 value saved for the parameter (its master weights, else its
+      value plus its Kahan compensation) the live parameter (rounded to nearest) and master,
+      a live Kahan compensation what that rounding lost. Without it such a parameter is a
+      mismatch naming both formats;
       with the same storage a load is lossless (stored arrays, the rounding stream's draws).
 
     A parameter whose id changed (the model was built in another order) still loads by path,
@@ -352,25 +354,29 @@ class Prepared:
                                                regroup=regroup, scheduler=scheduler,
                                                convert=convert)
         arrays = guarded(ck, lambda: ck.read_arrays())
+        precision.check_arrays(ck, arrays)
         wanted = extras.wanted_states(ck, extras.split(arrays)[1], plan.matches, strict=strict,
                                       ema=ema, scaler=scaler, scheduler=scheduler,
                                       lookahead=lookahead)
-        coded = [m for m in plan.matches if opt.buffers[m[0].buffer].coded]
-        plain = Comparison(plan.differences, [m for m in plan.matches
-                                              if not opt.buffers[m[0].buffer].coded],
-                           plan.unused, plan.new_settings)
+        # coded on either side: from the stored arrays (a plain live buffer converts from
+        # them, so that it gets the master weights, not the float32 view's rounded values)
+        coded, plain_matches = [], []
+        for match in plan.matches:
+            is_coded = opt.buffers[match[0].buffer].coded or match[1].path in ck.storage
+            (coded if is_coded else plain_matches).append(match)
+        plain = Comparison(plan.differences, plain_matches, plan.unused, plan.new_settings)
         state, params, buffers = _restore_arguments(ck, opt, plain, workers)
         problems: list[str] = []
         opt.host_buffers()  # CUDA: what the load keeps is staged from the mirror
         records = precision.saved_records(ck, opt, coded, arrays,
                                           _float32_entries(ck, workers), convert)
-        staged, _, _ = _lossless.stage(opt, records, settings, convert, problems,
-                                       f"checkpoint {ck.name}")
+        staged, converted, values = _lossless.stage(opt, records, settings, convert,
+                                                    problems, f"checkpoint {ck.name}")
         try:
             if problems:
                 raise StateDictError("; ".join(problems[:20]))
-            pending = opt.prepare_restore(state, settings=settings, params=params,
-                                          buffers=buffers)
+            pending = opt.prepare_restore({**state, **converted}, settings=settings,
+                                          params={**params, **values}, buffers=buffers)
         except StateDictError as exc:
             raise ck.corrupt(str(exc)) from exc
         return cls(ck, opt, plan, relaxed, arrays, pending, wanted, staged)

@@ -24,8 +24,10 @@ import json
 import numpy as np
 
 from .. import _codec, _lossless
+from ..errors import CheckpointError
 from .._layout import SlotLayout
 from ..kernels.storage import BLOCK
+from ..schema import MAX_STEP
 from .format import NEST, OWN_PREFIX, json_depth_problem, to_json
 
 STORAGE_KEY = OWN_PREFIX + "storage"
@@ -53,12 +55,18 @@ def _stored(flat: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- save
 def storage_texts_and_arrays(opt) -> tuple[dict[int, str], dict[str, np.ndarray]]:
-    """Per group, its ``storage`` JSON text; and the stored arrays (copies) by name."""
+    """Per group, its ``storage`` JSON text; and the stored arrays (copies) by name. Raises
+    CheckpointError, before anything is written, for what a load would refuse: a ``draws``
+    count past ``MAX_STEP`` (neither a step nor a load makes one; ``buf.draws`` written)."""
     items: dict[int, list] = {}
     arrays: dict[str, np.ndarray] = {}
     for buf in opt.buffers:
         if not buf.coded:
             continue
+        if not 0 <= buf.draws <= MAX_STEP:
+            raise CheckpointError(f"cannot save this optimizer (nothing was written): param "
+                                  f"group {buf.group}: the buffer of {buf.paths[0]!r} has "
+                                  f"drawn {buf.draws} rounding streams, past {MAX_STEP}")
         number = len(items.setdefault(buf.group, []))
         items[buf.group].append({**_lossless.describe(buf), "draws": int(buf.draws),
                                  "length": int(buf.length), "paths": list(buf.paths),
@@ -150,7 +158,8 @@ def _check_item(ck, group: int, number: int, item) -> None:
     if (item["param"] not in BITS or item["grad"] not in ("float32", "float16", "bfloat16")
             or item["state"] not in STATE_FORMATS
             or item["rounding"] not in ("nearest", "stochastic", "kahan")
-            or item["draws"] < 0 or not 0 <= item["seed"] < 1 << 63 or item["length"] < 0
+            or not 0 <= item["draws"] <= MAX_STEP or not 0 <= item["seed"] < 1 << 63
+            or item["length"] < 0
             or len(item["paths"]) != len(item["offsets"]) or not item["paths"]):
         raise ck.corrupt(f"{where} has settings no save writes")
     length, end = item["length"], 0
@@ -166,7 +175,8 @@ def _check_item(ck, group: int, number: int, item) -> None:
         if entry is None or entry.group != group or path in ck.storage:
             raise ck.corrupt(f"{where}: path {str(path)[:200]!r} is not a parameter of this "
                              "group, or appears twice")
-        if not isinstance(offset, int) or offset < end or offset + entry.size > length or (
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < end \
+                or offset + entry.size > length or (
                 item["state"] == "int8" and offset % BLOCK):
             raise ck.corrupt(f"{where}: {path!r} at offset {offset} overlaps, lies outside "
                              f"the buffer of {length} or breaks int8 block alignment")
@@ -195,10 +205,29 @@ def _check_item(ck, group: int, number: int, item) -> None:
         ck.storage[path] = (desc, item["draws"], full_names, offset)
 
 
+def array_problem(name: str, values: np.ndarray) -> str | None:
+    """Why a stored array of the file cannot be what a save wrote (block scales negative or
+    NaN; an infinite one is a block that held an inf), or None: ``load`` and ``verify`` make
+    the same check."""
+    if name.startswith(STORAGE_KEY + NEST) and name.endswith(".absmax"):
+        problem = _lossless.scales_problem(values)
+        return None if problem is None else f"storage array {name!r} {problem}"
+    return None
+
+
+def check_arrays(ck, arrays) -> None:
+    """:func:`array_problem` over the file's extra arrays (by stored name)."""
+    for name, values in arrays.items():
+        problem = array_problem(name, values)
+        if problem:
+            raise ck.corrupt(problem)
+
+
 def saved_records(ck, opt, matches, arrays, float32_entry, convert: bool) -> dict:
-    """``_lossless.Saved`` for each (live info, saved entry) whose live buffer is coded: from
-    the stored arrays for a coded saved buffer, from the float32 view (``float32_entry(entry)
-    -> (params, state entry or None)``) for a plain one."""
+    """``_lossless.Saved`` for each (live info, saved entry) whose live buffer is coded or
+    whose saved one is: from the stored arrays for a coded saved buffer (master weights and
+    compensation of every parameter, with state or without), from the float32 view
+    (``float32_entry(entry) -> (params, state entry or None)``) for a plain one."""
     out = {}
     for info, entry in matches:
         stored = ck.storage.get(entry.path)
@@ -226,12 +255,10 @@ def saved_records(ck, opt, matches, arrays, float32_entry, convert: bool) -> dic
                         first:first + _lossless.blocks(entry.size)]}
                 else:
                     state[name] = flat.reshape(entry.shape)
-            for name in _lossless.EXTRAS:
-                if name in names:
-                    flat = arrays[names[name]][window]
-                    state[name] = flat.view(dtype if name == "compensation"
-                                            else np.float32).reshape(entry.shape)
-        out[info.path] = _lossless.Saved(desc, state, params, draws)
+        extras = {name: arrays[names[name]][window].view(
+            dtype if name == "compensation" else np.float32).reshape(entry.shape)
+            for name in _lossless.EXTRAS if name in names}
+        out[info.path] = _lossless.Saved(desc, state, params, draws, extras)
     return out
 
 

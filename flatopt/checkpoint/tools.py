@@ -101,7 +101,8 @@ def verify_checkpoint(source) -> dict:
                       for key, saved in sorted(ck.buffers.items()) for slot in saved.datasets]
             checks += [({"buffer": saved.dataset.name, "array": name,
                          "elements": math.prod(saved.shape), "digest": saved.digest},
-                        lambda name=name: guarded(ck, lambda: ck.read_array(name, workers)))
+                        lambda name=name: precision.check_arrays(ck, {name: guarded(
+                            ck, lambda: ck.read_array(name, workers))}))
                        for name, saved in ck.arrays.items()]
             for entry, check in checks:
                 try:

@@ -414,6 +414,7 @@ class Sharding:
             opt.check_step(settings)
             if grads is not None:
                 opt.stage_gradients(grads)
+            _stepping.check_counters(opt, settings)
             if grad_scale is not None:
                 _stepping.positive("grad_scale", grad_scale)
             if max_grad_norm is not None:
