@@ -496,7 +496,13 @@ class Machine(RuleBasedStateMachine):
         # (writing a parameter resets its master copy and compensation, as documented)
         for path, value in self.kit.opt.params.items():
             fresh.opt.params[path] = np.array(value)
-        fresh.opt.load_state_dict(copy.deepcopy(self.kit.opt.state_dict()))
+        _, error = outcome(lambda: fresh.opt.load_state_dict(
+            copy.deepcopy(self.kit.opt.state_dict())))
+        if error is not None:
+            # state_dict() returns what a NaN gradient left (torch's does); load_state_dict
+            # refuses a non-finite second moment as damage, as checkpoint saves do
+            assert issubclass(error, flatopt.StateDictError) and self.nonfinite(), error
+            return
         fresh.scheduler.load_state_dict(self.kit.scheduler.state_dict())
         fresh.ema.load_state_dict(self.kit.ema.state_dict())
         fresh.scaler.load_state_dict(self.kit.scaler.state_dict())
