@@ -400,7 +400,11 @@ class Machine(RuleBasedStateMachine):
         if error is not None:
             self.refused_as_nonfinite(error, target)
             return None
-        assert verify_checkpoint(target)["ok"], target
+        verified = verify_checkpoint(target)
+        assert verified["ok"], (target, verified["problems"], [
+            (b.group, b.dtype.name, b.paths, [b.layout(n) if hasattr(b, "layout") else None
+                                              for n in ("row_var", "col_var")][:0],
+             {p: kit.opt.state_of(p) is not None for p in b.paths}) for b in kit.opt.buffers])
         return target
 
     def refused_as_nonfinite(self, error, target: str) -> None:

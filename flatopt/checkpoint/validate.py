@@ -154,8 +154,12 @@ def _packing_and_state(ck: Contents) -> None:
             buffer.layouts[slot] = layout
         if any(schema.stateful(e.columns) for e in buffer.members):
             settings = ck.groups[key[0]]["hyperparameters"]
+            # a slot none of these parameters has an entry in (Adafactor's row and column
+            # factors beside vectors only) holds nothing, allocated by a step or not
             lacking = [slot for slot in schema.used_slots(settings)
-                       if slot not in buffer.datasets]
+                       if slot not in buffer.datasets and SlotLayout(
+                           [schema.slots[slot].entry_shape(e.shape) for e in buffer.members],
+                           DTYPES[key[1]]).length]
             if lacking:
                 raise ck.corrupt(f"group {key[0]} {key[1]}: parameters have state but the "
                                  f"buffers {lacking} are missing")
