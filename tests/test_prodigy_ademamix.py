@@ -417,3 +417,34 @@ def test_ademamix_refuses_a_beta3_schedule_without_logarithms():
     with pytest.raises(flatopt.HyperparameterError, match="betas=.*is invalid"):
         flatopt.AdEMAMix({"w": np.ones(2)}, betas=(0.9, 0.999))
     assert math.isclose(flatopt.AdEMAMix({"w": np.ones(2)}).defaults["alpha"], 5.0)
+
+
+def test_prodigy_goes_on_after_a_nan_gradient_as_prodigyopt_does(tmp_path):
+    """Found by tests/test_state_machine.py: a NaN gradient left ``d_numerator`` NaN, which
+    the schema then refused, so every later step (and save) raised HyperparameterError.
+    prodigyopt keeps NaN there (``d`` stays: Python's max ignores the NaN) and steps on; so
+    does flatopt now. A save then refuses the NaN second moments, as for every rule."""
+    import warnings
+
+    import prodigyopt
+    import torch
+    opt = flatopt.Prodigy({"w": np.ones(4), "v": np.ones(3)}, lr=1.0)
+    theirs = [torch.ones(4, dtype=torch.float64, requires_grad=True),
+              torch.ones(3, dtype=torch.float64, requires_grad=True)]
+    reference = prodigyopt.Prodigy(theirs, lr=1.0)
+    bad = np.full(4, 0.5)
+    bad[0] = np.nan
+    for gw in (np.full(4, 0.5), bad, np.full(4, 0.25)):
+        gv = np.full(3, 0.2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step({"w": gw, "v": gv})
+        theirs[0].grad, theirs[1].grad = torch.tensor(gw), torch.tensor(gv)
+        reference.step()
+    ours, ref = opt.param_groups[0], reference.param_groups[0]
+    assert np.isnan(ours["d_numerator"]) and np.isnan(ref["d_numerator"])
+    assert (ours["d"], ours["d_max"], ours["k"]) == (ref["d"], ref["d_max"], ref["k"])
+    np.testing.assert_allclose(opt.params["v"], theirs[1].detach().numpy(), rtol=1e-12)
+    with pytest.raises(flatopt.CheckpointError, match="NaN"):
+        flatopt.save(tmp_path / "ck.h5", opt)
+    assert not (tmp_path / "ck.h5").exists()

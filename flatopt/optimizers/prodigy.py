@@ -34,11 +34,15 @@ def positive(value: Any) -> float:
     return number
 
 
-def finite(value: Any) -> float:
-    number = real(value)
-    if math.isinf(number):
-        raise Invalid(f"must be finite, got {value!r}")
-    return number
+def numerator(value: Any) -> float:
+    """A float; NaN and infinities too: a NaN gradient leaves ``d_numerator`` NaN in
+    prodigyopt (and ``d`` as it was), and the steps go on, as torch's do."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise Invalid(f"must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise Invalid(f"is too large for a float64: {value!r}") from None
 
 
 def rate(value: Any) -> float:
@@ -103,7 +107,7 @@ SCHEMA = Schema(
         # the d estimate: group state, the same in every group (read from group 0)
         "d": Hyperparameter(1e-6, positive, (1e-6,), state=True),
         "d_max": Hyperparameter(1e-6, positive, (1e-6,), state=True),
-        "d_numerator": Hyperparameter(0.0, finite, (0.0,), state=True),
+        "d_numerator": Hyperparameter(0.0, numerator, (0.0,), state=True),
         "k": Hyperparameter(0, count, (0,), state=True),
     },
     columns={"step": Column("int64", MAX_STEP),
