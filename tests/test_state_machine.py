@@ -666,8 +666,8 @@ def machine(name: str, storage: str) -> type:
 @pytest.mark.parametrize("name,storage", configurations())
 def test_the_public_surface_against_a_twin_that_never_saves(name, storage, request):
     slow = request.node.get_closest_marker("slow") is not None
-    examples = int(os.environ.get("FLATOPT_STATEFUL_EXAMPLES", 8 if slow else 3))
-    steps = int(os.environ.get("FLATOPT_STATEFUL_STEPS", 30 if slow else 20))
+    examples = int(os.environ.get("FLATOPT_STATEFUL_EXAMPLES", 5 if slow else 3))
+    steps = int(os.environ.get("FLATOPT_STATEFUL_STEPS", 25 if slow else 20))
     run_state_machine_as_test(machine(name, storage), settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None,
         derandomize=not RANDOM, database=None, print_blob=True,
