@@ -314,10 +314,8 @@ class Optimizer:
           step: no parameter, state or step count changes.
         - ``error_if_nonfinite``: raise :class:`GradientError` instead (nothing changes).
 
-        Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``). The first
-        non-finite gradient a step with ``max_grad_norm`` goes ahead with gives a
-        ``NonFiniteGradientWarning`` (once per optimizer, from the count the norm's pass
-        makes; a step without these options reads the gradients no extra time to look).
+        Returns a :class:`StepResult` (``skipped``, ``grad_norm``, ``nonfinite``); a NaN that
+        a clipped step goes ahead with warns once (``NonFiniteGradientWarning``).
         With ``comm=``, every rank calls ``step`` (see :mod:`flatopt.distributed`).
         """
         check_policy()  # FLATOPT_PARALLEL: refused before anything changes

@@ -91,6 +91,16 @@ class _Buffer:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)   # "params" and state slots
 
 
+def _scheduler_state(scheduler: Any) -> Any:
+    if not callable(getattr(scheduler, "state_dict", None)):
+        raise CheckpointError(f"scheduler must have a state_dict() method, got "
+                              f"{type(scheduler).__name__}")
+    try:
+        return scheduler.state_dict()
+    except HyperparameterError as exc:   # built before the optimizer's last add_param_group
+        raise CheckpointOptionError(f"scheduler=: {exc}") from None
+
+
 class Snapshot:
     """What save writes, gathered and checked before the target is touched.
 
@@ -130,14 +140,8 @@ class Snapshot:
             self.header["schema_version"] = self.schema.version
         self.header["metadata"] = to_json(metadata, "metadata")
         if scheduler is not None:
-            if not callable(getattr(scheduler, "state_dict", None)):
-                raise CheckpointError(f"scheduler must have a state_dict() method, got "
-                                      f"{type(scheduler).__name__}")
-            try:
-                state = scheduler.state_dict()
-            except HyperparameterError as exc:   # built before the optimizer's last group
-                raise CheckpointOptionError(f"scheduler=: {exc}") from None
-            self.header["scheduler"] = to_json(state, "scheduler.state_dict()")
+            self.header["scheduler"] = to_json(_scheduler_state(scheduler),
+                                               "scheduler.state_dict()")
         texts = {"metadata": self.header["metadata"],
                  **({"scheduler state": self.header["scheduler"]}
                     if "scheduler" in self.header else {}),
