@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._layout import FlatBuffer, aligned_zeros
-from ._storage import BFLOAT16, FLOAT16
+from ._storage import is_bfloat16
 from .kernels.coded import (BF16, COMPENSATION_AT, DIRECT, F16, KAHAN, MASTER, MASTER_AT,
                             NATIVE, NEAREST, POSITIONS, Q8_SIGNED, Q8_UNSIGNED, STOCHASTIC,
                             TABLES, UNUSED, Layout)
@@ -26,7 +26,7 @@ _NO_SCALES = np.empty(0, np.float32)
 def bits_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype of a Numba (device) array holding ``dtype``: bfloat16 as its uint16 bit
     patterns (Numba has no bfloat16), every other dtype as it is."""
-    return np.dtype(np.uint16) if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype)
+    return np.dtype(np.uint16) if is_bfloat16(np.dtype(dtype)) else np.dtype(dtype)
 
 
 def as_bits(array: np.ndarray) -> np.ndarray:
@@ -35,7 +35,7 @@ def as_bits(array: np.ndarray) -> np.ndarray:
 
 
 def half_format(dtype: np.dtype) -> int:
-    return {BFLOAT16: BF16, FLOAT16: F16}.get(np.dtype(dtype), NATIVE)
+    return {"bfloat16": BF16, "float16": F16}.get(np.dtype(dtype).name, NATIVE)
 
 
 def slot_format(buf: FlatBuffer, schema, name: str) -> int:

@@ -26,15 +26,15 @@ from typing import Any
 import numpy as np
 
 from . import _codec
-from ._storage import BFLOAT16, FLOAT16, FLOAT32, dtype_name
+from ._storage import FLOAT32, dtype_name, numpy_dtype
 from .kernels.coded import TABLES
 from .kernels.storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
 
 EXTRAS = ("master", "compensation")
 COMPARED = ("param", "state", "master", "rounding", "seed")
 """The storage settings a lossless load needs equal (the gradient dtype holds no state)."""
-NUMPY_DTYPES = {"float32": FLOAT32, "float64": np.dtype(np.float64), "bfloat16": BFLOAT16,
-                "float16": FLOAT16}
+FLOAT_NAMES = ("float32", "float64", "bfloat16", "float16")
+"""The dtypes a storage description may name (``numpy_dtype`` gives each)."""
 
 
 def describe(buf) -> dict[str, Any]:
@@ -120,7 +120,7 @@ def encode(values: np.ndarray, state: str, is_signed: bool) -> Any:
     """float32 ``values`` in the stored format ``state`` (nearest rounding)."""
     if state == "int8":
         return _q8_encode(values, is_signed)
-    return np.asarray(values, np.float32).astype(NUMPY_DTYPES[state])
+    return np.asarray(values, np.float32).astype(numpy_dtype(state))
 
 
 # ----------------------------------------------------------------------------- out
@@ -209,7 +209,7 @@ def entry_problems(opt, path: str, entry: Any, desc: Mapping, shape: tuple,
                        or _array_problem(value["absmax"], (blocks(size),), FLOAT32)
                        or scales_problem(value["absmax"]))
         else:
-            problem = _array_problem(value, shape, NUMPY_DTYPES[desc["state"]])
+            problem = _array_problem(value, shape, numpy_dtype(desc["state"]))
         if problem:
             problems.append(f"{where} {problem}")
             continue
@@ -225,7 +225,7 @@ def extras_problems(path: str, extras: Mapping, desc: Mapping, shape: tuple) -> 
     problems = []
     wanted = {"master": desc["master"], "compensation": desc["rounding"] == "kahan"}
     for name, kept in wanted.items():
-        dtype = FLOAT32 if name == "master" else NUMPY_DTYPES[desc["param"]]
+        dtype = FLOAT32 if name == "master" else numpy_dtype(desc["param"])
         if not kept:
             if name in extras:
                 problems.append(f"state for {path!r} has {name!r}, which {fmt(desc)} lacks")
@@ -457,7 +457,7 @@ def _take(opt, buf, info, item: Saved, live: Mapping, exact: bool, settings,
     if values is None:
         master = buf.view(buf.params, info.slot).astype(FLOAT32) if live["master"] else None
         return entry, None, master, None
-    dtype = NUMPY_DTYPES[live["param"]]
+    dtype = numpy_dtype(live["param"])
     params = values.astype(dtype)
     compensation = None
     if live["rounding"] == "kahan":  # what rounding to nearest lost, carried on

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._layout import SUPPORTED_DTYPES
-from ._storage import HALF_DTYPES
+from ._storage import is_half
 from .errors import HyperparameterError
 from .schema import Invalid, text
 
@@ -77,7 +77,7 @@ def array_problem(path: str, array: Any) -> str | None:
         return f"parameter {path!r} is a {type(array).__name__}; give a numpy array"
     if isinstance(array, np.ma.MaskedArray):
         return f"parameter {path!r} is a masked array; give a plain numpy array"
-    if array.dtype not in SUPPORTED_DTYPES and array.dtype not in HALF_DTYPES:
+    if array.dtype not in SUPPORTED_DTYPES and not is_half(array.dtype):
         return (f"parameter {path!r} has dtype {array.dtype}; flatopt optimizes float32, "
                 "float64, float16 and bfloat16 (ml_dtypes.bfloat16) arrays: cast with "
                 ".astype(np.float32)")

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import _codec, _lossless, _restore
-from ._storage import BFLOAT16, ROUNDINGS, dtype_name
+from ._storage import ROUNDINGS, bfloat16, dtype_name
 from .errors import StateDictError, raise_problems
 from .schema import MAX_STEP, describe_group
 
@@ -55,7 +55,7 @@ def saved_entry(opt, buf, slot: int) -> dict | None:
 
 STORAGE_FIELDS = {"paths": list, "param": str, "grad": str, "state": str, "master": bool,
                   "rounding": str, "seed": int, "draws": int}
-STORAGE_VALUES = {"param": tuple(_lossless.NUMPY_DTYPES), "grad": tuple(_lossless.NUMPY_DTYPES),
+STORAGE_VALUES = {"param": _lossless.FLOAT_NAMES, "grad": _lossless.FLOAT_NAMES,
                   "state": ("float32", "float64", "bfloat16", "int8"),
                   "rounding": ROUNDINGS, "master": (True, False)}
 STORAGE_RANGES = {"seed": (0, (1 << 63) - 1), "draws": (0, MAX_STEP)}
@@ -242,8 +242,7 @@ def _saved_settings(opt, saved_groups: Any, problems: list[str],
 TORCH_IMPLEMENTATION_KEYS = ("foreach", "fused")
 TORCH_REFUSED_KEYS = ("capturable", "differentiable")
 TORCH_KEYS = ("state", "param_groups")
-FLOAT_DTYPES = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32),
-                np.dtype(np.float64))
+FLOAT_DTYPES = _lossless.FLOAT_NAMES
 
 
 def from_torch(opt, torch_state_dict: Any, names: Any, convert: bool = False) -> dict[str, Any]:
@@ -405,7 +404,7 @@ def _dtype_problem(buf, is_slot: bool, value: Any, convert: bool) -> str | None:
     """"cast" when a float state array is to be cast to ``buf``'s compute dtype (``convert``),
     a problem naming convert=True when it would need to be, else None (the other checks are
     ``parse``'s)."""
-    if not is_slot or not isinstance(value, np.ndarray) or value.dtype not in FLOAT_DTYPES \
+    if not is_slot or not isinstance(value, np.ndarray) or value.dtype.name not in FLOAT_DTYPES \
             or value.dtype == buf.dtype:
         return None
     if convert:
@@ -435,7 +434,7 @@ def _from_tensor(schema, name: str, value: Any) -> Any:
     if hasattr(value, "detach"):
         value = value.detach().cpu()
         # NumPy has no bfloat16: through float32, exactly, to ml_dtypes' bfloat16
-        value = value.float().numpy().astype(BFLOAT16) \
+        value = value.float().numpy().astype(bfloat16()) \
             if str(value.dtype) == "torch.bfloat16" else value.numpy()
     if name in schema.columns and np.ndim(value) == 0:
         number = np.asarray(value).item()

@@ -13,21 +13,43 @@ chosen here.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import ml_dtypes
 import numpy as np
 
 from .errors import HyperparameterError
 from .kernels.storage import BLOCK, MIN_8BIT_SIZE
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
 FLOAT32 = np.dtype(np.float32)
 FLOAT64 = np.dtype(np.float64)
-HALF_DTYPES = (FLOAT16, BFLOAT16)
-"""Parameter dtypes stored in 16 bits (computed in float32)."""
+HALF_NAMES = ("float16", "bfloat16")
+"""Parameter dtypes stored in 16 bits (computed in float32), by name."""
+
+
+@functools.cache
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16 (NumPy has none), imported when first needed: importing ml_dtypes
+    takes about 0.5 s (it registers its casts with NumPy), which a run without bfloat16 values
+    never needs. A user's bfloat16 array has imported it already."""
+    return np.dtype(importlib.import_module("ml_dtypes").bfloat16)
+
+
+def is_bfloat16(dtype: Any) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16 (told by name: no import needed to ask)."""
+    return isinstance(dtype, np.dtype) and dtype.name == "bfloat16"
+
+
+def is_half(dtype: Any) -> bool:
+    return isinstance(dtype, np.dtype) and dtype.name in HALF_NAMES
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The dtype a storage description names ("float32", "bfloat16", ...)."""
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 KEYS = ("master_weights", "rounding", "state_dtype", "grad_dtype", "seed")
 """The storage settings: optimizer keywords and group keys, fixed after construction."""
@@ -40,7 +62,7 @@ class StorageProblem(ValueError):
 
 
 def dtype_name(dtype: np.dtype) -> str:
-    return "bfloat16" if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype).name
+    return np.dtype(dtype).name
 
 
 @dataclass(frozen=True)
@@ -123,7 +145,7 @@ class BufferStorage:
 
     @property
     def half(self) -> bool:
-        return self.param in HALF_DTYPES
+        return is_half(self.param)
 
     @property
     def alignment(self) -> int | None:
@@ -133,8 +155,7 @@ class BufferStorage:
 
     @property
     def state_array_dtype(self) -> np.dtype:
-        return {"float32": FLOAT32, "float64": FLOAT64, "bfloat16": BFLOAT16,
-                "int8": np.dtype(np.uint8)}[self.state]
+        return np.dtype(np.uint8) if self.state == "int8" else numpy_dtype(self.state)
 
     def describe(self) -> str:
         parts = [f"params {dtype_name(self.param)}"]
@@ -152,7 +173,7 @@ def resolve(storage: Storage, dtype: np.dtype, size: int, where: str) -> BufferS
     """The storage of a buffer of ``dtype`` parameters (``size``: the parameter's element
     count; int8 state keeps float32 below bitsandbytes' ``min_8bit_size``)."""
     dtype = np.dtype(dtype)
-    half = dtype in HALF_DTYPES
+    half = is_half(dtype)
     compute = FLOAT64 if dtype == FLOAT64 else FLOAT32
     if not half and (storage.master_weights or storage.rounding != "nearest"
                      or storage.grad_dtype is not None) and dtype == FLOAT64:

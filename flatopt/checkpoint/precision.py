@@ -27,6 +27,7 @@ from .. import _codec, _lossless
 from ..errors import CheckpointError
 from .._layout import SlotLayout
 from ..kernels.storage import BLOCK
+from .._storage import numpy_dtype
 from ..schema import MAX_STEP
 from .format import NEST, OWN_PREFIX, json_depth_problem, to_json
 
@@ -237,7 +238,7 @@ def saved_records(ck, opt, matches, arrays, float32_entry, convert: bool) -> dic
             continue
         desc, draws, names, offset = stored
         window = slice(offset, offset + entry.size)
-        dtype = _lossless.NUMPY_DTYPES[desc["param"]]
+        dtype = numpy_dtype(desc["param"])
         params = arrays[names["params"]][window].view(dtype).reshape(entry.shape)
         state = None
         if ck.schema.stateful(entry.columns):
@@ -247,7 +248,7 @@ def saved_records(ck, opt, matches, arrays, float32_entry, convert: bool) -> dic
                     continue
                 flat = arrays[names[name]][window]
                 if desc["state"] == "bfloat16":
-                    flat = flat.view(_lossless.NUMPY_DTYPES["bfloat16"])
+                    flat = flat.view(numpy_dtype("bfloat16"))
                 if desc["state"] == "int8":
                     first = offset // BLOCK
                     scales = arrays[names[f"{name}.absmax"]]
