@@ -5,10 +5,11 @@ buffers in one parallel call, following torch.optim's semantics exactly. Every o
 declared by a schema and found through :mod:`flatopt.registry`.
 """
 
+import importlib
+
 from . import registry
 from ._layout import FlatBuffer, ParamIndex, ParamInfo
 from ._views import Gradients, ParamViews
-from .checkpoint import CheckpointData, Difference, LoadResult, load, read, save
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                      CheckpointOptionError, DeviceError, EnvironmentVariableError, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ModeError,
@@ -35,6 +36,18 @@ from .kernels.threads import set_policy as set_parallel_policy
 from . import lr_scheduler  # noqa: E402 (it builds on the optimizer classes above)
 
 from ._version import __version__
+
+CHECKPOINT_NAMES = ("save", "load", "read", "LoadResult", "CheckpointData", "Difference")
+"""Taken from :mod:`flatopt.checkpoint` when first asked for: it imports h5py (about 0.1 s),
+which a run that never saves does not need."""
+
+
+def __getattr__(name: str):
+    if name in CHECKPOINT_NAMES:
+        value = getattr(importlib.import_module(".checkpoint", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flatopt' has no attribute {name!r}")
 
 __all__ = [
     "SGD", "Adam", "AdamW", "Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "Lion",
