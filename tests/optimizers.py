@@ -97,7 +97,8 @@ EXPLICIT: dict[str, dict[str, Any]] = {
         why="torch keeps eta and mu as 0-d tensors of its default dtype and steps with them "
             "rounded to it (float32 by default), where flatopt keeps them in float64")),
     # torch's single-tensor Adam takes a float32 sqrt that is not correctly rounded (1 ULP on
-    # ~16% of elements, see the README): its fused CPU kernel, on one thread, is the oracle
+    # ~16% of elements, see docs/guide/semantics.md): its fused CPU kernel, on one thread, is
+    # the oracle
     "Adam": dict(bit_exact=BitExact({"fused": True}, shapes=FUSED_SHAPES,
                                     why="torch's fused CPU kernel (correctly rounded sqrt)"),
                  checkpoint_settings={"lr": 0.01}, every_slot={"amsgrad": True}),

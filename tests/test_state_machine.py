@@ -146,7 +146,7 @@ class Kit:
             try:
                 self.lookahead = flatopt.Lookahead(self.opt, alpha=0.5, k=2)
             except FlatoptError:
-                pass   # refused by design for this storage (see the README)
+                pass   # refused by design for this storage (see docs/guide/reduced-precision.md)
 
     def remake(self, recipe: Recipe) -> None:
         """The scheduler and the EMA cover the groups they were made with: made again after
