@@ -44,9 +44,21 @@ def zeropower_via_newtonschulz(update: np.ndarray, coefficients, steps: int,
     a, b, c = (update.dtype.type(x) for x in coefficients)
     x = update.T if update.shape[0] > update.shape[1] else update
     x = x / max(update.dtype.type(np.linalg.norm(x)), update.dtype.type(eps))
+    # x = a x + (b G + c G G) x with G = x x^T, in three work arrays allocated once: the same
+    # operations in the same order as the expression, so the same bits, without a new
+    # temporary per operation and iteration
+    gram = np.empty((x.shape[0], x.shape[0]), x.dtype)
+    gram_squared = np.empty_like(gram)
+    product = np.empty_like(x)
     for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        np.matmul(x, x.T, out=gram)
+        np.matmul(gram, gram, out=gram_squared)
+        gram_squared *= c
+        gram *= b
+        gram += gram_squared
+        np.matmul(gram, x, out=product)
+        x *= a
+        x += product
     return x.T if update.shape[0] > update.shape[1] else x
 
 
