@@ -41,7 +41,7 @@ from .coded import CODEC, SUB, TABLES, compile_coded
 from .rule import Rule
 from . import segments
 from .segments import add_segments, first_segments
-from .threads import Threaded, threaded
+from .threads import Threaded
 from .tools import lerp_into
 
 
@@ -122,12 +122,18 @@ def _finalize_walk(present, columns, scalars, flags, sums):
 
 # Gradient reductions: what a norm or a non-finite check needs of the present gradients.
 COUNT_NONFINITE, SUM_SQUARES, SUM_POWERS, MAX_ABS = 0, 1, 2, 3
+MODE_NAMES = {COUNT_NONFINITE: "count_nonfinite", SUM_SQUARES: "sum_squares",
+              SUM_POWERS: "sum_powers", MAX_ABS: "max_abs"}
+
+# The functions below are templates compiled once per mode (``_by_mode``), ``MODE`` bound as
+# a constant: Numba then drops the other modes' loops before compiling (an L2 clip compiles
+# one loop, not four). MODE's value here only lets the module import.
+MODE = SUM_SQUARES
 
 
-@njit(fastmath={"reassoc"}, error_model="numpy")
-def _reduce_segment(g, start, stop, power, mode):
+def _reduce_segment(g, start, stop, power):
     """(sum of |g|**power or of g*g, or max |g|; how many values are NaN or infinite), in
-    float64, over g[start:stop].
+    float64, over g[start:stop], per ``MODE``.
 
     Compiled with reassociation (only this function: the callers add segments and chunks up
     in order), so the sums vectorize: 12x on float32 squares here. Their order is then fixed
@@ -136,14 +142,14 @@ def _reduce_segment(g, start, stop, power, mode):
     a = uint64(start)
     b = uint64(stop)
     value = 0.0
-    if mode == SUM_SQUARES:
+    if MODE == SUM_SQUARES:
         for i in range(a, b):
             x = float(g[i])
             value += x * x
-    elif mode == SUM_POWERS:
+    elif MODE == SUM_POWERS:
         for i in range(a, b):
             value += abs(float(g[i])) ** power
-    elif mode == MAX_ABS:
+    elif MODE == MAX_ABS:
         for i in range(a, b):
             x = abs(float(g[i]))
             if not (x <= value):  # NaN propagates, as torch's max does
@@ -157,11 +163,10 @@ def _reduce_segment(g, start, stop, power, mode):
         for i in range(a, b):
             x = g[i]
             bad += not (x - x == 0)
-    return (0.0 if mode == COUNT_NONFINITE else value), bad
+    return (0.0 if MODE == COUNT_NONFINITE else value), bad
 
 
-@njit(inline="always", error_model="numpy")
-def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, mode, c):
+def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, c):
     lo = c * chunk_size
     hi = min(lo + chunk_size, g.size)
     k = chunk_first[c]
@@ -170,8 +175,8 @@ def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, mo
     while k < offsets.size and offsets[k] < hi:
         if present[k] != 0:
             v, n = _reduce_segment(g, max(lo, offsets[k]), min(hi, offsets[k] + sizes[k]),
-                                   power, mode)
-            if mode == MAX_ABS:
+                                   power)
+            if MODE == MAX_ABS:
                 if not (v <= value):
                     value = v
             else:
@@ -181,21 +186,17 @@ def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, mo
     return value, bad
 
 
-@threaded(cache=True, error_model="numpy")
-def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power, mode):
-    """One pass over the present gradients of a buffer: (value, non-finite count), ``value``
-    per ``mode`` (see the constants). Partial results are combined in chunk order whatever the
-    thread count, so the result does not depend on it."""
+def _reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power):
     n_chunks = chunk_first.size
     partial = np.empty(n_chunks)
     partial_bad = np.empty(n_chunks, np.int64)
     for c in prange(n_chunks):
         partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
-                                                   chunk_size, power, mode, c)
+                                                   chunk_size, power, c)
     value = 0.0
     bad = 0
     for c in range(n_chunks):
-        if mode == MAX_ABS:
+        if MODE == MAX_ABS:
             if not (partial[c] <= value):
                 value = partial[c]
         else:
@@ -207,9 +208,8 @@ def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power,
 _load_row = CODEC["load_row"]
 
 
-@njit(inline="always", error_model="numpy")
 def _reduce_coded_chunk(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
-                        power, mode, c):
+                        power, c):
     """_reduce_chunk over 16-bit gradients: each segment loaded as float32 in sub-blocks."""
     row = np.empty(SUB, np.float32)
     scales = np.empty(0, np.float32)
@@ -224,8 +224,8 @@ def _reduce_coded_chunk(raw, fmt, present, offsets, sizes, chunk_first, chunk_si
             for start in range(max(lo, offsets[k]), last, SUB):
                 n = min(SUB, last - start)
                 _load_row(raw, fmt, scales, TABLES, start, n, row)
-                v, count = _reduce_segment(row, 0, n, power, mode)
-                if mode == MAX_ABS:
+                v, count = _reduce_segment(row, 0, n, power)
+                if MODE == MAX_ABS:
                     if not (v <= value):
                         value = v
                 else:
@@ -235,23 +235,19 @@ def _reduce_coded_chunk(raw, fmt, present, offsets, sizes, chunk_first, chunk_si
     return value, bad
 
 
-@threaded(cache=True, error_model="numpy")
-def reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
-                           power, mode):
-    """reduce_gradients over 16-bit gradients (``raw``: their bytes, ``fmt`` their
-    ``kernels.coded`` format): each segment loaded as float32 in sub-blocks; the partial
-    results of a chunk combined in order, then the chunks' in chunk order."""
+def _reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
+                            power):
     n_chunks = chunk_first.size
     partial = np.empty(n_chunks)
     partial_bad = np.empty(n_chunks, np.int64)
     for c in prange(n_chunks):
         partial[c], partial_bad[c] = _reduce_coded_chunk(raw, fmt, present, offsets, sizes,
                                                          chunk_first, chunk_size, total,
-                                                         power, mode, c)
+                                                         power, c)
     value = 0.0
     bad = 0
     for c in range(n_chunks):
-        if mode == MAX_ABS:
+        if MODE == MAX_ABS:
             if not (partial[c] <= value):
                 value = partial[c]
         else:
@@ -260,33 +256,94 @@ def reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk
     return value, bad
 
 
-@threaded(cache=True, error_model="numpy")
-def coded_gradient_chunk_partials(raw, fmt, present, offsets, sizes, chunk_first, chunk_size,
-                                  total, power, mode, first_chunk, stop_chunk):
-    """gradient_chunk_partials over 16-bit gradients (a ZeRO-1 rank's chunks)."""
+def _coded_gradient_chunk_partials(raw, fmt, present, offsets, sizes, chunk_first, chunk_size,
+                                   total, power, first_chunk, stop_chunk):
     n = stop_chunk - first_chunk
     partial = np.empty(n)
     bad = np.empty(n, np.int64)
     for j in prange(n):
         partial[j], bad[j] = _reduce_coded_chunk(raw, fmt, present, offsets, sizes,
-                                                 chunk_first, chunk_size, total, power, mode,
+                                                 chunk_first, chunk_size, total, power,
                                                  first_chunk + j)
     return partial, bad
 
 
-@threaded(cache=True, error_model="numpy")
-def gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size, power, mode,
-                            first_chunk, stop_chunk):
-    """reduce_gradients' per-chunk partial values and non-finite counts for the chunks
-    ``[first_chunk, stop_chunk)`` of the buffer, left for the caller to combine in order (a
-    ZeRO-1 rank's range: ``flatopt.distributed``)."""
+def _gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size, power,
+                             first_chunk, stop_chunk):
     n = stop_chunk - first_chunk
     partial = np.empty(n)
     bad = np.empty(n, np.int64)
     for j in prange(n):
         partial[j], bad[j] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
-                                               chunk_size, power, mode, first_chunk + j)
+                                           chunk_size, power, first_chunk + j)
     return partial, bad
+
+
+_mode_helpers: dict[int, dict] = {}
+_mode_kernels: dict[tuple[str, int], Threaded] = {}
+
+
+def _by_mode(template, mode: int) -> Threaded:
+    """The threaded kernel of ``template`` with ``MODE`` = ``mode`` (made once per process;
+    Numba compiles it on its first call)."""
+    kernel = _mode_kernels.get((template.__name__, mode))
+    if kernel is None:
+        if mode not in MODE_NAMES:
+            raise ValueError(f"unknown gradient reduction mode {mode!r}")
+        helpers = _mode_helpers.get(mode)
+        if helpers is None:
+            name = MODE_NAMES[mode]
+            segment = njit(fastmath={"reassoc"}, error_model="numpy")(
+                instantiate(_reduce_segment, f"_reduce_segment_{name}", MODE=mode))
+            inline = njit(inline="always", error_model="numpy")
+            helpers = _mode_helpers[mode] = {
+                "MODE": mode, "_reduce_segment": segment,
+                "_reduce_chunk": inline(instantiate(_reduce_chunk, f"_reduce_chunk_{name}",
+                                                    MODE=mode, _reduce_segment=segment)),
+                "_reduce_coded_chunk": inline(instantiate(
+                    _reduce_coded_chunk, f"_reduce_coded_chunk_{name}", MODE=mode,
+                    _reduce_segment=segment))}
+        kernel = _mode_kernels[template.__name__, mode] = Threaded(
+            template, f"cpu.{template.__name__.lstrip('_')}_{MODE_NAMES[mode]}", cache=True,
+            error_model="numpy", bound=helpers)
+    return kernel
+
+
+def reduce_gradients(n_elements, g, present, offsets, sizes, chunk_first, chunk_size, power,
+                     mode):
+    """One pass over the present gradients of a buffer: (value, non-finite count), ``value``
+    per ``mode`` (see the constants). Partial results are combined in chunk order whatever the
+    thread count, so the result does not depend on it. (A :class:`Threaded` call: the first
+    argument is the element count that picks the way.)"""
+    return _by_mode(_reduce_gradients, mode)(n_elements, g, present, offsets, sizes,
+                                             chunk_first, chunk_size, power)
+
+
+def reduce_coded_gradients(n_elements, raw, fmt, present, offsets, sizes, chunk_first,
+                           chunk_size, total, power, mode):
+    """reduce_gradients over 16-bit gradients (``raw``: their bytes, ``fmt`` their
+    ``kernels.coded`` format): each segment loaded as float32 in sub-blocks; the partial
+    results of a chunk combined in order, then the chunks' in chunk order."""
+    return _by_mode(_reduce_coded_gradients, mode)(n_elements, raw, fmt, present, offsets,
+                                                   sizes, chunk_first, chunk_size, total, power)
+
+
+def coded_gradient_chunk_partials(n_elements, raw, fmt, present, offsets, sizes, chunk_first,
+                                  chunk_size, total, power, mode, first_chunk, stop_chunk):
+    """gradient_chunk_partials over 16-bit gradients (a ZeRO-1 rank's chunks)."""
+    return _by_mode(_coded_gradient_chunk_partials, mode)(
+        n_elements, raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total, power,
+        first_chunk, stop_chunk)
+
+
+def gradient_chunk_partials(n_elements, g, present, offsets, sizes, chunk_first, chunk_size,
+                            power, mode, first_chunk, stop_chunk):
+    """reduce_gradients' per-chunk partial values and non-finite counts for the chunks
+    ``[first_chunk, stop_chunk)`` of the buffer, left for the caller to combine in order (a
+    ZeRO-1 rank's range: ``flatopt.distributed``)."""
+    return _by_mode(_gradient_chunk_partials, mode)(
+        n_elements, g, present, offsets, sizes, chunk_first, chunk_size, power, first_chunk,
+        stop_chunk)
 
 
 class CompiledRule:

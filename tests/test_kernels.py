@@ -151,3 +151,36 @@ def test_variants_must_be_flags():
     fields = {f.name: getattr(RULE, f.name) for f in dataclasses.fields(RULE) if f.init}
     with pytest.raises(TypeError, match="variants"):
         type(RULE)(**{**fields, "variants": ("betas",)})
+
+
+# ---------------------------------------------------------------------------- gradient totals
+def test_each_gradient_reduction_mode_is_a_kernel_of_its_own():
+    """An L2 clip compiles the sum of squares alone: each mode is its own threaded kernel
+    (MODE a constant of it), and each gives that mode's value over the present gradients."""
+    opt = flatopt.SGD({"a": f32(300), "b": f32(7), "c": f32(40)}, lr=0.1)
+    grads = {"a": f32(300, seed=1), "b": f32(7, seed=2)}  # c missing: not counted
+    grads["b"][3] = np.inf
+    opt.stage_gradients(grads)
+    buf = opt.buffers[0]
+
+    def total(mode, power):
+        return cpu.reduce_gradients(buf.length, buf.grads, buf.present, buf.offsets, buf.sizes,
+                                    buf.chunk_first, buf.chunk_size, power, mode)
+
+    present = np.concatenate([grads["a"], grads["b"]]).astype(np.float64)
+    assert total(cpu.COUNT_NONFINITE, 0.0) == (0.0, 1)
+    grads["b"][3] = 0.5
+    opt.stage_gradients(grads)
+    present[np.isinf(present)] = 0.5
+    # (reassociation lets LLVM square float32 values in float32 before adding in float64)
+    value, bad = total(cpu.SUM_SQUARES, 2.0)
+    assert bad == 0 and value == pytest.approx(np.sum(present ** 2), rel=1e-6)
+    assert total(cpu.SUM_POWERS, 3.0)[0] == pytest.approx(np.sum(np.abs(present) ** 3), rel=1e-6)
+    assert total(cpu.MAX_ABS, np.inf)[0] == np.max(np.abs(present))
+    kernels = {mode: cpu._by_mode(cpu._reduce_gradients, mode) for mode in cpu.MODE_NAMES}
+    assert len(set(map(id, kernels.values()))) == len(cpu.MODE_NAMES)
+    for mode, kernel in kernels.items():
+        assert kernel.name == f"cpu.reduce_gradients_{cpu.MODE_NAMES[mode]}"
+        assert kernel.serial.py_func.__globals__["MODE"] == mode
+    with pytest.raises(ValueError, match="mode"):
+        total(7, 2.0)
