@@ -186,10 +186,9 @@ def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, c)
     return value, bad
 
 
-def _reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power):
+def _reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power, partial,
+                      partial_bad):
     n_chunks = chunk_first.size
-    partial = np.empty(n_chunks)
-    partial_bad = np.empty(n_chunks, np.int64)
     for c in prange(n_chunks):
         partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
                                                    chunk_size, power, c)
@@ -269,14 +268,10 @@ def _coded_gradient_chunk_partials(raw, fmt, present, offsets, sizes, chunk_firs
 
 
 def _gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size, power,
-                             first_chunk, stop_chunk):
-    n = stop_chunk - first_chunk
-    partial = np.empty(n)
-    bad = np.empty(n, np.int64)
-    for j in prange(n):
+                             first_chunk, partial, bad):
+    for j in prange(partial.size):
         partial[j], bad[j] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
                                            chunk_size, power, first_chunk + j)
-    return partial, bad
 
 
 _mode_helpers: dict[int, dict] = {}
@@ -315,8 +310,12 @@ def reduce_gradients(n_elements, g, present, offsets, sizes, chunk_first, chunk_
     per ``mode`` (see the constants). Partial results are combined in chunk order whatever the
     thread count, so the result does not depend on it. (A :class:`Threaded` call: the first
     argument is the element count that picks the way.)"""
+    # the partial results' arrays come from here: np.empty compiled into the kernel would
+    # cost its first compile 0.1 s more
+    n_chunks = chunk_first.size
     return _by_mode(_reduce_gradients, mode)(n_elements, g, present, offsets, sizes,
-                                             chunk_first, chunk_size, power)
+                                             chunk_first, chunk_size, power,
+                                             np.empty(n_chunks), np.empty(n_chunks, np.int64))
 
 
 def reduce_coded_gradients(n_elements, raw, fmt, present, offsets, sizes, chunk_first,
@@ -341,9 +340,11 @@ def gradient_chunk_partials(n_elements, g, present, offsets, sizes, chunk_first,
     """reduce_gradients' per-chunk partial values and non-finite counts for the chunks
     ``[first_chunk, stop_chunk)`` of the buffer, left for the caller to combine in order (a
     ZeRO-1 rank's range: ``flatopt.distributed``)."""
-    return _by_mode(_gradient_chunk_partials, mode)(
+    partial, bad = np.empty(stop_chunk - first_chunk), np.empty(stop_chunk - first_chunk, np.int64)
+    _by_mode(_gradient_chunk_partials, mode)(
         n_elements, g, present, offsets, sizes, chunk_first, chunk_size, power, first_chunk,
-        stop_chunk)
+        partial, bad)
+    return partial, bad
 
 
 class CompiledRule:
