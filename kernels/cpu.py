@@ -42,6 +42,7 @@ from .rule import Rule
 from . import segments
 from .segments import add_segments, first_segments
 from .threads import Threaded
+from .variants import VariantKernels, suffix
 from .tools import lerp_into
 
 
@@ -352,10 +353,10 @@ class CompiledRule:
     cache): prepare, step, and reduce and finalize for rules with per-parameter totals.
     ``step`` and ``reduce`` are :class:`Threaded` walks; a rule with ``Rule.variants`` has
     one step walk per combination of those flags' values, made the first time a step uses it
-    (:meth:`step_kernel`)."""
+    (``step_kernel(flags)``)."""
 
     __slots__ = ("rule", "key", "cache", "functions", "prepare_kernel", "reduce_kernel",
-                 "finalize_kernel", "step_kernels", "_by_flags")
+                 "finalize_kernel", "step_kernel")
 
     def __init__(self, rule: Rule, key: str, cache: bool, functions: dict, prepare_kernel,
                  reduce_kernel=None, finalize_kernel=None):
@@ -363,31 +364,20 @@ class CompiledRule:
         self.prepare_kernel = prepare_kernel
         self.reduce_kernel = reduce_kernel
         self.finalize_kernel = finalize_kernel
-        self.step_kernels: dict[tuple, Threaded] = {}
+        self.step_kernel = VariantKernels(rule, self._step_walk)
+
+    @property
+    def step_kernels(self) -> dict[tuple, Threaded]:
         """The step walks made so far, by the values of the rule's variant flags."""
-        self._by_flags: dict[tuple, Threaded] = {}
+        return self.step_kernel.kernels
 
-    def step_kernel(self, flags: tuple) -> Threaded:
-        """The step walk for a step with these flags (a tuple laid out as ``Rule.flags``)."""
-        kernel = self._by_flags.get(flags)
-        if kernel is None:
-            fields = self.rule.flags._fields
-            variant = tuple(bool(flags[fields.index(name)]) for name in self.rule.variants)
-            kernel = self.step_kernels.get(variant)
-            if kernel is None:
-                kernel = self.step_kernels[variant] = self._step_walk(variant)
-            self._by_flags[flags] = kernel
-        return kernel
-
-    def _step_walk(self, variant: tuple) -> Threaded:
-        functions, name = self.functions, f"step_{self.key}"
-        if variant:
-            values = dict(zip(self.rule.variants, variant))
+    def _step_walk(self, values: dict[str, bool]) -> Threaded:
+        functions = self.functions
+        if values:
             functions = bind(self.rule, njit(inline="always", error_model="numpy"),
                              constant_flags=values)
-            name += "_" + "".join(f"{flag}{int(value)}" for flag, value in values.items())
-        return Threaded(_step_walk, name, cache=self.cache, error_model="numpy",
-                        bound={"span": functions[self.rule.span.__name__]})
+        return Threaded(_step_walk, f"step_{self.key}{suffix(values)}", cache=self.cache,
+                        error_model="numpy", bound={"span": functions[self.rule.span.__name__]})
 
     def reduce(self, arrays, scalars, columns, flags, layout, sums, grad_multiplier,
                scale_grads: bool) -> None:

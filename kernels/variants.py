@@ -74,3 +74,32 @@ def _compiled(function: Callable, tree: ast.Module) -> Callable:
     namespace: dict = {}
     exec(code, function.__globals__, namespace)
     return namespace[function.__name__]
+
+
+class VariantKernels:
+    """A rule's kernel per combination of its variant flags' values, made by ``make(values)``
+    (``values``: flag name -> value, empty for a rule without variants) the first time a step's
+    flags ask for it. Called with a step's flags (a tuple laid out as ``Rule.flags``)."""
+
+    def __init__(self, rule, make: Callable[[dict[str, bool]], object]):
+        self.rule, self.make = rule, make
+        self.kernels: dict[tuple, object] = {}
+        """The kernels made so far, by the variant flags' values."""
+        self._by_flags: dict[tuple, object] = {}
+        self._positions = [rule.flags._fields.index(name) for name in rule.variants]
+
+    def __call__(self, flags: tuple):
+        kernel = self._by_flags.get(flags)
+        if kernel is None:
+            variant = tuple(bool(flags[i]) for i in self._positions)
+            kernel = self.kernels.get(variant)
+            if kernel is None:
+                kernel = self.kernels[variant] = self.make(dict(zip(self.rule.variants,
+                                                                    variant)))
+            self._by_flags[flags] = kernel
+        return kernel
+
+
+def suffix(values: dict[str, bool]) -> str:
+    """The part of a kernel's name (and Numba cache key) that tells its variant."""
+    return "".join(f"_{name}{int(value)}" for name, value in values.items())

@@ -142,7 +142,7 @@ def test_flags_that_are_not_variants_share_one_walk():
                 opt.plan(buf, opt.settings()[buf.group]).flags)
     assert walks[0.0, False] is walks[0.1, False] and walks[0.0, True] is walks[0.1, True]
     assert walks[0.0, False] is not walks[0.0, True]
-    assert walks[0.0, True].name.endswith("_amsgrad1caution0")
+    assert walks[0.0, True].name.endswith("_amsgrad1_caution0")
 
 
 def test_variants_must_be_flags():
