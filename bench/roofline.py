@@ -67,8 +67,9 @@ def touch_prepare(present, columns, scalars, flags, start, stop, stride):
     pass
 
 
+# each slot count compiles its own walk with its loop alone (Rule.variants)
 RULE = Rule(name="roofline", span=touch_span, prepare=touch_prepare, helpers=(),
-            slots=("a", "b", "c", "d"), columns={}, flags=Flags)
+            slots=("a", "b", "c", "d"), columns={}, flags=Flags, variants=Flags._fields)
 
 
 class Roofline:

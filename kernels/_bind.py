@@ -11,7 +11,8 @@ from __future__ import annotations
 import types
 from typing import Callable
 
-from .rule import Rule
+from .rule import Rule, positions
+from .variants import with_constant_flags
 
 
 def _rebuild(function: Callable, namespace: dict, qualname: str) -> Callable:
@@ -24,12 +25,20 @@ def _rebuild(function: Callable, namespace: dict, qualname: str) -> Callable:
 
 
 def bind(rule: Rule, decorate: Callable[[Callable], Callable],
-         primitives: dict[str, Callable] | None = None) -> dict[str, Callable]:
+         primitives: dict[str, Callable] | None = None,
+         constant_flags: dict[str, bool] | None = None) -> dict[str, Callable]:
     """The rule's functions compiled with ``decorate``, by name, calling each other compiled;
     ``primitives`` replace names the rule imports (``fma``, see ``kernels/arithmetic.py``)
     with the backend's own. Each function reads its own module's other names (a helper
-    shared by several rules, ``kernels/rules/caution.py``, lives in a module of its own)."""
-    return bind_functions(f"rule {rule.name!r}", rule.functions, decorate, primitives)
+    shared by several rules, ``kernels/rules/caution.py``, lives in a module of its own).
+    ``constant_flags``: values of flags in ``Rule.variants``, read as constants
+    (``kernels/variants.py``)."""
+    functions = rule.functions
+    if constant_flags:
+        flag_positions = positions(rule.flags)
+        functions = tuple(with_constant_flags(f, rule.sources[f.__name__], flag_positions,
+                                              constant_flags) for f in functions)
+    return bind_functions(f"rule {rule.name!r}", functions, decorate, primitives)
 
 
 def bind_functions(owner: str, functions, decorate: Callable[[Callable], Callable],

@@ -41,6 +41,7 @@ from .rule import Rule
 from .segments import add_segments, first_segments
 from .storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
 from .threads import Threaded
+from .variants import VariantKernels, suffix
 
 # How each stored array is read and written.
 UNUSED, NATIVE, BF16, F16, Q8_SIGNED, Q8_UNSIGNED = 0, 1, 2, 3, 4, 5
@@ -389,14 +390,15 @@ class Layout(NamedTuple):
 class CodedKernels:
     """A rule's step (and reduce) walks over buffers stored as one :class:`Layout`
     (``arrays``: the leading arguments ``flatopt._codec.CodedPlan.arguments`` gives);
-    prepare and finalize read only columns, so they are the plain kernels' (``plain``)."""
+    prepare and finalize read only columns, so they are the plain kernels' (``plain``). The
+    step walk is made per variant of the rule (``step_kernel(flags)``, see ``Rule.variants``)."""
 
-    def __init__(self, step, reduce, plain):
+    def __init__(self, step: VariantKernels, reduce, plain):
         self.step_kernel, self.reduce_kernel = step, reduce
         self.prepare, self.finalize = plain.prepare, plain.finalize
 
     def step(self, arrays, scalars, columns, flags, layout, grad_multiplier, scale_grads):
-        self.step_kernel(layout.length, *arrays, scalars, columns, flags, layout.present,
+        self.step_kernel(flags)(layout.length, *arrays, scalars, columns, flags, layout.present,
                          layout.offsets, layout.sizes, layout.chunk_first, layout.chunk_size,
                          layout.length, grad_multiplier, scale_grads)
 
@@ -434,13 +436,19 @@ def compile_coded(rule: Rule, layout: Layout, plain) -> CodedKernels:
             "as_arrays": njit(inline="always")(ROWS[n_arrays]), "keep_scaled": keep_scaled,
             **views, **rows, **CODEC}
         functions = bind(rule, njit(inline="always", error_model="numpy"))
-        # one overlap is compiled on its own (called, not inlined, from the parallel walk:
-        # Numba's parfor passes do not see the views)
-        step_overlap = njit(cache=True, error_model="numpy")(instantiate(
-            _step_overlap, f"step_overlap_{key}",
-            span=functions[rule.span.__name__], **helpers))
-        step = Threaded(_coded_step_walk, f"coded_step_{key}", cache=True,
-                        error_model="numpy", bound={"step_overlap": step_overlap, **CODEC})
+
+        def step_walk(values: dict[str, bool]) -> Threaded:
+            bound = functions if not values else bind(
+                rule, njit(inline="always", error_model="numpy"), constant_flags=values)
+            # one overlap is compiled on its own (called, not inlined, from the parallel
+            # walk: Numba's parfor passes do not see the views)
+            step_overlap = njit(cache=True, error_model="numpy")(instantiate(
+                _step_overlap, f"step_overlap_{key}{suffix(values)}",
+                span=bound[rule.span.__name__], **helpers))
+            return Threaded(_coded_step_walk, f"coded_step_{key}{suffix(values)}", cache=True,
+                            error_model="numpy", bound={"step_overlap": step_overlap, **CODEC})
+
+        step = VariantKernels(rule, step_walk)
         reduce = None
         if rule.reduce is not None:
             reduce_overlap = njit(cache=True, error_model="numpy", fastmath={"reassoc"})(

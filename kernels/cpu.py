@@ -18,7 +18,9 @@ How the element loops are kept fast (each point was measured; see ``bench/``):
   Numba's negative-index wraparound check could not be proved dead and the loop stayed scalar.
 - Flags stay run-time arguments: once the loop vectorises, LLVM hoists or selects the rule's
   flag branches. Flags that change which arrays are written (AMSGrad, SGD's momentum) get
-  separate loops in the span.
+  separate loops in the span, and are the rule's ``variants``: the step walk is compiled per
+  combination of their values a step uses, holding only its loop (``kernels/variants.py``;
+  Adam's walk compiled in 0.6 s instead of 1.8 s).
 - Every walk is a :class:`~.threads.Threaded` kernel: compiled once with threads and once
   without; small buffers (see :func:`~.threads.run_serially`) take the one without, which
   never touches Numba's thread pool, larger ones the way measured faster there. The threaded
@@ -30,8 +32,6 @@ How the element loops are kept fast (each point was measured; see ``bench/``):
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 from numba import njit, prange, uint64
 
@@ -41,7 +41,8 @@ from .coded import CODEC, SUB, TABLES, compile_coded
 from .rule import Rule
 from . import segments
 from .segments import add_segments, first_segments
-from .threads import Threaded, threaded
+from .threads import Threaded
+from .variants import VariantKernels, suffix
 from .tools import lerp_into
 
 
@@ -122,12 +123,18 @@ def _finalize_walk(present, columns, scalars, flags, sums):
 
 # Gradient reductions: what a norm or a non-finite check needs of the present gradients.
 COUNT_NONFINITE, SUM_SQUARES, SUM_POWERS, MAX_ABS = 0, 1, 2, 3
+MODE_NAMES = {COUNT_NONFINITE: "count_nonfinite", SUM_SQUARES: "sum_squares",
+              SUM_POWERS: "sum_powers", MAX_ABS: "max_abs"}
+
+# The functions below are templates compiled once per mode (``_by_mode``), ``MODE`` bound as
+# a constant: Numba then drops the other modes' loops before compiling (an L2 clip compiles
+# one loop, not four). MODE's value here only lets the module import.
+MODE = SUM_SQUARES
 
 
-@njit(fastmath={"reassoc"}, error_model="numpy")
-def _reduce_segment(g, start, stop, power, mode):
+def _reduce_segment(g, start, stop, power):
     """(sum of |g|**power or of g*g, or max |g|; how many values are NaN or infinite), in
-    float64, over g[start:stop].
+    float64, over g[start:stop], per ``MODE``.
 
     Compiled with reassociation (only this function: the callers add segments and chunks up
     in order), so the sums vectorize: 12x on float32 squares here. Their order is then fixed
@@ -136,14 +143,14 @@ def _reduce_segment(g, start, stop, power, mode):
     a = uint64(start)
     b = uint64(stop)
     value = 0.0
-    if mode == SUM_SQUARES:
+    if MODE == SUM_SQUARES:
         for i in range(a, b):
             x = float(g[i])
             value += x * x
-    elif mode == SUM_POWERS:
+    elif MODE == SUM_POWERS:
         for i in range(a, b):
             value += abs(float(g[i])) ** power
-    elif mode == MAX_ABS:
+    elif MODE == MAX_ABS:
         for i in range(a, b):
             x = abs(float(g[i]))
             if not (x <= value):  # NaN propagates, as torch's max does
@@ -157,11 +164,10 @@ def _reduce_segment(g, start, stop, power, mode):
         for i in range(a, b):
             x = g[i]
             bad += not (x - x == 0)
-    return (0.0 if mode == COUNT_NONFINITE else value), bad
+    return (0.0 if MODE == COUNT_NONFINITE else value), bad
 
 
-@njit(inline="always", error_model="numpy")
-def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, mode, c):
+def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, c):
     lo = c * chunk_size
     hi = min(lo + chunk_size, g.size)
     k = chunk_first[c]
@@ -170,8 +176,8 @@ def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, mo
     while k < offsets.size and offsets[k] < hi:
         if present[k] != 0:
             v, n = _reduce_segment(g, max(lo, offsets[k]), min(hi, offsets[k] + sizes[k]),
-                                   power, mode)
-            if mode == MAX_ABS:
+                                   power)
+            if MODE == MAX_ABS:
                 if not (v <= value):
                     value = v
             else:
@@ -181,21 +187,16 @@ def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, mo
     return value, bad
 
 
-@threaded(cache=True, error_model="numpy")
-def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power, mode):
-    """One pass over the present gradients of a buffer: (value, non-finite count), ``value``
-    per ``mode`` (see the constants). Partial results are combined in chunk order whatever the
-    thread count, so the result does not depend on it."""
+def _reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power, partial,
+                      partial_bad):
     n_chunks = chunk_first.size
-    partial = np.empty(n_chunks)
-    partial_bad = np.empty(n_chunks, np.int64)
     for c in prange(n_chunks):
         partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
-                                                   chunk_size, power, mode, c)
+                                                   chunk_size, power, c)
     value = 0.0
     bad = 0
     for c in range(n_chunks):
-        if mode == MAX_ABS:
+        if MODE == MAX_ABS:
             if not (partial[c] <= value):
                 value = partial[c]
         else:
@@ -207,9 +208,8 @@ def reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power,
 _load_row = CODEC["load_row"]
 
 
-@njit(inline="always", error_model="numpy")
 def _reduce_coded_chunk(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
-                        power, mode, c):
+                        power, c):
     """_reduce_chunk over 16-bit gradients: each segment loaded as float32 in sub-blocks."""
     row = np.empty(SUB, np.float32)
     scales = np.empty(0, np.float32)
@@ -224,8 +224,8 @@ def _reduce_coded_chunk(raw, fmt, present, offsets, sizes, chunk_first, chunk_si
             for start in range(max(lo, offsets[k]), last, SUB):
                 n = min(SUB, last - start)
                 _load_row(raw, fmt, scales, TABLES, start, n, row)
-                v, count = _reduce_segment(row, 0, n, power, mode)
-                if mode == MAX_ABS:
+                v, count = _reduce_segment(row, 0, n, power)
+                if MODE == MAX_ABS:
                     if not (v <= value):
                         value = v
                 else:
@@ -235,23 +235,19 @@ def _reduce_coded_chunk(raw, fmt, present, offsets, sizes, chunk_first, chunk_si
     return value, bad
 
 
-@threaded(cache=True, error_model="numpy")
-def reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
-                           power, mode):
-    """reduce_gradients over 16-bit gradients (``raw``: their bytes, ``fmt`` their
-    ``kernels.coded`` format): each segment loaded as float32 in sub-blocks; the partial
-    results of a chunk combined in order, then the chunks' in chunk order."""
+def _reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
+                            power):
     n_chunks = chunk_first.size
     partial = np.empty(n_chunks)
     partial_bad = np.empty(n_chunks, np.int64)
     for c in prange(n_chunks):
         partial[c], partial_bad[c] = _reduce_coded_chunk(raw, fmt, present, offsets, sizes,
                                                          chunk_first, chunk_size, total,
-                                                         power, mode, c)
+                                                         power, c)
     value = 0.0
     bad = 0
     for c in range(n_chunks):
-        if mode == MAX_ABS:
+        if MODE == MAX_ABS:
             if not (partial[c] <= value):
                 value = partial[c]
         else:
@@ -260,44 +256,128 @@ def reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk
     return value, bad
 
 
-@threaded(cache=True, error_model="numpy")
-def coded_gradient_chunk_partials(raw, fmt, present, offsets, sizes, chunk_first, chunk_size,
-                                  total, power, mode, first_chunk, stop_chunk):
-    """gradient_chunk_partials over 16-bit gradients (a ZeRO-1 rank's chunks)."""
+def _coded_gradient_chunk_partials(raw, fmt, present, offsets, sizes, chunk_first, chunk_size,
+                                   total, power, first_chunk, stop_chunk):
     n = stop_chunk - first_chunk
     partial = np.empty(n)
     bad = np.empty(n, np.int64)
     for j in prange(n):
         partial[j], bad[j] = _reduce_coded_chunk(raw, fmt, present, offsets, sizes,
-                                                 chunk_first, chunk_size, total, power, mode,
+                                                 chunk_first, chunk_size, total, power,
                                                  first_chunk + j)
     return partial, bad
 
 
-@threaded(cache=True, error_model="numpy")
-def gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size, power, mode,
-                            first_chunk, stop_chunk):
+def _gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size, power,
+                             first_chunk, partial, bad):
+    for j in prange(partial.size):
+        partial[j], bad[j] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
+                                           chunk_size, power, first_chunk + j)
+
+
+_mode_helpers: dict[int, dict] = {}
+_mode_kernels: dict[tuple[str, int], Threaded] = {}
+
+
+def _by_mode(template, mode: int) -> Threaded:
+    """The threaded kernel of ``template`` with ``MODE`` = ``mode`` (made once per process;
+    Numba compiles it on its first call)."""
+    kernel = _mode_kernels.get((template.__name__, mode))
+    if kernel is None:
+        if mode not in MODE_NAMES:
+            raise ValueError(f"unknown gradient reduction mode {mode!r}")
+        helpers = _mode_helpers.get(mode)
+        if helpers is None:
+            name = MODE_NAMES[mode]
+            segment = njit(fastmath={"reassoc"}, error_model="numpy")(
+                instantiate(_reduce_segment, f"_reduce_segment_{name}", MODE=mode))
+            inline = njit(inline="always", error_model="numpy")
+            helpers = _mode_helpers[mode] = {
+                "MODE": mode, "_reduce_segment": segment,
+                "_reduce_chunk": inline(instantiate(_reduce_chunk, f"_reduce_chunk_{name}",
+                                                    MODE=mode, _reduce_segment=segment)),
+                "_reduce_coded_chunk": inline(instantiate(
+                    _reduce_coded_chunk, f"_reduce_coded_chunk_{name}", MODE=mode,
+                    _reduce_segment=segment))}
+        kernel = _mode_kernels[template.__name__, mode] = Threaded(
+            template, f"cpu.{template.__name__.lstrip('_')}_{MODE_NAMES[mode]}", cache=True,
+            error_model="numpy", bound=helpers)
+    return kernel
+
+
+def reduce_gradients(n_elements, g, present, offsets, sizes, chunk_first, chunk_size, power,
+                     mode):
+    """One pass over the present gradients of a buffer: (value, non-finite count), ``value``
+    per ``mode`` (see the constants). Partial results are combined in chunk order whatever the
+    thread count, so the result does not depend on it. (A :class:`Threaded` call: the first
+    argument is the element count that picks the way.)"""
+    # the partial results' arrays come from here: np.empty compiled into the kernel would
+    # cost its first compile 0.1 s more
+    n_chunks = chunk_first.size
+    return _by_mode(_reduce_gradients, mode)(n_elements, g, present, offsets, sizes,
+                                             chunk_first, chunk_size, power,
+                                             np.empty(n_chunks), np.empty(n_chunks, np.int64))
+
+
+def reduce_coded_gradients(n_elements, raw, fmt, present, offsets, sizes, chunk_first,
+                           chunk_size, total, power, mode):
+    """reduce_gradients over 16-bit gradients (``raw``: their bytes, ``fmt`` their
+    ``kernels.coded`` format): each segment loaded as float32 in sub-blocks; the partial
+    results of a chunk combined in order, then the chunks' in chunk order."""
+    return _by_mode(_reduce_coded_gradients, mode)(n_elements, raw, fmt, present, offsets,
+                                                   sizes, chunk_first, chunk_size, total, power)
+
+
+def coded_gradient_chunk_partials(n_elements, raw, fmt, present, offsets, sizes, chunk_first,
+                                  chunk_size, total, power, mode, first_chunk, stop_chunk):
+    """gradient_chunk_partials over 16-bit gradients (a ZeRO-1 rank's chunks)."""
+    return _by_mode(_coded_gradient_chunk_partials, mode)(
+        n_elements, raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total, power,
+        first_chunk, stop_chunk)
+
+
+def gradient_chunk_partials(n_elements, g, present, offsets, sizes, chunk_first, chunk_size,
+                            power, mode, first_chunk, stop_chunk):
     """reduce_gradients' per-chunk partial values and non-finite counts for the chunks
     ``[first_chunk, stop_chunk)`` of the buffer, left for the caller to combine in order (a
     ZeRO-1 rank's range: ``flatopt.distributed``)."""
-    n = stop_chunk - first_chunk
-    partial = np.empty(n)
-    bad = np.empty(n, np.int64)
-    for j in prange(n):
-        partial[j], bad[j] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
-                                               chunk_size, power, mode, first_chunk + j)
+    partial, bad = np.empty(stop_chunk - first_chunk), np.empty(stop_chunk - first_chunk, np.int64)
+    _by_mode(_gradient_chunk_partials, mode)(
+        n_elements, g, present, offsets, sizes, chunk_first, chunk_size, power, first_chunk,
+        partial, bad)
     return partial, bad
 
 
-class CompiledRule(NamedTuple):
+class CompiledRule:
     """A rule's CPU kernels (Numba dispatchers, compiled on first call or loaded from the
-    cache): prepare and step, and reduce and finalize for rules with per-parameter totals.
-    ``step`` and ``reduce`` are :class:`Threaded` walks."""
+    cache): prepare, step, and reduce and finalize for rules with per-parameter totals.
+    ``step`` and ``reduce`` are :class:`Threaded` walks; a rule with ``Rule.variants`` has
+    one step walk per combination of those flags' values, made the first time a step uses it
+    (``step_kernel(flags)``)."""
 
-    prepare_kernel: object
-    step_kernel: Threaded
-    reduce_kernel: Threaded | None = None
-    finalize_kernel: object = None
+    __slots__ = ("rule", "key", "cache", "functions", "prepare_kernel", "reduce_kernel",
+                 "finalize_kernel", "step_kernel")
+
+    def __init__(self, rule: Rule, key: str, cache: bool, functions: dict, prepare_kernel,
+                 reduce_kernel=None, finalize_kernel=None):
+        self.rule, self.key, self.cache, self.functions = rule, key, cache, functions
+        self.prepare_kernel = prepare_kernel
+        self.reduce_kernel = reduce_kernel
+        self.finalize_kernel = finalize_kernel
+        self.step_kernel = VariantKernels(rule, self._step_walk)
+
+    @property
+    def step_kernels(self) -> dict[tuple, Threaded]:
+        """The step walks made so far, by the values of the rule's variant flags."""
+        return self.step_kernel.kernels
+
+    def _step_walk(self, values: dict[str, bool]) -> Threaded:
+        functions = self.functions
+        if values:
+            functions = bind(self.rule, njit(inline="always", error_model="numpy"),
+                             constant_flags=values)
+        return Threaded(_step_walk, f"step_{self.key}{suffix(values)}", cache=self.cache,
+                        error_model="numpy", bound={"span": functions[self.rule.span.__name__]})
 
     def reduce(self, arrays, scalars, columns, flags, layout, sums, grad_multiplier,
                scale_grads: bool) -> None:
@@ -314,7 +394,7 @@ class CompiledRule(NamedTuple):
     def step(self, arrays, scalars, columns, flags, layout, grad_multiplier,
              scale_grads: bool) -> None:
         """``grad_multiplier`` is a scalar of the buffer's dtype."""
-        self.step_kernel(
+        self.step_kernel(flags)(
             layout.length, arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
             layout.chunk_first, layout.chunk_size, grad_multiplier, scale_grads)
 
@@ -331,8 +411,6 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
         functions = bind(rule, njit(inline="always", error_model="numpy"))
         prepare = njit(cache=cache)(instantiate(
             _prepare_walk, f"prepare_{key}", prepare=functions[rule.prepare.__name__]))
-        step = Threaded(_step_walk, f"step_{key}", cache=cache, error_model="numpy",
-                        bound={"span": functions[rule.span.__name__]})
         reduce = finalize = None
         if rule.reduce is not None:
             # reassociation lets the sums vectorize (4x here); reduce stores nothing, so
@@ -344,7 +422,8 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
                 finalize = njit(cache=cache)(instantiate(
                     _finalize_walk, f"finalize_{key}",
                     finalize=functions[rule.finalize.__name__]))
-        compiled = _compiled[key, cache] = CompiledRule(prepare, step, reduce, finalize)
+        compiled = _compiled[key, cache] = CompiledRule(rule, key, cache, functions, prepare,
+                                                        reduce, finalize)
     return compiled
 
 

@@ -65,13 +65,19 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 
+_positions: dict[type, types.ModuleType] = {}
+
+
 def positions(layout: type[NamedTuple]) -> types.ModuleType:
     """The layout's fields as constant positions for kernels: ``scalars[S.beta2]``,
     ``columns[C.step]``. A module object, because Numba folds a module attribute into a
-    constant index, which a tuple of mixed array types needs."""
-    holder = types.ModuleType(f"{layout.__name__}Positions")
-    for position, name in enumerate(layout._fields):
-        setattr(holder, name, position)
+    constant index, which a tuple of mixed array types needs. One object per layout, so a
+    backend can tell a rule's reads of its flags (``kernels/variants.py``)."""
+    holder = _positions.get(layout)
+    if holder is None:
+        holder = _positions[layout] = types.ModuleType(f"{layout.__name__}Positions")
+        for position, name in enumerate(layout._fields):
+            setattr(holder, name, position)
     return holder
 
 
@@ -104,10 +110,20 @@ class Rule:
     """The flag that turns ``reduce`` and ``finalize`` on (None: they always run)."""
     global_reductions: bool = False
     """The totals are combined over every buffer by ``Optimizer.combine`` (no finalize)."""
+    variants: tuple[str, ...] = ()
+    """Flags that choose which loop the span runs (a state array read or not: AMSGrad's
+    ``max_exp_avg_sq``; an extra pass: caution). The span branches on each as
+    ``flags[F.<name>]`` written in the condition itself; the CPU compiles one step walk per
+    combination of their values a step uses, with those reads replaced by the values, so a
+    kernel holds only the loop it runs (``kernels/variants.py``). Other backends read them at
+    run time like any flag."""
     per_parameter: Callable | None = None
     fingerprint: str = field(init=False)
     """A digest of the rule's source: compiled kernels are cached under it, so editing a
     rule can never load a stale kernel from Numba's on-disk cache."""
+    sources: dict[str, str] = field(init=False, repr=False, compare=False)
+    """The source of each function, as the fingerprint read it (a kernel compiled from
+    source, ``kernels/variants.py``, is then the code its name's fingerprint stands for)."""
 
     def __post_init__(self) -> None:
         needs_finalize = self.reduce is not None and not self.global_reductions
@@ -115,13 +131,19 @@ class Rule:
                 (self.reduce is not None) != bool(self.reductions):
             raise TypeError(f"rule {self.name!r}: reduce, finalize and reductions go together "
                             "(a rule with global_reductions has no finalize)")
+        if not set(self.variants) <= set(self.flags._fields):
+            raise TypeError(f"rule {self.name!r}: variants {self.variants!r} must be among its "
+                            f"flags {self.flags._fields!r}")
         if self.reduce_flag is not None and (self.reduce is None
                                              or self.reduce_flag not in self.flags._fields):
             raise TypeError(f"rule {self.name!r}: reduce_flag {self.reduce_flag!r} must be "
                             "one of its flags, and the rule must have a reduce")
         digest = hashlib.sha256()
+        sources = {}
         for function in (*self.functions, *filter(None, [self.per_parameter])):
-            digest.update(inspect.getsource(function).encode())
+            sources[function.__name__] = inspect.getsource(function)
+            digest.update(sources[function.__name__].encode())
+        object.__setattr__(self, "sources", sources)
         for layout in (self.scalars, self.prepare_scalars, self.flags):
             digest.update(repr(layout._fields).encode())
         digest.update(repr((self.slots, sorted(self.columns.items()))).encode())

@@ -59,10 +59,13 @@ def test_float32_kernels_stay_in_float32(name):
     cls = flatopt.registry.lookup(name)
     opt = build(name, {"a": f32(100)})
     opt.step(fit_params(name, {"a": f32(100)}))
-    # 100 elements: the serial kernel ran (it may have come from the disk cache)
-    used = cpu.compile_rule(cls.schema.rule).step_kernel.serial
-    kernel = cpu.compile_rule(cls.schema.rule, cache=False).step_kernel.serial
-    for signature in used.signatures:
+    # 100 elements: the serial kernel ran (it may have come from the disk cache); the step
+    # walk for these settings' flags (a rule with variants has one per variant)
+    buf = opt.buffers[0]
+    flags = opt.plan(buf, opt.settings()[buf.group]).flags
+    walk = cpu.compile_rule(cls.schema.rule).step_kernel(flags)
+    kernel = walk.uncached().serial
+    for signature in walk.serial.signatures:
         kernel.compile(signature)
     ir = [text for sig, text in kernel.inspect_llvm().items() if sig[1].dtype.name == "float32"]
     assert ir and ("fmul float" in ir[0] or "fmul <" in ir[0])
@@ -100,3 +103,84 @@ def test_parallel_chunk_walk_equals_serial_walk(name, monkeypatch):
         monkeypatch.undo()
     for path in shapes:
         assert chunked.params[path].tobytes() == serial.params[path].tobytes(), path
+
+
+# ---------------------------------------------------------------------------- variants
+def test_a_variant_walk_holds_only_the_loop_its_flags_choose():
+    """Rule.variants: the CPU's span for amsgrad off and caution off is compiled from source
+    in which Python dropped the other branches, so Numba never sees their loops; a flag that
+    is not a variant stays a run-time value."""
+    import dis
+    from flatopt.kernels._bind import bind
+    from flatopt.kernels.rules.adam import RULE, adam_span
+
+    def globals_read(function):
+        return [i.argval for i in dis.get_instructions(function) if i.opname == "LOAD_GLOBAL"]
+
+    assert globals_read(adam_span).count("adam_amsgrad_elements") == 2
+    assert globals_read(adam_span).count("adam_elements") == 2
+    for amsgrad, kept, dropped in ((False, "adam_elements", "adam_amsgrad_elements"),
+                                   (True, "adam_amsgrad_elements", "adam_elements")):
+        functions = bind(RULE, lambda f: f,
+                         constant_flags={"amsgrad": amsgrad, "caution": False})
+        read = globals_read(functions["adam_span"])
+        assert read.count(kept) == 1 and dropped not in read
+        assert "F" in read  # maximize, decoupled...: still read from the tuple
+        assert functions["adam_span"].__code__.co_filename == adam_span.__code__.co_filename
+        # the functions that read no variant flag are the rule's own code
+        assert functions["adam_rule"].__code__ is RULE.helpers[1].__code__
+
+
+def test_flags_that_are_not_variants_share_one_walk():
+    compiled = cpu.compile_rule(flatopt.registry.lookup("AdamW").schema.rule)
+    walks = {}
+    for weight_decay in (0.0, 0.1):
+        for amsgrad in (False, True):
+            opt = flatopt.AdamW({"a": f32(10)}, weight_decay=weight_decay, amsgrad=amsgrad)
+            buf = opt.buffers[0]
+            walks[weight_decay, amsgrad] = compiled.step_kernel(
+                opt.plan(buf, opt.settings()[buf.group]).flags)
+    assert walks[0.0, False] is walks[0.1, False] and walks[0.0, True] is walks[0.1, True]
+    assert walks[0.0, False] is not walks[0.0, True]
+    assert walks[0.0, True].name.endswith("_amsgrad1_caution0")
+
+
+def test_variants_must_be_flags():
+    from flatopt.kernels.rules.adam import RULE
+    import dataclasses
+    fields = {f.name: getattr(RULE, f.name) for f in dataclasses.fields(RULE) if f.init}
+    with pytest.raises(TypeError, match="variants"):
+        type(RULE)(**{**fields, "variants": ("betas",)})
+
+
+# ---------------------------------------------------------------------------- gradient totals
+def test_each_gradient_reduction_mode_is_a_kernel_of_its_own():
+    """An L2 clip compiles the sum of squares alone: each mode is its own threaded kernel
+    (MODE a constant of it), and each gives that mode's value over the present gradients."""
+    opt = flatopt.SGD({"a": f32(300), "b": f32(7), "c": f32(40)}, lr=0.1)
+    grads = {"a": f32(300, seed=1), "b": f32(7, seed=2)}  # c missing: not counted
+    grads["b"][3] = np.inf
+    opt.stage_gradients(grads)
+    buf = opt.buffers[0]
+
+    def total(mode, power):
+        return cpu.reduce_gradients(buf.length, buf.grads, buf.present, buf.offsets, buf.sizes,
+                                    buf.chunk_first, buf.chunk_size, power, mode)
+
+    present = np.concatenate([grads["a"], grads["b"]]).astype(np.float64)
+    assert total(cpu.COUNT_NONFINITE, 0.0) == (0.0, 1)
+    grads["b"][3] = 0.5
+    opt.stage_gradients(grads)
+    present[np.isinf(present)] = 0.5
+    # (reassociation lets LLVM square float32 values in float32 before adding in float64)
+    value, bad = total(cpu.SUM_SQUARES, 2.0)
+    assert bad == 0 and value == pytest.approx(np.sum(present ** 2), rel=1e-6)
+    assert total(cpu.SUM_POWERS, 3.0)[0] == pytest.approx(np.sum(np.abs(present) ** 3), rel=1e-6)
+    assert total(cpu.MAX_ABS, np.inf)[0] == np.max(np.abs(present))
+    kernels = {mode: cpu._by_mode(cpu._reduce_gradients, mode) for mode in cpu.MODE_NAMES}
+    assert len(set(map(id, kernels.values()))) == len(cpu.MODE_NAMES)
+    for mode, kernel in kernels.items():
+        assert kernel.name == f"cpu.reduce_gradients_{cpu.MODE_NAMES[mode]}"
+        assert kernel.serial.py_func.__globals__["MODE"] == mode
+    with pytest.raises(ValueError, match="mode"):
+        total(7, 2.0)

@@ -434,8 +434,8 @@ def test_the_switch_kernel_stays_in_float32():
     opt = flatopt.ScheduleFreeSGD({"w": np.ones(100, np.float32)})
     opt.step({"w": np.ones(100, np.float32)})
     opt.eval()
-    used = cpu.compile_rule(SWITCH).step_kernel.serial
-    kernel = cpu.compile_rule(SWITCH, cache=False).step_kernel.serial
+    (walk,) = cpu.compile_rule(SWITCH).step_kernels.values()  # (SWITCH has no variants)
+    used, kernel = walk.serial, walk.uncached().serial
     for signature in used.signatures:
         kernel.compile(signature)
     (ir,) = [text for sig, text in kernel.inspect_llvm().items()

@@ -72,9 +72,9 @@ def exercised():
 @pytest.mark.slow  # the fixture compiles every rule's parallel kernels: the fast loop's
 def test_every_threaded_kernel_of_a_training_loop_ran_both_ways(exercised):
     ran = {t.name for t in exercised if t.serial.signatures and t.parallel.signatures}
-    assert {"cpu.reduce_gradients", "tools.lerp_into", "adafactor._square_sums",
+    assert {"cpu.reduce_gradients_sum_squares", "tools.lerp_into", "adafactor._square_sums",
             "adafactor._update_square_sums", "adafactor._apply",
-            "cpu.gradient_chunk_partials"} <= ran
+            "cpu.gradient_chunk_partials_sum_squares"} <= ran
     for name in NAMES:
         if not INFO[name].per_matrix_update:  # an element step kernel of its own
             rule = flatopt.registry.lookup(name).schema.rule

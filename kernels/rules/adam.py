@@ -108,22 +108,26 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coef
 
 def adam_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
                   one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
-                  decoupled, amsgrad, maximize, lerp_from_end, caution, start, stop, stride):
+                  decoupled, maximize, lerp_from_end, caution, start, stop, stride):
+    p, g, m, v, _ = arrays
+    for i in range(start, stop, stride):
+        p[i], m[i], v[i], _ = adam_rule(
+            p[i], g[i], m[i], v[i], eps, step_size, bc2, lerp_coefficient, beta2,
+            one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
+            False, maximize, lerp_from_end, caution, caution_scale)
+
+
+def adam_amsgrad_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
+                          one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
+                          decoupled, maximize, lerp_from_end, caution, start, stop, stride):
+    # A loop of its own: without amsgrad v_max is neither read nor written, which keeps the
+    # other loop within LLVM's alias-check limit so that it vectorises.
     p, g, m, v, v_max = arrays
-    # Separate loops: without amsgrad v_max is neither read nor written, which keeps the loop
-    # within LLVM's alias-check limit so that it vectorises.
-    if amsgrad:
-        for i in range(start, stop, stride):
-            p[i], m[i], v[i], v_max[i] = adam_rule(
-                p[i], g[i], m[i], v[i], v_max[i], step_size, bc2, lerp_coefficient, beta2,
-                one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-                True, maximize, lerp_from_end, caution, caution_scale)
-    else:
-        for i in range(start, stop, stride):
-            p[i], m[i], v[i], _ = adam_rule(
-                p[i], g[i], m[i], v[i], eps, step_size, bc2, lerp_coefficient, beta2,
-                one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-                False, maximize, lerp_from_end, caution, caution_scale)
+    for i in range(start, stop, stride):
+        p[i], m[i], v[i], v_max[i] = adam_rule(
+            p[i], g[i], m[i], v[i], v_max[i], step_size, bc2, lerp_coefficient, beta2,
+            one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
+            True, maximize, lerp_from_end, caution, caution_scale)
 
 
 def adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
@@ -138,18 +142,30 @@ def adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
     decay_factor = scalars[S.decoupled_decay_factor]
     has_weight_decay = flags[F.has_weight_decay]
     decoupled = flags[F.decoupled]
-    amsgrad = flags[F.amsgrad]
     maximize = flags[F.maximize]
     lerp_from_end = flags[F.lerp_from_end]
-    # caution as a constant in each call: the loops without it are the plain Adam loops
-    if flags[F.caution]:
+    # amsgrad and caution choose the loop, each a constant in its call (the loops without
+    # caution are the plain Adam loops); they are Rule.variants: the CPU compiles only the
+    # branch a configuration takes
+    if flags[F.amsgrad]:
+        if flags[F.caution]:
+            adam_amsgrad_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient,
+                                  beta2, one_minus_beta2, eps, weight_decay, decay_factor,
+                                  has_weight_decay, decoupled, maximize, lerp_from_end, True,
+                                  start, stop, stride)
+        else:
+            adam_amsgrad_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient,
+                                  beta2, one_minus_beta2, eps, weight_decay, decay_factor,
+                                  has_weight_decay, decoupled, maximize, lerp_from_end, False,
+                                  start, stop, stride)
+    elif flags[F.caution]:
         adam_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
                       one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
-                      decoupled, amsgrad, maximize, lerp_from_end, True, start, stop, stride)
+                      decoupled, maximize, lerp_from_end, True, start, stop, stride)
     else:
         adam_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
                       one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
-                      decoupled, amsgrad, maximize, lerp_from_end, False, start, stop, stride)
+                      decoupled, maximize, lerp_from_end, False, start, stop, stride)
 
 
 def adam_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
@@ -202,10 +218,11 @@ def adam_prepare(present, columns, scalars, flags, start, stop, stride):
 
 
 RULE = Rule(name="adam", span=adam_span, prepare=adam_prepare,
-            helpers=(adam_moment, adam_rule, adam_elements, caution_finalize),
+            helpers=(adam_moment, adam_rule, adam_elements, adam_amsgrad_elements,
+                     caution_finalize),
             slots=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
             columns={"step": "int64", "neg_step_size": "param",
                      "bias_correction2_sqrt": "param", "caution_scale": "param"},
             scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags,
             reduce=adam_reduce, finalize=adam_finalize, reductions=REDUCTIONS,
-            reduce_flag="caution")
+            reduce_flag="caution", variants=("amsgrad", "caution"))

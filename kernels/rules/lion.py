@@ -136,4 +136,4 @@ RULE = Rule(name="lion", span=lion_span, prepare=lion_prepare,
             helpers=(lion_direction, lion_agrees, lion_rule, lion_elements, caution_finalize),
             slots=("exp_avg",), columns={"step": "int64", "caution_scale": "param"},
             scalars=Scalars, flags=Flags, reduce=lion_reduce, finalize=lion_finalize,
-            reductions=REDUCTIONS, reduce_flag="caution")
+            reductions=REDUCTIONS, reduce_flag="caution", variants=("caution",))

@@ -121,4 +121,5 @@ def rmsprop_prepare(present, columns, scalars, flags, start, stop, stride):
 
 RULE = Rule(name="rmsprop", span=rmsprop_span, prepare=rmsprop_prepare,
             helpers=(rmsprop_rule,), slots=("square_avg", "momentum_buffer", "grad_avg"),
-            columns={"step": "int64"}, scalars=Scalars, flags=Flags)
+            columns={"step": "int64"}, scalars=Scalars, flags=Flags,
+            variants=("centered", "has_momentum"))

@@ -97,4 +97,4 @@ def sgd_prepare(present, columns, scalars, flags, start, stop, stride):
 RULE = Rule(name="sgd", span=sgd_span, prepare=sgd_prepare, helpers=(sgd_rule,),
             slots=("momentum_buffer",),
             columns={"momentum_initialized": "uint8", "first": "uint8"},
-            scalars=Scalars, flags=Flags)
+            scalars=Scalars, flags=Flags, variants=("has_momentum",))
