@@ -31,23 +31,23 @@ import numpy as np
 from numba import float32, float64, uint32, int32, uint64
 
 from ._bind import bind, bind_functions, instantiate
-from ._cuda_import import numba_cuda, simulated
+from ._cuda_import import simulated
 from .arithmetic import (portable_hash32, simulated_f32_bits, simulated_f32_from_bits,
                          simulated_fma)
 from .coded import (BF16, CODEC_FINGERPRINT, F16, KAHAN, MASTER, NATIVE, NEAREST, Q8_SIGNED,
-                    Q8_UNSIGNED, ROWS, STOCHASTIC)
+                    Q8_UNSIGNED, ROWS, SPAN_ARRAYS, STOCHASTIC)
 from .coded_views import CODEC_FUNCTIONS
+from .cuda_launch import Source, cuda, grid, launch, make
 from .rule import Rule
 from .storage import BLOCK
-
-cuda = numba_cuda()
 
 ROWS_MAX = 8
 """Rows of a thread's scratch: params, grads, up to four slots, the old parameter and the
 Kahan compensation (``ROWS`` takes two to six arrays)."""
 SUMS_MAX = 4
 """Per-parameter totals a coded reduce pass may return (LAMB, caution: two)."""
-MAX_BLOCKS = 65_535
+STATE_ROWS = SPAN_ARRAYS - 2
+"""State slots a span takes (a constant: the 8-bit walk's shared array is this shape)."""
 
 
 def cuda_f32_bits(x):
@@ -81,7 +81,8 @@ def load_value(raw, fmt, scales, tables, i):
     if fmt == F16:
         return f16_decode(raw.view(np.uint16)[i])  # noqa: F821
     if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
-        return q8_decode(raw[i], tables[fmt - Q8_SIGNED], scales[i // BLOCK])  # noqa: F821
+        return q8_decode(raw[i], tables[fmt - Q8_SIGNED],  # noqa: F821
+                         scales[i // uint64(BLOCK)])
     return float32(0.0)
 
 
@@ -224,9 +225,9 @@ def half_kernels() -> dict:
         functions = codec()
         for name, template in (("add", _half_add), ("decode", _half_decode),
                                ("encode", _half_encode)):
-            _half_kernels[name] = cuda.jit(instantiate(
+            _half_kernels[name] = make(instantiate(
                 template, f"half_{name}_{CODEC_FINGERPRINT}", half_value=functions["half_value"],
-                half_bits=functions["half_bits"]))
+                half_bits=functions["half_bits"]), Source(half_kernels))
     return _half_kernels
 
 
@@ -245,8 +246,9 @@ def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                for i in range(max(lo, offsets[k]) + cuda.threadIdx.x,
-                               min(hi, offsets[k] + sizes[k]), cuda.blockDim.x):
+                for i in range(uint64(max(lo, offsets[k]) + cuda.threadIdx.x),
+                               uint64(min(hi, offsets[k] + sizes[k])),
+                               uint64(cuda.blockDim.x)):  # unsigned: no negative-index wrap
                     load_element(stored, formats, absmax, tables, mode, seed, draw, scratch,
                                  i, scale_grads, grad_multiplier, n_arrays)
                     span(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821 (bound)
@@ -260,22 +262,26 @@ def _coded_block_walk(stored, formats, absmax, tables, rounding, mode, seed, dra
                       grad_multiplier, scale_grads):
     """Buffers with 8-bit state, launched with ``BLOCK`` threads: the overlaps in 8-bit
     blocks (as the CPU cuts them: from the overlap's start, which parameters and chunks
-    align to ``BLOCK``), thread ``t`` owning element ``t`` of the block."""
+    align to ``BLOCK``), thread ``t`` owning element ``t`` of the block. Each thread keeps
+    its new state values in shared memory (``kept``) while the block reduces each 8-bit slot's
+    absmax, rather than in registers across the reductions (which made the walk spill)."""
     n_params = offsets.size
     n_arrays = len(formats) - 2
     scratch = cuda.local.array((ROWS_MAX, 1), float32)
     rows = as_rows(scratch)  # noqa: F821
     shared = cuda.shared.array(BLOCK, float32)
+    kept = cuda.shared.array((STATE_ROWS, BLOCK), float32)
     t = cuda.threadIdx.x
+    block = uint64(BLOCK)
     for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                last = min(hi, offsets[k] + sizes[k])
-                for first in range(max(lo, offsets[k]), last, BLOCK):
-                    i = first + t
+                last = uint64(min(hi, offsets[k] + sizes[k]))
+                for first in range(uint64(max(lo, offsets[k])), last, block):
+                    i = first + uint64(t)
                     active = i < last
                     if active:
                         load_element(stored, formats, absmax, tables, mode, seed, draw,
@@ -283,15 +289,17 @@ def _coded_block_walk(stored, formats, absmax, tables, rounding, mode, seed, dra
                         span(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821
                         store_element(stored, formats, absmax, tables, rounding, mode,
                                       seed, draw, scratch, i, n_arrays)
+                        for j in range(2, n_arrays):
+                            kept[j - 2, t] = scratch[j, 0]
                     for j in range(2, n_arrays):
                         fmt = formats[j]
                         if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
-                            largest = block_absmax(shared, scratch[j, 0], active)
+                            largest = block_absmax(shared, kept[j - 2, t], active)
                             if active:
                                 stored[j][i] = q8_code(  # noqa: F821
-                                    scratch[j, 0] * q8_scale(largest), fmt == Q8_SIGNED)  # noqa: F821
+                                    kept[j - 2, t] * q8_scale(largest), fmt == Q8_SIGNED)  # noqa: F821
                             if t == 0:
-                                absmax[j][first // BLOCK] = largest
+                                absmax[j][first // block] = largest
             k += 1
 
 
@@ -314,8 +322,9 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
             if present[k] != 0:
                 for j in range(n_sums):
                     partial[j] = 0.0
-                for i in range(max(lo, offsets[k]) + cuda.threadIdx.x,
-                               min(hi, offsets[k] + sizes[k]), cuda.blockDim.x):
+                for i in range(uint64(max(lo, offsets[k]) + cuda.threadIdx.x),
+                               uint64(min(hi, offsets[k] + sizes[k])),
+                               uint64(cuda.blockDim.x)):
                     load_element(stored, formats, absmax, tables, mode, seed, draw, scratch,
                                  i, scale_grads, grad_multiplier, n_arrays)
                     values = reduce(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821
@@ -353,8 +362,7 @@ def codec() -> dict:
 def _launch(kernel, layout, blocks, threads, stream, *args) -> None:
     n_chunks = layout.chunk_first.size
     if n_chunks:
-        grid = max(1, min(n_chunks, MAX_BLOCKS)) if blocks is None else blocks
-        kernel[grid, threads, stream](*args)
+        launch(kernel, grid(n_chunks) if blocks is None else blocks, threads, stream, *args)
 
 
 class CudaCodedKernels:
@@ -391,9 +399,10 @@ class CudaCodedKernels:
 _compiled: dict[str, CudaCodedKernels] = {}
 
 
-def compile_coded(rule: Rule, plain, key: str) -> CudaCodedKernels:
+def compile_coded(rule: Rule, plain, key: str, source: Source) -> CudaCodedKernels:
     """The coded walks of ``rule`` on CUDA beside its ``plain`` CUDA kernels, once per
-    ``key`` (the plain kernels' key: rule, fingerprint, exactness)."""
+    ``key`` (the plain kernels' key: rule, fingerprint, exactness); ``source`` makes them
+    again (``kernels.cuda.compile_coded``)."""
     key = f"{key}_{CODEC_FINGERPRINT}"
     compiled = _compiled.get(key)
     if compiled is None:
@@ -406,14 +415,14 @@ def compile_coded(rule: Rule, plain, key: str) -> CudaCodedKernels:
         device = cuda.jit(device=True)
         functions = bind(rule, device, {"fma": fma_primitive()})
         bound = {"as_rows": device(ROWS[n_arrays]), **codec()}
-        step = cuda.jit(instantiate(_coded_step_walk, f"coded_step_{key}",
-                                    span=functions[rule.span.__name__], **bound))
-        block_step = cuda.jit(instantiate(_coded_block_walk, f"coded_block_{key}",
-                                          span=functions[rule.span.__name__], **bound))
+        step = make(instantiate(_coded_step_walk, f"coded_step_{key}",
+                                span=functions[rule.span.__name__], **bound), source)
+        block_step = make(instantiate(_coded_block_walk, f"coded_block_{key}",
+                                      span=functions[rule.span.__name__], **bound), source)
         reduce = None
         if rule.reduce is not None:
-            reduce = cuda.jit(instantiate(_coded_reduce_walk, f"coded_reduce_{key}",
-                                          reduce=functions[rule.reduce.__name__], **bound))
+            reduce = make(instantiate(_coded_reduce_walk, f"coded_reduce_{key}",
+                                      reduce=functions[rule.reduce.__name__], **bound), source)
         compiled = _compiled[key] = CudaCodedKernels(step, block_step, reduce, plain)
     return compiled
 
