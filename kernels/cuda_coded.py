@@ -307,7 +307,9 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
                        columns, flags, present, offsets, sizes, chunk_first, chunk_size, total,
                        sums, grad_multiplier, scale_grads):
     """The rule's reduce over loaded elements: each thread's partial totals per segment,
-    added into ``sums[k]`` atomically (in no fixed order, as the plain CUDA reduce)."""
+    added into ``sums[k]`` atomically (in no fixed order, as the plain CUDA reduce). The
+    partial totals are indexed only by constants once the loops over ``SUMS_MAX`` unroll, so
+    they stay in registers (a runtime index puts an array in local memory)."""
     n_params = offsets.size
     n_arrays = len(formats) - 2
     n_sums = sums.shape[1]
@@ -320,7 +322,7 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                for j in range(n_sums):
+                for j in range(SUMS_MAX):
                     partial[j] = 0.0
                 for i in range(uint64(max(lo, offsets[k]) + cuda.threadIdx.x),
                                uint64(min(hi, offsets[k] + sizes[k])),
@@ -328,10 +330,11 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
                     load_element(stored, formats, absmax, tables, mode, seed, draw, scratch,
                                  i, scale_grads, grad_multiplier, n_arrays)
                     values = reduce(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821
-                    for j in range(n_sums):
+                    for j in range(len(values)):
                         partial[j] += values[j]
-                for j in range(n_sums):
-                    cuda.atomic.add(sums, (k, j), partial[j])
+                for j in range(SUMS_MAX):
+                    if j < n_sums:
+                        cuda.atomic.add(sums, (k, j), partial[j])
             k += 1
 
 
