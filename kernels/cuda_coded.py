@@ -170,6 +170,12 @@ def store_element(stored, formats, absmax, tables, rounding, mode, seed, draw, s
                         uint64(j))
 
 
+def store_code(stored, fmt, j, i, value, largest):
+    """Element ``i`` of the 8-bit array ``j`` = the code of ``value`` in a block whose
+    largest magnitude is ``largest``."""
+    stored[j][i] = q8_code(value * q8_scale(largest), fmt == Q8_SIGNED)  # noqa: F821
+
+
 def block_absmax(shared, value, active):
     """The largest ``|value|`` over the ``BLOCK`` threads of the block (all must call),
     counting only ``active`` threads, NaN skipped: ``storage.q8_block_absmax``'s maximum,
@@ -190,7 +196,7 @@ def block_absmax(shared, value, active):
 
 
 ELEMENT_FUNCTIONS = (load_value, store_value, half_value, half_bits, half_nearest,
-                     load_element, store_element, block_absmax)
+                     load_element, store_element, store_code, block_absmax)
 
 
 # ----------------------------------------------------------------------------- 16-bit arrays
@@ -232,14 +238,25 @@ def half_kernels() -> dict:
 
 
 # ----------------------------------------------------------------------------- walks
+def step_element(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
+                 columns, flags, scratch, k, i, grad_multiplier, scale_grads):
+    """Element ``i`` of parameter ``k`` stepped: loaded into ``scratch``, the rule's span
+    over it, stored (8-bit state is left in ``scratch``: its block stores it). Bound per rule
+    (``span``, ``as_rows``) and shared by the walks and ``bench/cuda_traffic.py``'s probes."""
+    n_arrays = len(formats) - 2
+    load_element(stored, formats, absmax, tables, mode, seed, draw, scratch, i, scale_grads,
+                 grad_multiplier, n_arrays)
+    span(as_rows(scratch), scalars, columns, flags, k, 0, 1, 1)  # noqa: F821 (bound)
+    store_element(stored, formats, absmax, tables, rounding, mode, seed, draw, scratch, i,
+                  n_arrays)
+
+
 def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
                      columns, flags, present, offsets, sizes, chunk_first, chunk_size, total,
                      grad_multiplier, scale_grads):
     """Buffers without 8-bit state: each thread loads, steps and stores its elements."""
     n_params = offsets.size
-    n_arrays = len(formats) - 2
     scratch = cuda.local.array((ROWS_MAX, 1), float32)
-    rows = as_rows(scratch)  # noqa: F821 (bound: the rule's arrays)
     for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
@@ -249,11 +266,9 @@ def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw
                 for i in range(uint64(max(lo, offsets[k]) + cuda.threadIdx.x),
                                uint64(min(hi, offsets[k] + sizes[k])),
                                uint64(cuda.blockDim.x)):  # unsigned: no negative-index wrap
-                    load_element(stored, formats, absmax, tables, mode, seed, draw, scratch,
-                                 i, scale_grads, grad_multiplier, n_arrays)
-                    span(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821 (bound)
-                    store_element(stored, formats, absmax, tables, rounding, mode, seed,
-                                  draw, scratch, i, n_arrays)
+                    step_element(stored, formats, absmax, tables, rounding, mode,  # noqa: F821
+                                 seed, draw, scalars, columns, flags, scratch, k, i,
+                                 grad_multiplier, scale_grads)
             k += 1
 
 
@@ -268,7 +283,6 @@ def _coded_block_walk(stored, formats, absmax, tables, rounding, mode, seed, dra
     n_params = offsets.size
     n_arrays = len(formats) - 2
     scratch = cuda.local.array((ROWS_MAX, 1), float32)
-    rows = as_rows(scratch)  # noqa: F821
     shared = cuda.shared.array(BLOCK, float32)
     kept = cuda.shared.array((STATE_ROWS, BLOCK), float32)
     t = cuda.threadIdx.x
@@ -284,11 +298,9 @@ def _coded_block_walk(stored, formats, absmax, tables, rounding, mode, seed, dra
                     i = first + uint64(t)
                     active = i < last
                     if active:
-                        load_element(stored, formats, absmax, tables, mode, seed, draw,
-                                     scratch, i, scale_grads, grad_multiplier, n_arrays)
-                        span(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821
-                        store_element(stored, formats, absmax, tables, rounding, mode,
-                                      seed, draw, scratch, i, n_arrays)
+                        step_element(stored, formats, absmax, tables, rounding,  # noqa: F821
+                                     mode, seed, draw, scalars, columns, flags, scratch, k, i,
+                                     grad_multiplier, scale_grads)
                         for j in range(2, n_arrays):
                             kept[j - 2, t] = scratch[j, 0]
                     for j in range(2, n_arrays):
@@ -296,8 +308,7 @@ def _coded_block_walk(stored, formats, absmax, tables, rounding, mode, seed, dra
                         if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
                             largest = block_absmax(shared, kept[j - 2, t], active)
                             if active:
-                                stored[j][i] = q8_code(  # noqa: F821
-                                    kept[j - 2, t] * q8_scale(largest), fmt == Q8_SIGNED)  # noqa: F821
+                                store_code(stored, fmt, j, i, kept[j - 2, t], largest)
                             if t == 0:
                                 absmax[j][first // block] = largest
             k += 1
@@ -402,6 +413,19 @@ class CudaCodedKernels:
 _compiled: dict[str, CudaCodedKernels] = {}
 
 
+def coded_functions(rule: Rule) -> dict:
+    """The device functions the coded walks of ``rule`` call, by name: the codec, the
+    per-element functions, the rule's span and reduce, and ``step_element`` over them."""
+    device = cuda.jit(device=True)
+    functions = bind(rule, device, {"fma": fma_primitive()})
+    bound = {"as_rows": device(ROWS[2 + len(rule.slots)]), **codec(),
+             "span": functions[rule.span.__name__]}
+    if rule.reduce is not None:
+        bound["reduce"] = functions[rule.reduce.__name__]
+    bound["step_element"] = device(instantiate(step_element, "step_element", **bound))
+    return bound
+
+
 def compile_coded(rule: Rule, plain, key: str, source: Source) -> CudaCodedKernels:
     """The coded walks of ``rule`` on CUDA beside its ``plain`` CUDA kernels, once per
     ``key`` (the plain kernels' key: rule, fingerprint, exactness); ``source`` makes them
@@ -415,20 +439,16 @@ def compile_coded(rule: Rule, plain, key: str, source: Source) -> CudaCodedKerne
                             f"{max(ROWS)} arrays and at most {SUMS_MAX} reductions")
         if n_arrays + 2 > ROWS_MAX:
             raise TypeError(f"rule {rule.name!r}: too many arrays for the CUDA codec walk")
-        device = cuda.jit(device=True)
-        functions = bind(rule, device, {"fma": fma_primitive()})
-        bound = {"as_rows": device(ROWS[n_arrays]), **codec()}
-        step = make(instantiate(_coded_step_walk, f"coded_step_{key}",
-                                span=functions[rule.span.__name__], **bound), source)
-        block_step = make(instantiate(_coded_block_walk, f"coded_block_{key}",
-                                      span=functions[rule.span.__name__], **bound), source)
+        bound = coded_functions(rule)
+        step = make(instantiate(_coded_step_walk, f"coded_step_{key}", **bound), source)
+        block_step = make(instantiate(_coded_block_walk, f"coded_block_{key}", **bound), source)
         reduce = None
         if rule.reduce is not None:
-            reduce = make(instantiate(_coded_reduce_walk, f"coded_reduce_{key}",
-                                      reduce=functions[rule.reduce.__name__], **bound), source)
+            reduce = make(instantiate(_coded_reduce_walk, f"coded_reduce_{key}", **bound),
+                          source)
         compiled = _compiled[key] = CudaCodedKernels(step, block_step, reduce, plain)
     return compiled
 
 
-__all__ = ["CudaCodedKernels", "compile_coded", "codec", "fma_primitive", "half_kernels",
-           "ELEMENT_FUNCTIONS"]
+__all__ = ["CudaCodedKernels", "compile_coded", "coded_functions", "codec", "fma_primitive",
+           "half_kernels", "step_element", "ELEMENT_FUNCTIONS"]
