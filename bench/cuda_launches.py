@@ -155,7 +155,7 @@ HOST_SHAPES = {"w": (3, 4), "b": (3,)}
 """Over host arrays the kernels run (the simulator is slow): few elements."""
 
 
-def _parameters(schema, dtype, rng, shapes) -> dict:
+def _parameters(schema, dtype: str, rng, shapes: dict) -> dict:
     from flatopt import _lossless
     shapes = {k: s for k, s in shapes.items()
               if schema.param_problem is None or schema.param_problem(s) is None}
@@ -163,29 +163,34 @@ def _parameters(schema, dtype, rng, shapes) -> dict:
             for k, s in shapes.items()}
 
 
-def exercise(scenario: Scenario, bit_exact: bool, host: bool) -> None:
-    """What ``scenario``'s optimizer does on the device, launches recorded by the caller
-    (``host``: one step over host arrays with the CUDA backend, whose kernels run, since the
-    host reads what the rule's prepare kernel writes)."""
+LOOSE = 1e30
+"""A clipping norm no gradient here reaches: the totals are taken, the bits left as they are
+(so a GPU's run compares bit for bit with the CPU's, whatever order its totals add in)."""
+
+
+def _grads(scenario: Scenario, params: dict) -> dict:
+    grad_dtype = dict(scenario.storage).get("grad_dtype")
+    return {k: v.astype(grad_dtype or v.dtype) for k, v in params.items()}
+
+
+def exercise(scenario: Scenario, device: str = "cuda", bit_exact: bool = False):
+    """Everything ``scenario``'s optimizer does on ``device``; returns (optimizer, EMA):
+    steps (plain, with a gradient scale, with the clipping and non-finite checks that take
+    the gradient totals), accumulation, scaling and clipping outside the step, zeroing, a
+    parameter written, an EMA's update and swap, ``eval()`` and ``train()``."""
     import flatopt
     cls = flatopt.registry.lookup(scenario.optimizer)
-    rng = np.random.default_rng(0)
-    params = _parameters(cls.schema, scenario.dtype, rng, HOST_SHAPES if host else SHAPES)
-    keywords = {**dict(scenario.storage), **dict(scenario.settings)}
-    grad_dtype = dict(scenario.storage).get("grad_dtype")
-    grads = {k: v.astype(grad_dtype or v.dtype) for k, v in params.items()}
-    if host:
-        opt = cls(params, **keywords)
-        opt._set_backend("cuda")
-        opt.step(grads)
-        return
-    opt = cls(params, device="cuda", bit_exact=bit_exact, **keywords)
+    params = _parameters(cls.schema, scenario.dtype, np.random.default_rng(0), SHAPES)
+    exact = {"bit_exact": bit_exact} if device == "cuda" else {}
+    opt = cls(params, device=device, **exact, **dict(scenario.storage),
+              **dict(scenario.settings))
+    grads = _grads(scenario, params)
     opt.step(grads)
-    opt.step(grads, grad_scale=2.0, max_grad_norm=1.0, norm_type=3.0)
-    opt.step(grads, max_grad_norm=1.0, norm_type=float("inf"), skip_nonfinite=True)
+    opt.step(grads, grad_scale=2.0, max_grad_norm=LOOSE, norm_type=3.0)
+    opt.step(grads, max_grad_norm=LOOSE, norm_type=float("inf"), skip_nonfinite=True)
     opt.grads.add(grads)
     flatopt.scale_gradients(opt, 0.5)
-    flatopt.clip_grad_norm(opt, 1.0)
+    flatopt.clip_grad_norm(opt, LOOSE)
     opt.zero_grad(set_to_none=False)
     opt.params["w"] = params["w"]
     ema = flatopt.EMA(opt, decay=0.9)
@@ -195,6 +200,18 @@ def exercise(scenario: Scenario, bit_exact: bool, host: bool) -> None:
     if callable(getattr(cls, "train", None)) and callable(getattr(cls, "eval", None)):
         opt.eval()
         opt.train()
+    return opt, ema
+
+
+def exercise_host(scenario: Scenario) -> None:
+    """One step over host arrays with the CUDA backend (the simulator tests' path: the rule's
+    prepare runs on the device); its kernels run (the host reads what prepare writes)."""
+    import flatopt
+    cls = flatopt.registry.lookup(scenario.optimizer)
+    params = _parameters(cls.schema, scenario.dtype, np.random.default_rng(0), HOST_SHAPES)
+    opt = cls(params, **dict(scenario.storage), **dict(scenario.settings))
+    opt._set_backend("cuda")
+    opt.step(_grads(scenario, params))
 
 
 def family(launch, rules: set) -> str:
@@ -206,8 +223,8 @@ def family(launch, rules: set) -> str:
                 "encode": "EMA encode (16-bit)"}[name.split("_")[1]]
     named = {"lerp_kernel": "EMA lerp", "fill_kernel": "fill", "add_kernel": "accumulation",
              "reduce_gradients_kernel": "gradient totals"}
-    if name in named:
-        return named[name]
+    if name.split("_flatoptnofma")[0] in named:
+        return named[name.split("_flatoptnofma")[0]]
     if name.startswith("reduce_half_gradients"):
         return "gradient totals (16-bit)"
     rule = launch.source.arguments[0]
@@ -244,7 +261,10 @@ def enumerate_launches(names=None, progress=None) -> dict[tuple, Found]:
                                                                              else 2]:
             with warnings.catch_warnings(), recording(run=host) as launched:
                 warnings.simplefilter("ignore")  # no kernel runs: totals read back are zeros
-                exercise(scenario, bit_exact, host)
+                if host:
+                    exercise_host(scenario)
+                else:
+                    exercise(scenario, "cuda", bit_exact)
             for launch in launched:
                 key = (launch.kernel, launch.types)
                 entry = found.get(key)

@@ -54,6 +54,7 @@ double-precision instruction. (Totals add in float64; prepare and finalize compu
 as the CPU does.)"""
 F64 = re.compile(r"^\s*(?:@%p\d+\s+)?(?:add|sub|mul|fma|div|sqrt|rcp|min|max|neg|abs|setp"
                  r"|cvt\.rn\.f32)\S*\.f64\b", re.M)
+FMA = re.compile(r"^\s*(?:@!?%p\d+\s+)?fma\.", re.M)
 GLOBAL = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st)\.global(?:\.[a-z0-9]+)*)\s", re.M)
 PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes "
@@ -157,6 +158,9 @@ class Compiled(NamedTuple):
     """Double-precision arithmetic instructions in the PTX."""
     float32: bool
     """No argument holds float64."""
+    fma: int
+    """Fused multiply-adds in the PTX (a rule's own ``fma`` calls, and, without bit_exact,
+    what NVVM contracts)."""
     seconds: float
     error: str | None = None
 
@@ -216,7 +220,7 @@ def compile_one(found, cc: tuple) -> Compiled:
         message = [line.strip() for line in f"{type(exc).__name__}: {exc}".splitlines()
                    if line.strip() and not line.strip().startswith(("raised from", "During"))]
         return Compiled(launch.kernel, found.family, cc, launch.threads, 0, 0, 0, 0, 0, 0, {},
-                        0, is_float32(launch.types), time.perf_counter() - start,
+                        0, is_float32(launch.types), 0, time.perf_counter() - start,
                         " | ".join(message[:8]))
     registers = int(PTXAS_REGISTERS.search(report).group(1))
     stack, stores, loads = map(int, PTXAS_FRAME.search(report).groups())
@@ -226,57 +230,80 @@ def compile_one(found, cc: tuple) -> Compiled:
         counts[opcode] = counts.get(opcode, 0) + 1
     return Compiled(launch.kernel, found.family, cc, launch.threads, min_blocks, registers,
                     stack, stores, loads, int(shared.group(1)) if shared else 0, counts,
-                    len(F64.findall(ptx)), is_float32(launch.types), time.perf_counter() - start)
+                    len(F64.findall(ptx)), is_float32(launch.types), len(FMA.findall(ptx)),
+                    time.perf_counter() - start)
 
 
 # ----------------------------------------------------------------------------- workers
-def _worker(cc: tuple, source: str, out: str) -> None:
-    """Compile the pickled list of ``Found`` in ``source`` for ``cc``, results to ``out``."""
+def _traffic_row(found, cc: tuple) -> dict:
+    from bench.cuda_traffic import per_element
+    try:
+        return {"kernel": found.launch.kernel, "counts": per_element(found, cc), "error": None}
+    except Exception as exc:  # reported in the table
+        return {"kernel": found.launch.kernel, "counts": {}, "error": f"{exc}"[:300]}
+
+
+JOBS = {"compile": lambda found, cc: compile_one(found, cc)._asdict(), "traffic": _traffic_row}
+
+
+def _worker(job: str, cc: tuple, source: str, out: str) -> None:
+    """Run ``job`` (``JOBS``) for ``cc`` on the pickled list of ``Found`` in ``source``,
+    results (JSON) to ``out``."""
     with open(source, "rb") as f:
         work = pickle.load(f)
     results = []
     with target(cc):
         for found in work:
-            results.append(compile_one(found, cc)._asdict())
+            results.append(JOBS[job](found, cc))
             with open(out, "w") as f:  # written as it goes: a timed-out worker keeps them
                 json.dump(results, f)
 
 
-def compile_all(found: list, targets=TARGETS, timeout: float | None = None,
-                workers: int | None = None) -> list[Compiled]:
-    """Every kernel of ``found`` compiled for every target, in worker processes without the
-    simulator (``workers`` at once: by default one per target, at most the CPU count)."""
+def run_workers(job: str, found: list, targets=TARGETS, timeout: float | None = None,
+                workers: int | None = None) -> list[dict]:
+    """``job`` over every ``Found`` for every target, in worker processes without the
+    simulator (``workers`` at once: by default one per target), results in order of
+    target, then ``found``."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
     env["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="flatopt-cuda-static-")  # nothing reused
     # a kernel's source unpickles where this process imports it from (a test's own rules)
     env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
-    workers = workers or max(len(targets), 1)
-    slices = [(cc, found[i::max(1, workers // len(targets))])
-              for cc in targets for i in range(max(1, workers // len(targets)))]
+    per_target = max(1, (workers or len(targets)) // len(targets))
+    results: list = [None] * (len(found) * len(targets))
     with tempfile.TemporaryDirectory() as directory:
         running = []
-        for n, (cc, work) in enumerate(slices):
-            source, out = Path(directory) / f"work{n}.pkl", Path(directory) / f"out{n}.json"
-            with open(source, "wb") as f:
-                pickle.dump(work, f)
-            running.append((out, len(work), subprocess.Popen(
-                [sys.executable, "-m", "bench.cuda_static", "--worker", f"{cc[0]}.{cc[1]}",
-                 str(source), str(out)], cwd=root, env=env, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True)))
-        results = []
-        for out, expected, process in running:
+        for t, cc in enumerate(targets):
+            for i in range(per_target):
+                n = t * per_target + i
+                source, out = Path(directory) / f"work{n}.pkl", Path(directory) / f"out{n}.json"
+                with open(source, "wb") as f:
+                    pickle.dump(found[i::per_target], f)
+                places = range(t * len(found) + i, (t + 1) * len(found), per_target)
+                running.append((out, places, subprocess.Popen(
+                    [sys.executable, "-m", "bench.cuda_static", "--worker", job,
+                     f"{cc[0]}.{cc[1]}", str(source), str(out)], cwd=root, env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        for out, places, process in running:
             try:
                 output, _ = process.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
                 output, _ = process.communicate()
             done = json.loads(out.read_text()) if out.exists() else []
-            if len(done) < expected:
-                raise RuntimeError(f"a compile worker stopped after {len(done)} of {expected} "
-                                   f"kernels: {output.strip()[-2000:]}")
-            results += [Compiled(**{**row, "cc": tuple(row["cc"])}) for row in done]
+            if len(done) < len(places):
+                raise RuntimeError(f"a {job} worker stopped after {len(done)} of "
+                                   f"{len(places)} kernels: {output.strip()[-2000:]}")
+            for place, row in zip(places, done):
+                results[place] = row
     return results
+
+
+def compile_all(found: list, targets=TARGETS, timeout: float | None = None,
+                workers: int | None = None) -> list[Compiled]:
+    """Every kernel of ``found`` compiled for every target (:func:`run_workers`)."""
+    return [Compiled(**{**row, "cc": tuple(row["cc"])})
+            for row in run_workers("compile", found, targets, timeout, workers)]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -364,17 +391,21 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write every result to PATH")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds a compile worker may take")
-    parser.add_argument("--worker", nargs=3, metavar=("CC", "IN", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--no-traffic", action="store_true",
+                        help="skip the table of loads and stores per element")
+    parser.add_argument("--worker", nargs=4, metavar=("JOB", "CC", "IN", "OUT"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        cc, source, out = args.worker
-        _worker(tuple(map(int, cc.split("."))), source, out)
+        job, cc, source, out = args.worker
+        _worker(job, tuple(map(int, cc.split("."))), source, out)
         return 0
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # the enumeration; the workers turn it off
     problem = compiler_problem()
     if problem:
         print(f"cannot compile here: {problem}", file=sys.stderr)
         return 2
+    from bench import cuda_launches
     start = time.perf_counter()
     found, results = enumerate_and_compile(args.fast, timeout=args.timeout)
     elapsed = time.perf_counter() - start
@@ -385,6 +416,14 @@ def main(argv=None) -> int:
           f"{len(wrong)} problems")
     for line in wrong:
         print(f"  {line}")
+    if not args.no_traffic:
+        from bench import cuda_traffic
+        jobs = cuda_traffic.traffic_jobs(None if not args.fast else
+                                         cuda_launches.representatives())
+        table = cuda_traffic.rows(jobs, run_workers("traffic", [f for f, _ in jobs], ((9, 0),),
+                                                    args.timeout, workers=2))
+        print("\nPer element, counted in the PTX for sm_90 (bench/cuda_traffic.py):\n")
+        print(cuda_traffic.markdown(table))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"found": [{"kernel": x.launch.kernel, "family": x.family,

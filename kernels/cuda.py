@@ -250,7 +250,7 @@ def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
 
 
 # ----------------------------------------------------------------------------- tool kernels
-def lerp_kernel(average, value, weight, from_end):
+def _lerp(average, value, weight, from_end):
     """``kernels.tools.lerp_into`` on the device (the EMA of a device-resident optimizer)."""
     for i in range(cuda.grid(1), average.size, cuda.gridsize(1)):
         if from_end:
@@ -271,8 +271,20 @@ def add_kernel(target, value):
         target[i] = target[i] + value[i]
 
 
-lerp_kernel, fill_kernel, add_kernel = (make(function, cache=True) for function in
-                                        (lerp_kernel, fill_kernel, add_kernel))
+lerp_kernel = make(instantiate(_lerp, "lerp_kernel"), cache=True)
+fill_kernel, add_kernel = (make(function, cache=True) for function in (fill_kernel, add_kernel))
+_exact_lerp: list = []
+
+
+def exact_lerp_kernel():
+    """:func:`lerp_kernel` without multiply-add contraction (compiled once): the EMA of a
+    ``bit_exact`` device, which then averages as ``lerp_into`` does on the CPU (NVVM fuses
+    ``a + w * (v - a)`` into one rounding otherwise)."""
+    if not _exact_lerp:
+        _install_no_fma_compile()
+        _exact_lerp.append(make(instantiate(_lerp, f"lerp_kernel_{NO_FMA_MARKER}"),
+                                Source(exact_lerp_kernel), cache=True))
+    return _exact_lerp[0]
 
 
 def _gradient_totals(g, fmt, present, offsets, sizes, chunk_first, chunk_size, power, mode,
@@ -379,6 +391,7 @@ class CudaBackend:
     fill_kernel = staticmethod(fill_kernel)
     add_kernel = staticmethod(add_kernel)
     lerp_kernel = staticmethod(lerp_kernel)
+    exact_lerp_kernel = staticmethod(exact_lerp_kernel)
     half_kernels = staticmethod(half_kernels)
 
     @staticmethod
@@ -400,5 +413,5 @@ class CudaBackend:
 
 
 __all__ = ["CudaBackend", "CompiledRule", "compile_rule", "compile_coded", "THREADS_PER_BLOCK", "NO_FMA_MARKER",
-           "no_fma_options", "lerp_kernel", "add_kernel", "fill_kernel", "reduce_gradients", "combine_reduction",
+           "no_fma_options", "lerp_kernel", "exact_lerp_kernel", "add_kernel", "fill_kernel", "reduce_gradients", "combine_reduction",
            "launch_elementwise"]

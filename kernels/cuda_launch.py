@@ -51,13 +51,15 @@ class Source(NamedTuple):
 
 
 class Launch(NamedTuple):
-    """One recorded launch: the kernel's name and source, the block size and the Numba types
-    of the arguments (what the kernel is compiled for)."""
+    """One recorded launch: the kernel's name and source, the block size, the Numba types of
+    the arguments (what the kernel is compiled for) and the values of its flags and other
+    booleans and integers (None for every other argument)."""
 
     kernel: str
     source: Source
     threads: int
     types: tuple
+    values: tuple = ()
 
 
 KERNELS: dict[str, object] = {}
@@ -104,13 +106,21 @@ def argument_type(value):
     return typeof(value if wrapped is None else wrapped)
 
 
+def _setting(value):
+    """``value`` if it is a Python bool or int or a tuple of them (a flag, a format, a mode),
+    else None."""
+    if isinstance(value, tuple):
+        return value if all(isinstance(item, (bool, int)) for item in value) else None
+    return value if isinstance(value, (bool, int)) else None
+
+
 def launch(kernel, blocks: int, threads: int, stream, *args) -> None:
     """``kernel[blocks, threads, stream](*args)``; inside :func:`recording`, recorded (and
     run only if it says so)."""
     if _recorder is not None:
         name = kernel_name(kernel)
         _recorder.append(Launch(name, SOURCES[name], threads,
-                                tuple(map(argument_type, args))))
+                                tuple(map(argument_type, args)), tuple(map(_setting, args))))
         if not _running:
             return
     kernel[blocks, threads, stream](*args)

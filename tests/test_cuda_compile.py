@@ -109,6 +109,15 @@ def test_the_representative_kernels_compile_for_sm80_and_sm90(fast):
     check_compiled(fast)
 
 
+def test_a_bit_exact_ema_averages_without_fused_multiply_adds(fast):
+    """NVVM contracts the EMA's ``a + w (v - a)`` into one rounding; a bit_exact device
+    averages with the kernel compiled without contraction, as the CPU rounds."""
+    lerps = [r for r in fast["results"] if r.family == "EMA lerp"]
+    assert {r.kernel.endswith("flatoptnofma") for r in lerps} == {True, False}
+    for result in lerps:
+        assert (result.fma == 0) == result.kernel.endswith("flatoptnofma"), result
+
+
 def test_the_representatives_launch_every_family_layout_and_dtype(fast):
     check_coverage(fast, cuda_launches.representatives())
 
