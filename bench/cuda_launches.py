@@ -113,17 +113,33 @@ def _storages(schema) -> list[tuple[str, tuple]]:
     return found
 
 
-def scenarios(names=None) -> list[Scenario]:
-    """Every configuration the enumeration runs (``names``: the optimizers, by default every
-    registered one): each flag setting in each dtype and each storage layout."""
+def covering(layouts: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """The first of ``layouts`` that together hold every parameter dtype and every storage
+    setting's every value among them."""
+    chosen, seen = [], set()
+    for dtype, storage in layouts:
+        new = {("dtype", dtype), *storage} - seen
+        if new:
+            chosen.append((dtype, storage))
+            seen |= new
+    return chosen
+
+
+def scenarios(names=None, complete: bool = True) -> list[Scenario]:
+    """The configurations the enumeration runs (``names``: the optimizers, by default every
+    registered one): each flag setting in each dtype and each storage layout; not
+    ``complete``: each flag setting in each dtype and in one storage layout, and the default
+    settings in layouts that hold every storage setting's every value (which launches the
+    same kernels: the coded walks take the formats at run time)."""
     import flatopt
     from flatopt import _layout
     found = []
     for name in flatopt.registry.names() if names is None else names:
         schema = flatopt.registry.lookup(name).schema
-        layouts = [(np.dtype(dtype).name, ()) for dtype in _layout.SUPPORTED_DTYPES]
-        for settings in _flag_settings(schema):
-            for dtype, storage in layouts + _storages(schema):
+        plain = [(np.dtype(dtype).name, ()) for dtype in _layout.SUPPORTED_DTYPES]
+        coded = _storages(schema) if complete else covering(_storages(schema))
+        for n, settings in enumerate(_flag_settings(schema)):
+            for dtype, storage in plain + (coded if complete or not n else coded[:1]):
                 found.append(Scenario(name, dtype, storage, settings))
     return found
 
@@ -173,14 +189,15 @@ def _grads(scenario: Scenario, params: dict) -> dict:
     return {k: v.astype(grad_dtype or v.dtype) for k, v in params.items()}
 
 
-def exercise(scenario: Scenario, device: str = "cuda", bit_exact: bool = False):
+def exercise(scenario: Scenario, device: str = "cuda", bit_exact: bool = False,
+             shapes: dict = SHAPES):
     """Everything ``scenario``'s optimizer does on ``device``; returns (optimizer, EMA):
     steps (plain, with a gradient scale, with the clipping and non-finite checks that take
     the gradient totals), accumulation, scaling and clipping outside the step, zeroing, a
     parameter written, an EMA's update and swap, ``eval()`` and ``train()``."""
     import flatopt
     cls = flatopt.registry.lookup(scenario.optimizer)
-    params = _parameters(cls.schema, scenario.dtype, np.random.default_rng(0), SHAPES)
+    params = _parameters(cls.schema, scenario.dtype, np.random.default_rng(0), shapes)
     exact = {"bit_exact": bit_exact} if device == "cuda" else {}
     opt = cls(params, device=device, **exact, **dict(scenario.storage),
               **dict(scenario.settings))
