@@ -373,28 +373,36 @@ def summary(results: list[Compiled]) -> list[dict]:
     return rows
 
 
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table."""
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| family | kernels (x targets) | registers, worst | budget | occupancy, least "
-             "| spills | stack | shared |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for row in rows:
-        lines.append(f"| {row['family']} | {row['kernels']} ({row['compiled']}) | "
-                     f"{row['registers']} | {row['budget']} | {row['occupancy']:.0%} | "
-                     f"{row['spill_bytes']} B | {row['stack']} B | {row['shared']} B |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["family", "kernels", "compiles", "registers, most", "budget", "occupancy, least",
+         "spills", "stack", "shared"],
+        [[row["family"], row["kernels"], row["compiled"], row["registers"], row["budget"],
+          f"{row['occupancy']:.0%}", f"{row['spill_bytes']} B", f"{row['stack']} B",
+          f"{row['shared']} B"] for row in rows])
+
+
+OPTIONS = {
+    "--fast": {"action": "store_true",
+               "help": "the representatives' kernels only (the fast tests' set)"},
+    "--json": {"metavar": "PATH", "help": "write every result to PATH"},
+    "--timeout": {"type": float, "help": "seconds a compile worker may take"},
+    "--no-traffic": {"action": "store_true",
+                     "help": "skip the table of loads and stores per element"},
+    "--worker": {"nargs": 4, "metavar": ("JOB", "CC", "IN", "OUT"), "help": argparse.SUPPRESS},
+}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fast", action="store_true",
-                        help="the representatives' kernels only (the fast tests' set)")
-    parser.add_argument("--json", metavar="PATH", help="write every result to PATH")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds a compile worker may take")
-    parser.add_argument("--no-traffic", action="store_true",
-                        help="skip the table of loads and stores per element")
-    parser.add_argument("--worker", nargs=4, metavar=("JOB", "CC", "IN", "OUT"),
-                        help=argparse.SUPPRESS)
+    for flag, options in OPTIONS.items():
+        parser.add_argument(flag, **options)
     args = parser.parse_args(argv)
     if args.worker:
         job, cc, source, out = args.worker

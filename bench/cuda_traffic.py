@@ -354,12 +354,11 @@ def rows(jobs: list, results: list[dict]) -> list[dict]:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| configuration | family | loads / element | stores / element | bytes "
-             "(loaded + stored) | the rule needs | beyond it |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for row in table:
-        need = "-" if row["needed"] is None else f"{row['needed'][0]} + {row['needed'][1]}"
-        lines.append(f"| {row['scenario']} | {row['family']} | {row['loads']} | "
-                     f"{row['stores']} | {row['loaded']:g} + {row['stored']:g} | {need} | "
-                     f"{row['error'] or row['beyond'] or '-'} |")
-    return "\n".join(lines)
+    from bench.cuda_static import markdown_table
+    return markdown_table(
+        ["configuration", "family", "loads / element", "stores / element",
+         "bytes (loaded + stored)", "the rule needs", "beyond it"],
+        [[row["scenario"], row["family"], row["loads"], row["stores"],
+          f"{row['loaded']:g} + {row['stored']:g}",
+          "-" if row["needed"] is None else f"{row['needed'][0]} + {row['needed'][1]}",
+          row["error"] or row["beyond"] or "-"] for row in table])
