@@ -352,8 +352,9 @@ def enumerate_and_compile(fast: bool, targets=TARGETS, timeout: float | None = N
 
 
 def summary(results: list[Compiled]) -> list[dict]:
-    """One row per family: kernels, worst registers (and which), budget, spills, stack,
-    shared memory, float64 instructions in float32 kernels, compile seconds."""
+    """One row per family: kernels (a function compiled for one signature) and functions,
+    the most registers (and which kernel), the budget, spills, stack, shared memory, compile
+    seconds."""
     from bench.cuda_launches import FAMILIES
     rows = []
     for family in FAMILIES:
@@ -361,7 +362,8 @@ def summary(results: list[Compiled]) -> list[dict]:
         if not mine:
             continue
         worst = max(mine, key=lambda r: (r.registers, r.kernel))
-        rows.append({"family": family, "kernels": len({r.kernel for r in mine}),
+        rows.append({"family": family, "functions": len({r.kernel for r in mine}),
+                     "kernels": len(mine) // len({r.cc for r in mine}),
                      "compiled": len(mine), "registers": worst.registers,
                      "worst": f"{worst.kernel} sm_{worst.cc[0]}{worst.cc[1]}",
                      "budget": min(r.budget for r in mine),
@@ -381,9 +383,10 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 def markdown(rows: list[dict]) -> str:
     return markdown_table(
-        ["family", "kernels", "compiles", "registers, most", "budget", "occupancy, least",
-         "spills", "stack", "shared"],
-        [[row["family"], row["kernels"], row["compiled"], row["registers"], row["budget"],
+        ["family", "kernels (functions)", "compiles", "registers, most", "budget",
+         "occupancy, least", "spills", "stack", "shared"],
+        [[row["family"], f"{row['kernels']} ({row['functions']})", row["compiled"],
+          row["registers"], row["budget"],
           f"{row['occupancy']:.0%}", f"{row['spill_bytes']} B", f"{row['stack']} B",
           f"{row['shared']} B"] for row in rows])
 

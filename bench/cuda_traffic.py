@@ -294,7 +294,11 @@ def traffic_jobs(names=None) -> list[tuple]:
             cuda_launches.exercise(scenario)
         for launch in launched:
             family = cuda_launches.family(launch, rules)
-            key = (launch.kernel, launch.types, launch.values if family in PROBES else None)
+            # a span's probe takes no scaling (the plain walk scales in a loop of its own,
+            # counted in the "scaling" row): one row whether the step scaled or not
+            values = launch.values[:-1] if PROBES.get(family) in (_span_probe, _reduce_probe) \
+                else launch.values
+            key = (launch.kernel, launch.types, values if family in PROBES else None)
             if family not in ("prepare", "finalize") and key not in seen:
                 seen.add(key)
                 jobs.append((cuda_launches.Found(launch, family, (scenario.label,)), scenario))
