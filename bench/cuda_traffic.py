@@ -350,7 +350,9 @@ def rows(jobs: list, results: list[dict]) -> list[dict]:
         extra = "" if need is None else ", ".join(
             f"+{have - want:g} B {what}" for have, want, what in
             ((loads, need[0], "loaded"), (stores, need[1], "stored")) if have > want)
-        table.append({"scenario": scenario.label, "family": found.family,
+        scaled = found.family in PROBES and found.launch.values[-1] is True  # scale_grads
+        table.append({"scenario": scenario.label + (", gradients scaled" if scaled else ""),
+                      "family": found.family,
                       "kernel": found.launch.kernel, "loads": _describe(counts, "ld"),
                       "stores": _describe(counts, "st"), "loaded": loads, "stored": stores,
                       "needed": need, "beyond": extra, "error": result["error"]})
