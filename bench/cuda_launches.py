@@ -31,6 +31,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+import flatopt
+from flatopt import _layout, _lossless, _storage
+from flatopt.errors import HyperparameterError
+from flatopt.kernels._cuda_import import simulated
+from flatopt.kernels.cuda_launch import recording
+
 FAMILIES = ("step", "step, float64", "reduce", "reduce, float64", "finalize", "prepare",
             "coded step", "coded 8-bit block step",
             "coded reduce", "gradient totals", "gradient totals (16-bit)", "scaling",
@@ -89,8 +95,6 @@ def _flag_settings(schema) -> list[tuple]:
 
 def _storages(schema) -> list[tuple[str, tuple]]:
     """(parameter dtype, storage keywords) of every coded layout the schema allows."""
-    from flatopt import _storage
-    from flatopt.errors import HyperparameterError
     if _storage.rule_problem(schema, _storage.Storage(master_weights=True)) is not None:
         return []
     modes = [{"rounding": r} for r in _storage.ROUNDINGS] + [{"master_weights": True}]
@@ -131,8 +135,6 @@ def scenarios(names=None, complete: bool = True) -> list[Scenario]:
     ``complete``: each flag setting in each dtype and in one storage layout, and the default
     settings in layouts that hold every storage setting's every value (which launches the
     same kernels: the coded walks take the formats at run time)."""
-    import flatopt
-    from flatopt import _layout
     found = []
     for name in flatopt.registry.names() if names is None else names:
         schema = flatopt.registry.lookup(name).schema
@@ -149,7 +151,6 @@ def representatives() -> list[str]:
     or with global totals, int8 state, ``train()``/``eval()``, an update over whole
     matrices): the fast tests' set, which launches a kernel of every family in every storage
     layout and dtype."""
-    import flatopt
     kinds = {
         "finalize": lambda cls: cls.schema.rule.finalize is not None,
         "global totals": lambda cls: cls.schema.rule.global_reductions,
@@ -172,7 +173,6 @@ HOST_SHAPES = {"w": (3, 4), "b": (3,)}
 
 
 def _parameters(schema, dtype: str, rng, shapes: dict) -> dict:
-    from flatopt import _lossless
     shapes = {k: s for k, s in shapes.items()
               if schema.param_problem is None or schema.param_problem(s) is None}
     return {k: rng.standard_normal(s).astype(_lossless.NUMPY_DTYPES[dtype])
@@ -195,7 +195,6 @@ def exercise(scenario: Scenario, device: str = "cuda", bit_exact: bool = False,
     steps (plain, with a gradient scale, with the clipping and non-finite checks that take
     the gradient totals), accumulation, scaling and clipping outside the step, zeroing, a
     parameter written, an EMA's update and swap, ``eval()`` and ``train()``."""
-    import flatopt
     cls = flatopt.registry.lookup(scenario.optimizer)
     params = _parameters(cls.schema, scenario.dtype, np.random.default_rng(0), shapes)
     exact = {"bit_exact": bit_exact} if device == "cuda" else {}
@@ -223,7 +222,6 @@ def exercise(scenario: Scenario, device: str = "cuda", bit_exact: bool = False,
 def exercise_host(scenario: Scenario) -> None:
     """One step over host arrays with the CUDA backend (the simulator tests' path: the rule's
     prepare runs on the device); its kernels run (the host reads what prepare writes)."""
-    import flatopt
     cls = flatopt.registry.lookup(scenario.optimizer)
     params = _parameters(cls.schema, scenario.dtype, np.random.default_rng(0), HOST_SHAPES)
     opt = cls(params, **dict(scenario.storage), **dict(scenario.settings))
@@ -262,12 +260,9 @@ def family(launch, rules: set) -> str:
 def enumerate_launches(names=None, progress=None) -> dict[tuple, Found]:
     """(kernel name, argument types) -> :class:`Found`, over every scenario, in Numba's CUDA
     simulator (``NUMBA_ENABLE_CUDASIM=1`` must be set before Numba is imported)."""
-    from flatopt.kernels._cuda_import import simulated
     if not simulated():
         raise RuntimeError("the enumeration runs in Numba's CUDA simulator: set "
                            "NUMBA_ENABLE_CUDASIM=1 before importing numba")
-    import flatopt
-    from flatopt.kernels.cuda_launch import recording
     rules = {id(flatopt.registry.lookup(n).schema.rule) for n in flatopt.registry.names()}
     found: dict[tuple, Found] = {}
     for scenario in scenarios(names):

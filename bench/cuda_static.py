@@ -14,6 +14,10 @@ numba-cuda compiles a kernel's device functions for the current device's compute
 (``CUDADispatcher.compile_device`` asks the driver), so a worker stands in a device of the
 target's (:func:`target`); the kernel itself is compiled with ``cc=`` as asked.
 
+Numba (and flatopt's kernels with it) is imported only inside functions here: the command
+sets ``NUMBA_ENABLE_CUDASIM`` first (on for the enumeration, off in the compile workers), and
+Numba reads it once, at import.
+
 For each kernel the PTX is searched too: ``ld.global``/``st.global`` by width (a whole
 kernel's, so loops unrolled and unswitched by flag count several times: the per-element
 traffic is :mod:`bench.cuda_traffic`'s), and double-precision instructions in a kernel whose

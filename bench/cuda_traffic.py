@@ -20,10 +20,20 @@ A load or store beyond what the rule needs is a finding: the table says why each
 
 from __future__ import annotations
 
+import inspect
 import re
-from typing import NamedTuple
+import warnings
 
 from numba import types, uint64
+
+import flatopt
+from bench import cuda_launches
+from bench.cuda_static import compile_ptx, markdown_table
+from flatopt.kernels import cuda_coded
+from flatopt.kernels._bind import bind, instantiate
+from flatopt.kernels._cuda_import import numba_cuda
+from flatopt.kernels.coded import COMPENSATION_AT, KAHAN, MASTER, MASTER_AT
+from flatopt.kernels.cuda_launch import KERNELS, recording, remake
 
 WIDTH = {"8": 1, "16": 2, "32": 4, "64": 8}
 ACCESS = re.compile(r"^(?:@!?%p\d+\s+)?((ld|st)\.global[.\w]*)\s+(.*);$")
@@ -225,10 +235,6 @@ def probe(found):
     arguments by name, the launch's flags, formats, mode, rounding and scaling bound as
     constants (folded), ``k`` and the element index ``i`` (last: the accesses counted are
     those it reaches)."""
-    import inspect
-    from flatopt.kernels import cuda_coded
-    from flatopt.kernels._bind import bind, instantiate
-    from flatopt.kernels.cuda_launch import remake
     launch = found.launch
     walk = list(inspect.signature(remake(launch.kernel, launch.source).py_func).parameters)
     rule = launch.source.arguments[0]
@@ -255,12 +261,10 @@ def probe(found):
 def per_element(found, cc: tuple) -> dict[str, float]:
     """Loads and stores per element of ``found``'s kernel, by opcode, compiled for ``cc``
     (in a compile worker: no simulator, inside ``bench.cuda_static.target``)."""
-    from flatopt.kernels._cuda_import import numba_cuda
     if found.family in PROBES:
         function, argument_types = probe(found)
         ptx, _ = numba_cuda().compile_ptx(function, argument_types, cc=cc)
         return element_accesses(ptx)
-    from bench.cuda_static import compile_ptx
     return loop_accesses(compile_ptx(found, cc)[0])
 
 
@@ -274,11 +278,6 @@ def traffic_jobs(names=None) -> list[tuple]:
     registered optimizer's float32 step with its default settings (and the device's tool
     kernels it launches), and the representative with int8 state in float64 and in every
     storage layout. Runs in the simulator (launches recorded, none run)."""
-    import warnings
-
-    import flatopt
-    from bench import cuda_launches
-    from flatopt.kernels.cuda_launch import recording
     names = flatopt.registry.names() if names is None else names
     rules = {id(flatopt.registry.lookup(n).schema.rule) for n in flatopt.registry.names()}
     chosen = next(n for n in cuda_launches.representatives()
@@ -309,11 +308,7 @@ def needed(found, scenario) -> tuple[int, int] | None:
     """(bytes read, bytes written) per element a rule's step must move: its parameters (or
     master weights, or parameters and Kahan compensation), gradients read, each state slot
     its settings use read and written, in their stored formats; None for other kernels."""
-    import inspect
 
-    import flatopt
-    from flatopt.kernels.coded import COMPENSATION_AT, KAHAN, MASTER, MASTER_AT
-    from flatopt.kernels.cuda_launch import KERNELS
     if found.family in ("step", "step, float64"):
         schema = flatopt.registry.lookup(scenario.optimizer).schema
         values = {key: h.default for key, h in schema.hyperparameters.items()}
@@ -360,7 +355,6 @@ def rows(jobs: list, results: list[dict]) -> list[dict]:
 
 
 def markdown(table: list[dict]) -> str:
-    from bench.cuda_static import markdown_table
     return markdown_table(
         ["configuration", "family", "loads / element", "stores / element",
          "bytes (loaded + stored)", "the rule needs", "beyond it"],
