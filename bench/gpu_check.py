@@ -1,8 +1,10 @@
 """One command for a GPU machine: the CUDA tests for real, device results against the CPU
-optimizer, a training loop whose gradients torch writes straight into ``opt.grads`` (then a
-checkpoint from the GPU loaded on the CPU), reduced-precision buffers on the device against the
-CPU's bytes and timed against float32, and the full ``opt.step()`` timed against torch's fused
-CUDA AdamW and a device copy of the same bytes. Prints one table; writes ``$OUT/gpu_check.json`` when ``OUT`` is set.
+optimizer, the kernels ``bench/cuda_static.py`` compiles run in the configurations that
+launch them and compared bit for bit with the CPU's, a training loop whose gradients torch
+writes straight into ``opt.grads`` (then a checkpoint from the GPU loaded on the CPU),
+reduced-precision buffers on the device against the CPU's bytes and timed against float32,
+and the full ``opt.step()`` timed against torch's fused CUDA AdamW and a device copy of the
+same bytes. Prints one table; writes ``$OUT/gpu_check.json`` when ``OUT`` is set.
 
     NUMBA_ENABLE_CUDASIM=0 python -m bench.gpu_check            # on a GPU, < 5 minutes
     python -m bench.gpu_check --simulate                         # small, in Numba's simulator
@@ -150,6 +152,48 @@ def compare_with_cpu(names, steps: int = 3) -> dict:
     exact_ok = all(r.get("cuda_bit_exact", {}).get("differing", 1) == 0
                    for n, r in rows.items() if n != "LAMB")  # LAMB: atomic sums, any order
     return {"rows": rows, "bit_exact_equal_except_LAMB": exact_ok}
+
+
+def stored_bytes(opt, ema) -> np.ndarray:
+    """Every byte an optimizer stores (parameters, master weights, compensation, state and
+    8-bit block scales, as stored) and its EMA's averages."""
+    arrays = [a for buf in opt.host_buffers() for a in (buf.params, buf.master,
+              buf.compensation, *buf.state.values(), *buf.absmax.values()) if a is not None]
+    arrays += [host(ema.params[path]) for path in opt.index.paths]
+    return np.concatenate([np.ascontiguousarray(a).view(np.uint8).ravel() for a in arrays])
+
+
+def compiled_kernels(every: bool, simulate: bool) -> dict:
+    """The kernels ``bench/cuda_static.py`` compiles, run: the configurations
+    ``bench/cuda_launches.py`` enumerates them from (the representatives', every storage
+    setting's value and flag; ``every``: every optimizer in every layout), each on the device
+    with bit_exact and on the CPU through steps, accumulation, scaling, clipping, zeroing, a
+    parameter written, an EMA and train()/eval(), every stored byte compared. Totals the
+    device adds atomically (in any order: LAMB's trust ratio, caution's share, Prodigy's d)
+    may change the bits: those configurations are counted apart."""
+    import flatopt
+    from bench import cuda_launches
+    names = ["Adam"] if simulate else None if every else cuda_launches.representatives()
+    chosen = cuda_launches.scenarios(names, complete=every)
+    shapes = cuda_launches.HOST_SHAPES if simulate else cuda_launches.SHAPES
+    rows, unexpected = {}, []
+    for scenario in chosen[:3] if simulate else chosen:
+        try:
+            cpu = stored_bytes(*cuda_launches.exercise(scenario, "cpu", shapes=shapes))
+            opt, ema = cuda_launches.exercise(scenario, "cuda", True, shapes)
+            rule, settings = opt.schema.rule, opt.settings()[0]
+            totals = rule.reduces(tuple(map(bool, opt.kernel_flags(settings))))
+            differing = int((stored_bytes(opt, ema) != cpu).sum())
+            rows[scenario.label] = {"differing_bytes": differing, "of": int(cpu.size),
+                                    "atomic_totals": totals}
+            if differing and not totals and not simulate:  # the simulator's fma rounds twice
+                unexpected.append(scenario.label)
+        except Exception as exc:
+            rows[scenario.label] = {"error": f"{type(exc).__name__}: {exc}"}
+            unexpected.append(scenario.label)
+    print(f"[kernels] {len(rows)} configurations, unexpected: {unexpected}", flush=True)
+    return {"rows": rows, "configurations": len(rows), "unexpected": unexpected,
+            "ok": not unexpected, "registered": len(flatopt.registry.names())}
 
 
 def end_to_end() -> dict:
@@ -358,6 +402,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="skip the pytest section")
     parser.add_argument("--tests-timeout", type=float, default=120.0,
                         help="seconds allowed for the CUDA test files (default 120)")
+    parser.add_argument("--all-kernels", action="store_true",
+                        help="run every optimizer in every storage layout against the CPU "
+                             "(default: the representatives, bench/cuda_launches.py)")
     args = parser.parse_args(argv)
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1" if args.simulate else \
         os.environ.get("NUMBA_ENABLE_CUDASIM", "0")
@@ -373,6 +420,7 @@ def main(argv=None) -> int:
     names = ["Adam", "SGD", "LAMB"] if args.simulate else flatopt.registry.names()
     section(report, "correctness")(lambda: compare_with_cpu(names))
     print(f"[correctness] {json.dumps(report['correctness'], indent=1)}", flush=True)
+    section(report, "kernels")(lambda: compiled_kernels(args.all_kernels, args.simulate))
     if not args.simulate:  # torch wrapping device views needs a GPU
         section(report, "end_to_end")(end_to_end)
         print(f"[end_to_end] {report['end_to_end']}", flush=True)

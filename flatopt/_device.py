@@ -555,8 +555,9 @@ class CudaDevice(Device):
         target.copy_to_device(source, stream=self.stream)
 
     def lerp(self, average, value, weight, from_end: bool) -> None:
-        self.kernels_module.launch_elementwise(self.kernels_module.lerp_kernel, average.size,
-                                               self.stream, average, value, weight, from_end)
+        k = self.kernels_module  # bit_exact: the CPU's rounding (no fused multiply-add)
+        k.launch_elementwise(k.exact_lerp_kernel() if self.bit_exact else k.lerp_kernel,
+                             average.size, self.stream, average, value, weight, from_end)
 
     def master_of(self, buf: FlatBuffer) -> Any:
         return self.buffers[buf.number].master

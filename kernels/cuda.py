@@ -25,19 +25,17 @@ from typing import NamedTuple
 import math
 
 import numpy as np
+from numba import uint64
 
 from ._bind import bind, instantiate
-from ._cuda_import import numba_cuda, simulated
+from ._cuda_import import simulated
 from .cpu import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
 from .coded import CODEC_FINGERPRINT, NATIVE
 from .cuda_coded import CudaCodedKernels, codec, fma_primitive, half_kernels
 from .cuda_coded import compile_coded as compile_coded_walks
+from .cuda_launch import (MIN_BLOCKS, THREADS_PER_BLOCK, WIDE_MIN_BLOCKS, Source, cuda, grid,
+                          launch, make)
 from .rule import Rule
-
-cuda = numba_cuda()
-
-THREADS_PER_BLOCK = 256
-MAX_BLOCKS = 65_535
 
 
 def _prepare_walk(present, columns, scalars, flags):
@@ -57,13 +55,15 @@ def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_f
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                a = max(lo, offsets[k]) + cuda.threadIdx.x
-                b = min(hi, offsets[k] + sizes[k])
+                # unsigned indices: no negative-index wrap in the span (an add and a live
+                # array length per access)
+                a = uint64(max(lo, offsets[k]) + cuda.threadIdx.x)
+                b = uint64(min(hi, offsets[k] + sizes[k]))
+                stride = uint64(cuda.blockDim.x)
                 if scale_grads:  # each thread scales the elements its span then reads
-                    for i in range(a, b, cuda.blockDim.x):
+                    for i in range(a, b, stride):
                         g[i] = g[i] * grad_multiplier
-                span(arrays, scalars, columns, flags, k, a, b,  # noqa: F821 (bound per rule)
-                     cuda.blockDim.x)
+                span(arrays, scalars, columns, flags, k, a, b, stride)  # noqa: F821 (bound)
             k += 1
 
 
@@ -80,14 +80,15 @@ def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                a = max(lo, offsets[k]) + cuda.threadIdx.x
-                b = min(hi, offsets[k] + sizes[k])
+                a = uint64(max(lo, offsets[k]) + cuda.threadIdx.x)
+                b = uint64(min(hi, offsets[k] + sizes[k]))
+                stride = uint64(cuda.blockDim.x)
                 if scale_grads:
-                    for i in range(a, b, cuda.blockDim.x):
+                    for i in range(a, b, stride):
                         g[i] = g[i] * grad_multiplier
                 if a < b:
                     values = reduce(arrays, scalars, columns, flags, k, a, b,  # noqa: F821
-                                    cuda.blockDim.x)
+                                    stride)
                     for j in range(sums.shape[1]):
                         cuda.atomic.add(sums, (k, j), values[j])
             k += 1
@@ -100,12 +101,20 @@ def _finalize_walk(present, columns, scalars, flags, sums):
 
 
 class CompiledRule(NamedTuple):
-    """A rule's CUDA kernels, with the launch configuration."""
+    """A rule's CUDA kernels, with the launch configuration. The element walks come twice:
+    over float32 data, and (``wide_``) over float64 data with lower launch bounds
+    (``cuda_launch.WIDE_MIN_BLOCKS``); prepare and finalize compute in float64 either way."""
 
     prepare_kernel: object
     step_kernel: object
+    wide_step_kernel: object
     reduce_kernel: object = None
+    wide_reduce_kernel: object = None
     finalize_kernel: object = None
+
+    def _walk(self, scalars, narrow, wide):
+        """The walk for data in ``scalars``' dtype (the buffer's)."""
+        return wide if np.dtype(scalars.dtype).itemsize == 8 else narrow
 
     def reduce(self, arrays, scalars, columns, flags, layout, sums, grad_multiplier,
                scale_grads, threads=THREADS_PER_BLOCK, stream=0, zero_sums=True) -> None:
@@ -115,31 +124,31 @@ class CompiledRule(NamedTuple):
             sums[...] = 0.0
         n_chunks = layout.chunk_first.size
         if n_chunks:
-            self.reduce_kernel[max(1, min(n_chunks, MAX_BLOCKS)), threads, stream](
-                arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
-                layout.chunk_first, layout.chunk_size, sums, grad_multiplier, scale_grads)
+            launch(self._walk(scalars, self.reduce_kernel, self.wide_reduce_kernel),
+                   grid(n_chunks), threads, stream, arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
+                   layout.chunk_first, layout.chunk_size, sums, grad_multiplier, scale_grads)
 
     def finalize(self, present, columns, scalars, flags, sums, stream=0) -> None:
         n = present.size
         if n:
-            self.finalize_kernel[-(-n // THREADS_PER_BLOCK), THREADS_PER_BLOCK, stream](
-                present, columns, scalars, flags, sums)
+            launch(self.finalize_kernel, -(-n // THREADS_PER_BLOCK), THREADS_PER_BLOCK, stream,
+                   present, columns, scalars, flags, sums)
 
     def prepare(self, present, columns, scalars, flags) -> int:
         n_present = int(np.count_nonzero(present))  # presence lives on the host
         if n_present:
             n = present.size
-            self.prepare_kernel[-(-n // THREADS_PER_BLOCK), THREADS_PER_BLOCK](
-                present, columns, scalars, flags)
+            launch(self.prepare_kernel, -(-n // THREADS_PER_BLOCK), THREADS_PER_BLOCK, 0,
+                   present, columns, scalars, flags)
         return n_present
 
     def step(self, arrays, scalars, columns, flags, layout, grad_multiplier, scale_grads,
              threads=THREADS_PER_BLOCK, stream=0) -> None:
         n_chunks = layout.chunk_first.size
         if n_chunks:
-            self.step_kernel[max(1, min(n_chunks, MAX_BLOCKS)), threads, stream](
-                arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes,
-                layout.chunk_first, layout.chunk_size, grad_multiplier, scale_grads)
+            launch(self._walk(scalars, self.step_kernel, self.wide_step_kernel), grid(n_chunks),
+                   threads, stream, arrays, scalars, columns, flags, layout.present, layout.offsets, layout.sizes, layout.chunk_first,
+                   layout.chunk_size, grad_multiplier, scale_grads)
 
 
 _compiled: dict[str, CompiledRule] = {}
@@ -208,8 +217,9 @@ class LayoutKernels:
 def compile_coded(rule: Rule, layout, exact: bool = False) -> LayoutKernels:
     """The rule's walks over reduced-precision buffers stored as ``layout``
     (``kernels/cuda_coded.py``)."""
-    return LayoutKernels(compile_coded_walks(rule, compile_rule(rule, exact),
-                                             _key(rule, exact)), layout)
+    return LayoutKernels(compile_coded_walks(rule, compile_rule(rule, exact), _key(rule, exact),
+                                             Source(compile_coded, (rule, layout, exact))),
+                         layout)
 
 
 def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
@@ -218,24 +228,29 @@ def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
     compiled = _compiled.get(key)
     if compiled is None:
         functions = bind(rule, cuda.jit(device=True), {"fma": fma_primitive()})
-        prepare = cuda.jit(instantiate(_prepare_walk, f"prepare_{key}",
-                                       prepare=functions[rule.prepare.__name__]))
-        step = cuda.jit(instantiate(_step_walk, f"step_{key}",
-                                    span=functions[rule.span.__name__]))
-        reduce = finalize = None
+        source = Source(compile_rule, (rule, exact))
+
+        def walk(template, name, min_blocks=MIN_BLOCKS, **bound):
+            return make(instantiate(template, f"{name}_{key}", **{
+                role: functions[function.__name__] for role, function in bound.items()}),
+                source, min_blocks)
+        compiled = CompiledRule(walk(_prepare_walk, "prepare", prepare=rule.prepare),
+                                walk(_step_walk, "step", span=rule.span),
+                                walk(_step_walk, "wide_step", WIDE_MIN_BLOCKS, span=rule.span))
         if rule.reduce is not None:
-            reduce = cuda.jit(instantiate(_reduce_walk, f"reduce_{key}",
-                                          reduce=functions[rule.reduce.__name__]))
+            compiled = compiled._replace(
+                reduce_kernel=walk(_reduce_walk, "reduce", reduce=rule.reduce),
+                wide_reduce_kernel=walk(_reduce_walk, "wide_reduce", WIDE_MIN_BLOCKS,
+                                        reduce=rule.reduce))
             if rule.finalize is not None:  # none with global reductions
-                finalize = cuda.jit(instantiate(_finalize_walk, f"finalize_{key}",
-                                                finalize=functions[rule.finalize.__name__]))
-        compiled = _compiled[key] = CompiledRule(prepare, step, reduce, finalize)
+                compiled = compiled._replace(finalize_kernel=walk(
+                    _finalize_walk, "finalize", finalize=rule.finalize))
+        _compiled[key] = compiled
     return compiled
 
 
 # ----------------------------------------------------------------------------- tool kernels
-@cuda.jit(cache=True)
-def lerp_kernel(average, value, weight, from_end):
+def _lerp(average, value, weight, from_end):
     """``kernels.tools.lerp_into`` on the device (the EMA of a device-resident optimizer)."""
     for i in range(cuda.grid(1), average.size, cuda.gridsize(1)):
         if from_end:
@@ -244,18 +259,32 @@ def lerp_kernel(average, value, weight, from_end):
             average[i] = average[i] + weight * (value[i] - average[i])
 
 
-@cuda.jit(cache=True)
 def fill_kernel(target, value):
     """``target[...] = value`` (zeroing gradients without a host copy)."""
     for i in range(cuda.grid(1), target.size, cuda.gridsize(1)):
         target[i] = value
 
 
-@cuda.jit(cache=True)
 def add_kernel(target, value):
     """``target += value`` (gradient accumulation into the flat gradient buffer)."""
     for i in range(cuda.grid(1), target.size, cuda.gridsize(1)):
         target[i] = target[i] + value[i]
+
+
+lerp_kernel = make(instantiate(_lerp, "lerp_kernel"), cache=True)
+fill_kernel, add_kernel = (make(function, cache=True) for function in (fill_kernel, add_kernel))
+_exact_lerp: list = []
+
+
+def exact_lerp_kernel():
+    """:func:`lerp_kernel` without multiply-add contraction (compiled once): the EMA of a
+    ``bit_exact`` device, which then averages as ``lerp_into`` does on the CPU (NVVM fuses
+    ``a + w * (v - a)`` into one rounding otherwise)."""
+    if not _exact_lerp:
+        _install_no_fma_compile()
+        _exact_lerp.append(make(instantiate(_lerp, f"lerp_kernel_{NO_FMA_MARKER}"),
+                                Source(exact_lerp_kernel), cache=True))
+    return _exact_lerp[0]
 
 
 def _gradient_totals(g, fmt, present, offsets, sizes, chunk_first, chunk_size, power, mode,
@@ -307,26 +336,25 @@ def stored_value(g, fmt, i):
     return g[i]
 
 
-reduce_gradients_kernel = cuda.jit(cache=True)(instantiate(
+reduce_gradients_kernel = make(instantiate(
     _gradient_totals, "reduce_gradients_kernel",
-    gradient_value=cuda.jit(device=True)(stored_value)))
+    gradient_value=cuda.jit(device=True)(stored_value)), cache=True)
 _reduce_half_gradients: list = []
 
 
 def reduce_half_gradients_kernel():
     """:func:`_gradient_totals` over 16-bit gradients (uint16 patterns), compiled once."""
     if not _reduce_half_gradients:
-        _reduce_half_gradients.append(cuda.jit(instantiate(
+        _reduce_half_gradients.append(make(instantiate(
             _gradient_totals, f"reduce_half_gradients_{CODEC_FINGERPRINT}",
-            gradient_value=codec()["half_value"])))
+            gradient_value=codec()["half_value"]), Source(reduce_half_gradients_kernel)))
     return _reduce_half_gradients[0]
 
 
 def launch_elementwise(kernel, n: int, stream, *args) -> None:
     """Launch a grid-striding element-wise kernel over ``n`` elements."""
     if n:
-        kernel[max(1, min(-(-n // THREADS_PER_BLOCK), MAX_BLOCKS)), THREADS_PER_BLOCK,
-               stream](*args)
+        launch(kernel, grid(-(-n // THREADS_PER_BLOCK)), THREADS_PER_BLOCK, stream, *args)
 
 
 def reduce_gradients(layout, g, present, power: float, mode: int, out, stream=0, fmt=NATIVE):
@@ -336,9 +364,9 @@ def reduce_gradients(layout, g, present, power: float, mode: int, out, stream=0,
     n_chunks = layout.chunk_first.size
     if n_chunks:
         kernel = reduce_gradients_kernel if fmt == NATIVE else reduce_half_gradients_kernel()
-        kernel[max(1, min(n_chunks, MAX_BLOCKS)), THREADS_PER_BLOCK, stream](
-            g, fmt, present, layout.offsets, layout.sizes, layout.chunk_first,
-            layout.chunk_size, float(power), mode, out)
+        launch(kernel, grid(n_chunks), THREADS_PER_BLOCK, stream, g, fmt, present,
+               layout.offsets, layout.sizes, layout.chunk_first, layout.chunk_size,
+               float(power), mode, out)
 
 
 def combine_reduction(out: np.ndarray, mode: int) -> tuple[float, int]:
@@ -363,6 +391,7 @@ class CudaBackend:
     fill_kernel = staticmethod(fill_kernel)
     add_kernel = staticmethod(add_kernel)
     lerp_kernel = staticmethod(lerp_kernel)
+    exact_lerp_kernel = staticmethod(exact_lerp_kernel)
     half_kernels = staticmethod(half_kernels)
 
     @staticmethod
@@ -384,5 +413,5 @@ class CudaBackend:
 
 
 __all__ = ["CudaBackend", "CompiledRule", "compile_rule", "compile_coded", "THREADS_PER_BLOCK", "NO_FMA_MARKER",
-           "no_fma_options", "lerp_kernel", "add_kernel", "fill_kernel", "reduce_gradients", "combine_reduction",
+           "no_fma_options", "lerp_kernel", "exact_lerp_kernel", "add_kernel", "fill_kernel", "reduce_gradients", "combine_reduction",
            "launch_elementwise"]

@@ -31,23 +31,23 @@ import numpy as np
 from numba import float32, float64, uint32, int32, uint64
 
 from ._bind import bind, bind_functions, instantiate
-from ._cuda_import import numba_cuda, simulated
+from ._cuda_import import simulated
 from .arithmetic import (portable_hash32, simulated_f32_bits, simulated_f32_from_bits,
                          simulated_fma)
 from .coded import (BF16, CODEC_FINGERPRINT, F16, KAHAN, MASTER, NATIVE, NEAREST, Q8_SIGNED,
-                    Q8_UNSIGNED, ROWS, STOCHASTIC)
+                    Q8_UNSIGNED, ROWS, SPAN_ARRAYS, STOCHASTIC)
 from .coded_views import CODEC_FUNCTIONS
+from .cuda_launch import Source, cuda, grid, launch, make
 from .rule import Rule
 from .storage import BLOCK
-
-cuda = numba_cuda()
 
 ROWS_MAX = 8
 """Rows of a thread's scratch: params, grads, up to four slots, the old parameter and the
 Kahan compensation (``ROWS`` takes two to six arrays)."""
 SUMS_MAX = 4
 """Per-parameter totals a coded reduce pass may return (LAMB, caution: two)."""
-MAX_BLOCKS = 65_535
+STATE_ROWS = SPAN_ARRAYS - 2
+"""State slots a span takes (a constant: the 8-bit walk's shared array is this shape)."""
 
 
 def cuda_f32_bits(x):
@@ -81,7 +81,8 @@ def load_value(raw, fmt, scales, tables, i):
     if fmt == F16:
         return f16_decode(raw.view(np.uint16)[i])  # noqa: F821
     if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
-        return q8_decode(raw[i], tables[fmt - Q8_SIGNED], scales[i // BLOCK])  # noqa: F821
+        return q8_decode(raw[i], tables[fmt - Q8_SIGNED],  # noqa: F821
+                         scales[i // uint64(BLOCK)])
     return float32(0.0)
 
 
@@ -169,6 +170,12 @@ def store_element(stored, formats, absmax, tables, rounding, mode, seed, draw, s
                         uint64(j))
 
 
+def store_code(stored, fmt, j, i, value, largest):
+    """Element ``i`` of the 8-bit array ``j`` = the code of ``value`` in a block whose
+    largest magnitude is ``largest``."""
+    stored[j][i] = q8_code(value * q8_scale(largest), fmt == Q8_SIGNED)  # noqa: F821
+
+
 def block_absmax(shared, value, active):
     """The largest ``|value|`` over the ``BLOCK`` threads of the block (all must call),
     counting only ``active`` threads, NaN skipped: ``storage.q8_block_absmax``'s maximum,
@@ -189,7 +196,7 @@ def block_absmax(shared, value, active):
 
 
 ELEMENT_FUNCTIONS = (load_value, store_value, half_value, half_bits, half_nearest,
-                     load_element, store_element, block_absmax)
+                     load_element, store_element, store_code, block_absmax)
 
 
 # ----------------------------------------------------------------------------- 16-bit arrays
@@ -224,34 +231,44 @@ def half_kernels() -> dict:
         functions = codec()
         for name, template in (("add", _half_add), ("decode", _half_decode),
                                ("encode", _half_encode)):
-            _half_kernels[name] = cuda.jit(instantiate(
+            _half_kernels[name] = make(instantiate(
                 template, f"half_{name}_{CODEC_FINGERPRINT}", half_value=functions["half_value"],
-                half_bits=functions["half_bits"]))
+                half_bits=functions["half_bits"]), Source(half_kernels))
     return _half_kernels
 
 
 # ----------------------------------------------------------------------------- walks
+def step_element(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
+                 columns, flags, scratch, k, i, grad_multiplier, scale_grads):
+    """Element ``i`` of parameter ``k`` stepped: loaded into ``scratch``, the rule's span
+    over it, stored (8-bit state is left in ``scratch``: its block stores it). Bound per rule
+    (``span``, ``as_rows``) and shared by the walks and ``bench/cuda_traffic.py``'s probes."""
+    n_arrays = len(formats) - 2
+    load_element(stored, formats, absmax, tables, mode, seed, draw, scratch, i, scale_grads,
+                 grad_multiplier, n_arrays)
+    span(as_rows(scratch), scalars, columns, flags, k, 0, 1, 1)  # noqa: F821 (bound)
+    store_element(stored, formats, absmax, tables, rounding, mode, seed, draw, scratch, i,
+                  n_arrays)
+
+
 def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
                      columns, flags, present, offsets, sizes, chunk_first, chunk_size, total,
                      grad_multiplier, scale_grads):
     """Buffers without 8-bit state: each thread loads, steps and stores its elements."""
     n_params = offsets.size
-    n_arrays = len(formats) - 2
     scratch = cuda.local.array((ROWS_MAX, 1), float32)
-    rows = as_rows(scratch)  # noqa: F821 (bound: the rule's arrays)
     for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                for i in range(max(lo, offsets[k]) + cuda.threadIdx.x,
-                               min(hi, offsets[k] + sizes[k]), cuda.blockDim.x):
-                    load_element(stored, formats, absmax, tables, mode, seed, draw, scratch,
-                                 i, scale_grads, grad_multiplier, n_arrays)
-                    span(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821 (bound)
-                    store_element(stored, formats, absmax, tables, rounding, mode, seed,
-                                  draw, scratch, i, n_arrays)
+                for i in range(uint64(max(lo, offsets[k]) + cuda.threadIdx.x),
+                               uint64(min(hi, offsets[k] + sizes[k])),
+                               uint64(cuda.blockDim.x)):  # unsigned: no negative-index wrap
+                    step_element(stored, formats, absmax, tables, rounding, mode,  # noqa: F821
+                                 seed, draw, scalars, columns, flags, scratch, k, i,
+                                 grad_multiplier, scale_grads)
             k += 1
 
 
@@ -260,38 +277,40 @@ def _coded_block_walk(stored, formats, absmax, tables, rounding, mode, seed, dra
                       grad_multiplier, scale_grads):
     """Buffers with 8-bit state, launched with ``BLOCK`` threads: the overlaps in 8-bit
     blocks (as the CPU cuts them: from the overlap's start, which parameters and chunks
-    align to ``BLOCK``), thread ``t`` owning element ``t`` of the block."""
+    align to ``BLOCK``), thread ``t`` owning element ``t`` of the block. Each thread keeps
+    its new state values in shared memory (``kept``) while the block reduces each 8-bit slot's
+    absmax, rather than in registers across the reductions (which made the walk spill)."""
     n_params = offsets.size
     n_arrays = len(formats) - 2
     scratch = cuda.local.array((ROWS_MAX, 1), float32)
-    rows = as_rows(scratch)  # noqa: F821
     shared = cuda.shared.array(BLOCK, float32)
+    kept = cuda.shared.array((STATE_ROWS, BLOCK), float32)
     t = cuda.threadIdx.x
+    block = uint64(BLOCK)
     for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                last = min(hi, offsets[k] + sizes[k])
-                for first in range(max(lo, offsets[k]), last, BLOCK):
-                    i = first + t
+                last = uint64(min(hi, offsets[k] + sizes[k]))
+                for first in range(uint64(max(lo, offsets[k])), last, block):
+                    i = first + uint64(t)
                     active = i < last
                     if active:
-                        load_element(stored, formats, absmax, tables, mode, seed, draw,
-                                     scratch, i, scale_grads, grad_multiplier, n_arrays)
-                        span(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821
-                        store_element(stored, formats, absmax, tables, rounding, mode,
-                                      seed, draw, scratch, i, n_arrays)
+                        step_element(stored, formats, absmax, tables, rounding,  # noqa: F821
+                                     mode, seed, draw, scalars, columns, flags, scratch, k, i,
+                                     grad_multiplier, scale_grads)
+                        for j in range(2, n_arrays):
+                            kept[j - 2, t] = scratch[j, 0]
                     for j in range(2, n_arrays):
                         fmt = formats[j]
                         if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
-                            largest = block_absmax(shared, scratch[j, 0], active)
+                            largest = block_absmax(shared, kept[j - 2, t], active)
                             if active:
-                                stored[j][i] = q8_code(  # noqa: F821
-                                    scratch[j, 0] * q8_scale(largest), fmt == Q8_SIGNED)  # noqa: F821
+                                store_code(stored, fmt, j, i, kept[j - 2, t], largest)
                             if t == 0:
-                                absmax[j][first // BLOCK] = largest
+                                absmax[j][first // block] = largest
             k += 1
 
 
@@ -299,7 +318,9 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
                        columns, flags, present, offsets, sizes, chunk_first, chunk_size, total,
                        sums, grad_multiplier, scale_grads):
     """The rule's reduce over loaded elements: each thread's partial totals per segment,
-    added into ``sums[k]`` atomically (in no fixed order, as the plain CUDA reduce)."""
+    added into ``sums[k]`` atomically (in no fixed order, as the plain CUDA reduce). The
+    partial totals are indexed only by constants once the loops over ``SUMS_MAX`` unroll, so
+    they stay in registers (a runtime index puts an array in local memory)."""
     n_params = offsets.size
     n_arrays = len(formats) - 2
     n_sums = sums.shape[1]
@@ -312,17 +333,19 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                for j in range(n_sums):
+                for j in range(SUMS_MAX):
                     partial[j] = 0.0
-                for i in range(max(lo, offsets[k]) + cuda.threadIdx.x,
-                               min(hi, offsets[k] + sizes[k]), cuda.blockDim.x):
+                for i in range(uint64(max(lo, offsets[k]) + cuda.threadIdx.x),
+                               uint64(min(hi, offsets[k] + sizes[k])),
+                               uint64(cuda.blockDim.x)):
                     load_element(stored, formats, absmax, tables, mode, seed, draw, scratch,
                                  i, scale_grads, grad_multiplier, n_arrays)
                     values = reduce(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821
-                    for j in range(n_sums):
+                    for j in range(len(values)):
                         partial[j] += values[j]
-                for j in range(n_sums):
-                    cuda.atomic.add(sums, (k, j), partial[j])
+                for j in range(SUMS_MAX):
+                    if j < n_sums:
+                        cuda.atomic.add(sums, (k, j), partial[j])
             k += 1
 
 
@@ -353,8 +376,7 @@ def codec() -> dict:
 def _launch(kernel, layout, blocks, threads, stream, *args) -> None:
     n_chunks = layout.chunk_first.size
     if n_chunks:
-        grid = max(1, min(n_chunks, MAX_BLOCKS)) if blocks is None else blocks
-        kernel[grid, threads, stream](*args)
+        launch(kernel, grid(n_chunks) if blocks is None else blocks, threads, stream, *args)
 
 
 class CudaCodedKernels:
@@ -391,9 +413,23 @@ class CudaCodedKernels:
 _compiled: dict[str, CudaCodedKernels] = {}
 
 
-def compile_coded(rule: Rule, plain, key: str) -> CudaCodedKernels:
+def coded_functions(rule: Rule) -> dict:
+    """The device functions the coded walks of ``rule`` call, by name: the codec, the
+    per-element functions, the rule's span and reduce, and ``step_element`` over them."""
+    device = cuda.jit(device=True)
+    functions = bind(rule, device, {"fma": fma_primitive()})
+    bound = {"as_rows": device(ROWS[2 + len(rule.slots)]), **codec(),
+             "span": functions[rule.span.__name__]}
+    if rule.reduce is not None:
+        bound["reduce"] = functions[rule.reduce.__name__]
+    bound["step_element"] = device(instantiate(step_element, "step_element", **bound))
+    return bound
+
+
+def compile_coded(rule: Rule, plain, key: str, source: Source) -> CudaCodedKernels:
     """The coded walks of ``rule`` on CUDA beside its ``plain`` CUDA kernels, once per
-    ``key`` (the plain kernels' key: rule, fingerprint, exactness)."""
+    ``key`` (the plain kernels' key: rule, fingerprint, exactness); ``source`` makes them
+    again (``kernels.cuda.compile_coded``)."""
     key = f"{key}_{CODEC_FINGERPRINT}"
     compiled = _compiled.get(key)
     if compiled is None:
@@ -403,20 +439,16 @@ def compile_coded(rule: Rule, plain, key: str) -> CudaCodedKernels:
                             f"{max(ROWS)} arrays and at most {SUMS_MAX} reductions")
         if n_arrays + 2 > ROWS_MAX:
             raise TypeError(f"rule {rule.name!r}: too many arrays for the CUDA codec walk")
-        device = cuda.jit(device=True)
-        functions = bind(rule, device, {"fma": fma_primitive()})
-        bound = {"as_rows": device(ROWS[n_arrays]), **codec()}
-        step = cuda.jit(instantiate(_coded_step_walk, f"coded_step_{key}",
-                                    span=functions[rule.span.__name__], **bound))
-        block_step = cuda.jit(instantiate(_coded_block_walk, f"coded_block_{key}",
-                                          span=functions[rule.span.__name__], **bound))
+        bound = coded_functions(rule)
+        step = make(instantiate(_coded_step_walk, f"coded_step_{key}", **bound), source)
+        block_step = make(instantiate(_coded_block_walk, f"coded_block_{key}", **bound), source)
         reduce = None
         if rule.reduce is not None:
-            reduce = cuda.jit(instantiate(_coded_reduce_walk, f"coded_reduce_{key}",
-                                          reduce=functions[rule.reduce.__name__], **bound))
+            reduce = make(instantiate(_coded_reduce_walk, f"coded_reduce_{key}", **bound),
+                          source)
         compiled = _compiled[key] = CudaCodedKernels(step, block_step, reduce, plain)
     return compiled
 
 
-__all__ = ["CudaCodedKernels", "compile_coded", "codec", "fma_primitive", "half_kernels",
-           "ELEMENT_FUNCTIONS"]
+__all__ = ["CudaCodedKernels", "compile_coded", "coded_functions", "codec", "fma_primitive",
+           "half_kernels", "step_element", "ELEMENT_FUNCTIONS"]
