@@ -3,7 +3,7 @@
 Found by running flatopt, not from a list: every registered optimizer (``flatopt.registry``)
 with its parameters in each dtype the flat buffers take (``flatopt._layout.SUPPORTED_DTYPES``)
 and, where its schema has a coded form, in every storage layout the settings of
-``flatopt/_storage.py`` give (16-bit parameters, ``HALF_DTYPES``, with each of ``ROUNDINGS``
+``flatopt/_storage.py`` give (16-bit parameters, ``HALF_NAMES``, with each of ``ROUNDINGS``
 or master weights, float32 gradients, each of ``STATE_DTYPES``; the combinations it refuses
 left out), with its default settings and with each of its flags turned; each on
 ``device="cuda"`` with ``bit_exact`` off and on, and on the CUDA backend over host arrays (the
@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 import flatopt
-from flatopt import _layout, _lossless, _storage
+from flatopt import _layout, _storage
 from flatopt.errors import HyperparameterError
 from flatopt.kernels._cuda_import import simulated
 from flatopt.kernels.cuda_launch import recording
@@ -99,7 +99,7 @@ def _storages(schema) -> list[tuple[str, tuple]]:
         return []
     modes = [{"rounding": r} for r in _storage.ROUNDINGS] + [{"master_weights": True}]
     found = []
-    for dtype in (*_storage.HALF_DTYPES, _storage.FLOAT32):
+    for dtype in (*map(_storage.numpy_dtype, _storage.HALF_NAMES), _storage.FLOAT32):
         for mode, state, grad in itertools.product(modes, (None, *_storage.STATE_DTYPES),
                                                    (None, "float32")):
             keywords = {**mode, "state_dtype": state, "grad_dtype": grad}
@@ -109,7 +109,7 @@ def _storages(schema) -> list[tuple[str, tuple]]:
             except (_storage.StorageProblem, HyperparameterError):
                 continue
             half_only = storage.master_weights or storage.rounding != "nearest" or grad
-            if resolved.plain or (half_only and dtype not in _storage.HALF_DTYPES):
+            if resolved.plain or (half_only and not _storage.is_half(dtype)):
                 continue
             found.append((_storage.dtype_name(dtype), tuple(sorted(
                 (k, v) for k, v in storage.as_dict().items() if v != getattr(
@@ -175,7 +175,7 @@ HOST_SHAPES = {"w": (3, 4), "b": (3,)}
 def _parameters(schema, dtype: str, rng, shapes: dict) -> dict:
     shapes = {k: s for k, s in shapes.items()
               if schema.param_problem is None or schema.param_problem(s) is None}
-    return {k: rng.standard_normal(s).astype(_lossless.NUMPY_DTYPES[dtype])
+    return {k: rng.standard_normal(s).astype(_storage.numpy_dtype(dtype))
             for k, s in shapes.items()}
 
 
