@@ -13,7 +13,8 @@ from ._views import Gradients, ParamViews
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                      CheckpointOptionError, DeviceError, EnvironmentVariableError, FlatoptError,
                      GradientError, GroupAssignmentError, HyperparameterError, ModeError,
-                     NonFiniteGradientWarning, ParamError, StateDictError, StepLimitError,
+                     NonFiniteGradientWarning, ParamError, RuleDefinitionError, StateDictError,
+                     StepLimitError,
                      UnknownGradientError, UnknownPathError)
 from .grouping import group_by_pattern
 from .optimizer import BufferState, Optimizer
@@ -34,6 +35,9 @@ from .kernels.threads import get_policy as get_parallel_policy
 from .kernels.threads import set_policy as set_parallel_policy
 
 from . import lr_scheduler  # noqa: E402 (it builds on the optimizer classes above)
+from . import transforms  # noqa: E402 (user rules build on the optimizer class above)
+from .custom import define_optimizer  # noqa: E402
+from .transforms import chain  # noqa: E402
 
 from ._version import __version__
 
@@ -54,7 +58,7 @@ __all__ = [
     "NAdam", "ASGD", "Adagrad", "LAMB", "Muon", "Adafactor", "ADOPT",
     "ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam", "Prodigy", "AdEMAMix",
     "Optimizer",
-    "group_by_pattern", "lr_scheduler",
+    "group_by_pattern", "lr_scheduler", "define_optimizer", "chain", "transforms",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA", "Lookahead",
     "set_parallel_policy", "get_parallel_policy",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",
@@ -68,6 +72,7 @@ __all__ = [
     "FlatoptError", "DeviceError", "ParamError", "HyperparameterError", "GroupAssignmentError",
     "GradientError", "ModeError", "StateDictError", "StepLimitError", "UnknownPathError",
     "UnknownGradientError", "EnvironmentVariableError", "NonFiniteGradientWarning",
+    "RuleDefinitionError",
     "save", "load", "read", "LoadResult", "CheckpointData", "Difference",
     "CheckpointError", "CheckpointMismatch", "CheckpointCorrupt", "CheckpointOptionError",
     "__version__",

@@ -44,6 +44,14 @@ class StepLimitError(FlatoptError, OverflowError):
     draws of a reduced-precision buffer. Nothing was changed."""
 
 
+class RuleDefinitionError(FlatoptError, TypeError):
+    """A user-defined rule (:func:`flatopt.define_optimizer`, :func:`flatopt.chain`) cannot
+    become an optimizer: a name that clashes, an update that Numba cannot compile or that gives
+    NaN from finite inputs, a state slot it never writes, a hyperparameter nothing reads. The
+    message names the rule and the function or name at fault. Raised when the rule is defined,
+    before any optimizer or buffer exists."""
+
+
 class StateDictError(FlatoptError, ValueError):
     """An in-memory state dict does not fit the optimizer it is loaded into."""
 

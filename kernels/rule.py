@@ -118,6 +118,9 @@ class Rule:
     kernel holds only the loop it runs (``kernels/variants.py``). Other backends read them at
     run time like any flag."""
     per_parameter: Callable | None = None
+    generated: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    """The source of functions made at run time (``flatopt.custom``: a user rule's span and
+    prepare), by function name; the others' is read from their files."""
     fingerprint: str = field(init=False)
     """A digest of the rule's source: compiled kernels are cached under it, so editing a
     rule can never load a stale kernel from Numba's on-disk cache."""
@@ -141,7 +144,8 @@ class Rule:
         digest = hashlib.sha256()
         sources = {}
         for function in (*self.functions, *filter(None, [self.per_parameter])):
-            sources[function.__name__] = inspect.getsource(function)
+            sources[function.__name__] = (self.generated.get(function.__name__)
+                                          or inspect.getsource(function))
             digest.update(sources[function.__name__].encode())
         object.__setattr__(self, "sources", sources)
         for layout in (self.scalars, self.prepare_scalars, self.flags):
