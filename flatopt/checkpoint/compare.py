@@ -169,9 +169,13 @@ def compare(ck: Contents, opt: Optimizer, *, rename, hyperparameters: str | None
     """Every difference between ``ck`` and ``opt``, and the load plan."""
     result = Comparison()
     if ck.schema is not opt.schema:
+        redefined = ck.schema.name == opt.schema.name  # flatopt.define_optimizer replaced it
         result.differences.append(Difference(
             "optimizer", "file", ck.schema.name, opt.schema.name,
-            note="state of one optimizer kind cannot be loaded into another"))
+            note=("this optimizer's class was defined again since it was made (a user rule "
+                  "of the same name replaced it): make the optimizer from the current class"
+                  if redefined else "state of one optimizer kind cannot be loaded into "
+                                    "another")))
     _match_paths(_renamed(ck, rename, result.differences), opt, result)
     _compare_storage(ck, opt, result)
     _compare_groups(ck, opt, result, hyperparameters=hyperparameters, regroup=regroup,

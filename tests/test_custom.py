@@ -1,0 +1,311 @@
+"""User-defined rules (flatopt.define_optimizer): every mistake a user can make is a typed
+RuleDefinitionError raised before an optimizer exists, naming the rule and what is wrong; a
+defined rule is an optimizer like the built-in ones (groups, missing gradients, schedulers,
+clipping, reduced precision, state dicts, checkpoints, versions, CUDA)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import flatopt
+from flatopt import registry
+from flatopt.custom import define_optimizer
+from flatopt.errors import HyperparameterError, RuleDefinitionError
+from flatopt.schema import Hyperparameter, Slot, non_negative
+
+from checkpoint_helpers import check_round_trip
+
+
+# ----------------------------------------------------------------------------- a small rule
+def momentum_update(p, g, m, lr, beta, one_minus_beta, decay, nesterov):
+    m = beta * m + one_minus_beta * g
+    if nesterov:
+        p = p * decay - lr * (g + beta * m)
+    else:
+        p = p * decay - lr * m
+    return p, m
+
+
+def momentum_derived(lr, beta, weight_decay):
+    return {"one_minus_beta": 1.0 - beta, "decay": 1.0 - lr * weight_decay}
+
+
+MOMENTUM = dict(state=("m",), derived=momentum_derived,
+                hyperparameters={"lr": Hyperparameter(0.01, non_negative, (0.01, 0.1)),
+                                 "beta": 0.9, "weight_decay": 0.0, "nesterov": False})
+
+
+def momentum_reference(p, grads, lr=0.01, beta=0.9, weight_decay=0.0, nesterov=False):
+    """The rule in float64 NumPy."""
+    p, m = p.astype(np.float64), np.zeros(p.shape)
+    for g in grads:
+        m = beta * m + (1 - beta) * g
+        p = p * (1 - lr * weight_decay) - lr * ((g + beta * m) if nesterov else m)
+    return p
+
+
+@pytest.fixture
+def momentum():
+    cls = define_optimizer("MomentumTest", momentum_update, **MOMENTUM)
+    yield cls
+    registry.unregister("MomentumTest")
+
+
+def test_a_defined_rule_steps_like_its_reference(momentum):
+    rng = np.random.default_rng(0)
+    p = {"a": rng.standard_normal((3, 5)), "b": rng.standard_normal(7)}
+    grads = [{k: rng.standard_normal(v.shape) for k, v in p.items()} for _ in range(4)]
+    opt = momentum([{"params": {"a": p["a"].copy()}, "nesterov": True, "weight_decay": 0.1},
+                    {"params": {"b": p["b"].copy()}, "lr": 0.1}])
+    for g in grads:
+        opt.step(g)
+    np.testing.assert_allclose(opt.params["a"], momentum_reference(
+        p["a"], [g["a"] for g in grads], nesterov=True, weight_decay=0.1), rtol=1e-13)
+    np.testing.assert_allclose(opt.params["b"], momentum_reference(
+        p["b"], [g["b"] for g in grads], lr=0.1), rtol=1e-13)
+    assert opt.state_of("a").step == 4 and isinstance(opt, flatopt.Optimizer)
+    assert registry.lookup("MomentumTest") is momentum
+
+
+def test_a_missing_gradient_leaves_its_parameter_and_step_count(momentum):
+    opt = momentum({"a": np.ones(4), "b": np.ones(3)})
+    opt.step({"a": np.ones(4), "b": np.ones(3)})
+    before = opt.params["b"].copy()
+    opt.step({"a": np.ones(4)})
+    assert opt.state_of("a").step == 2 and opt.state_of("b").step == 1
+    np.testing.assert_array_equal(opt.params["b"], before)
+
+
+def test_float32_buffers_stay_float32_and_match_float64_closely(momentum):
+    rng = np.random.default_rng(1)
+    p = rng.standard_normal(1000)
+    grads = [rng.standard_normal(1000) for _ in range(5)]
+    opt = momentum({"w": p.astype(np.float32)}, lr=0.05)
+    for g in grads:
+        opt.step({"w": g.astype(np.float32)})
+    assert opt.params["w"].dtype == np.float32 and opt.state_of("w").m.dtype == np.float32
+    np.testing.assert_allclose(opt.params["w"], momentum_reference(p, grads, lr=0.05),
+                               rtol=2e-5, atol=2e-6)
+
+
+def test_schedulers_and_clipping_take_a_defined_rule(momentum):
+    opt = momentum({"w": np.ones(8)}, lr=0.1)
+    scheduler = flatopt.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    result = opt.step({"w": np.full(8, 10.0)}, max_grad_norm=1.0)
+    scheduler.step()
+    assert result.grad_norm == pytest.approx(math.sqrt(8) * 10)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    clipped = 10.0 * 1.0 / (math.sqrt(8) * 10 + 1e-6)
+    np.testing.assert_allclose(opt.params["w"], 1 - 0.1 * 0.1 * clipped, rtol=1e-12)
+
+
+def test_bad_hyperparameter_values_are_refused_by_the_declared_checks(momentum):
+    with pytest.raises(HyperparameterError, match="lr"):
+        momentum({"w": np.ones(3)}, lr=-1.0)
+    with pytest.raises(HyperparameterError, match="nesterov"):
+        momentum({"w": np.ones(3)}, nesterov=1)
+    with pytest.raises(HyperparameterError, match="beta"):
+        momentum({"w": np.ones(3)}, beta=float("nan"))
+    with pytest.raises(HyperparameterError, match="momentum"):
+        momentum({"w": np.ones(3)}, momentum=0.9)  # not one of its names
+
+
+def test_a_defined_rule_round_trips_through_checkpoints_and_state_dicts(momentum, tmp_path):
+    check_round_trip("MomentumTest", tmp_path)
+    opt = momentum({"w": np.arange(5.0)})
+    opt.step({"w": np.ones(5)})
+    twin = momentum({"w": opt.params["w"].copy()})  # a state dict holds no parameters
+    twin.load_state_dict(opt.state_dict())
+    for o in (opt, twin):
+        o.step({"w": np.full(5, 0.5)})
+    assert opt.params["w"].tobytes() == twin.params["w"].tobytes()
+
+
+def test_reduced_precision_storage_takes_a_defined_rule(momentum):
+    import ml_dtypes
+
+    rng = np.random.default_rng(2)
+    p = rng.standard_normal(300).astype(ml_dtypes.bfloat16)
+    opt = momentum({"w": p}, master_weights=True)
+    for _ in range(3):
+        opt.step({"w": rng.standard_normal(300).astype(ml_dtypes.bfloat16)})
+    assert opt.params["w"].dtype == np.dtype(ml_dtypes.bfloat16)
+    assert np.isfinite(opt.params["w"].astype(np.float32)).all()
+
+
+def test_a_hyperparameter_added_in_a_later_version_loads_older_files(tmp_path):
+    def v1_update(p, g, lr):
+        p = p - lr * g
+        return p
+
+    def v2_update(p, g, lr, scale):
+        p = p - lr * scale * g
+        return p
+
+    try:
+        v1 = define_optimizer("VersionedTest", v1_update, hyperparameters={"lr": 0.1})
+        opt = v1({"w": np.ones(3)})
+        opt.step({"w": np.ones(3)})
+        flatopt.save(tmp_path / "v1.h5", opt)
+        v2 = define_optimizer("VersionedTest", v2_update, version=2, hyperparameters={
+            "lr": 0.1, "scale": Hyperparameter(1.0, non_negative, (1.0, 2.0), since=2)})
+        resumed = v2({"w": np.zeros(3)}, scale=3.0)
+        flatopt.load(tmp_path / "v1.h5", resumed, hyperparameters="saved")
+        assert resumed.param_groups[0]["scale"] == 1.0  # the old file's meaning
+        np.testing.assert_array_equal(resumed.params["w"], np.full(3, 0.9))
+        flatopt.save(tmp_path / "v2.h5", resumed)
+        with pytest.raises(flatopt.CheckpointError, match="defined again"):
+            flatopt.load(tmp_path / "v2.h5", v1({"w": np.zeros(3)}))
+        v1 = define_optimizer("VersionedTest", v1_update, hyperparameters={"lr": 0.1})
+        with pytest.raises(flatopt.CheckpointError, match="schema version 2"):
+            flatopt.load(tmp_path / "v2.h5", v1({"w": np.zeros(3)}))
+    finally:
+        registry.unregister("VersionedTest")
+
+
+def test_the_cuda_backend_takes_a_defined_rule(momentum):
+    pytest.importorskip("numba_cuda")
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal((4, 33)).astype(np.float32)
+    grads = [rng.standard_normal((4, 33)).astype(np.float32) for _ in range(3)]
+    cpu, gpu = momentum({"w": p.copy()}, nesterov=True), momentum({"w": p.copy()},
+                                                                   nesterov=True, device="cuda")
+    for g in grads:
+        cpu.step({"w": g})
+        gpu.step({"w": g})
+    host = [a if isinstance(a, np.ndarray) else a.copy_to_host()
+            for a in (gpu.params["w"], gpu.state_of("w").m)]
+    np.testing.assert_allclose(host[0], cpu.params["w"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(host[1], cpu.state_of("w").m, rtol=1e-5, atol=1e-6)
+    assert gpu.state_of("w").step == 3
+
+
+# ----------------------------------------------------------------------------- mistakes
+def plain(p, g, lr):
+    p = p - lr * g
+    return p
+
+
+def never_writes_m(p, g, m, lr):
+    p = p - lr * g
+    return p, m
+
+
+def wrong_count(p, g, m, lr):
+    m = g
+    p = p - lr * m
+    return p
+
+
+def gives_nan(p, g, m, lr):
+    m = m + g * g
+    p = p - lr * g / math.sqrt(m - m)  # 0/0 at a zero gradient
+    return p, m
+
+
+def not_numba(p, g, lr):
+    p = p - lr * len(g)  # a number has no length
+    return p
+
+
+def returns_an_array(p, g, lr):
+    p = p - lr * np.ones(1, np.float32)
+    return p
+
+
+def calls_a_helper(p, g, lr):
+    p = helper_step(p, g, lr)
+    return p
+
+
+def helper_step(p, g, lr):
+    return p - lr * g
+
+
+def with_default(p, g, lr=0.1):
+    p = p - lr * g
+    return p
+
+
+def takes_step(p, g, lr, step):
+    p = p - lr * g * step
+    return p
+
+
+MISTAKES = [
+    ("a name clashing with a built-in optimizer", "Adam", plain, {"hyperparameters": {"lr": 0.1}},
+     "built-in"),
+    ("a lambda", "Mistake", lambda p, g, lr: p, {"hyperparameters": {"lr": 0.1}}, "def"),
+    ("a parameter with a default", "Mistake", with_default, {"hyperparameters": {"lr": 0.1}},
+     "plain positional"),
+    ("a state slot never written", "Mistake", never_writes_m,
+     {"state": ("m",), "hyperparameters": {"lr": 0.1}}, r"never assigns \['m'\]"),
+    ("too few results", "Mistake", wrong_count,
+     {"state": ("m",), "hyperparameters": {"lr": 0.1}}, "returned 1 value"),
+    ("a NaN from finite inputs", "Mistake", gives_nan,
+     {"state": ("m",), "hyperparameters": {"lr": 0.1}}, "non-finite"),
+    ("a body Numba cannot compile", "Mistake", not_numba, {"hyperparameters": {"lr": 0.1}},
+     "does not compile"),
+    ("an array where a number goes", "Mistake", returns_an_array,
+     {"hyperparameters": {"lr": 0.1}}, "must return numbers"),
+    ("a hyperparameter nothing reads", "Mistake", plain,
+     {"hyperparameters": {"lr": 0.1, "beta": 0.9}}, r"\['beta'\] are read by no function"),
+    ("a name update reads that is nothing", "Mistake", plain, {"hyperparameters": {}},
+     r"reads \['lr'\]"),
+    ("the reserved name step", "Mistake", takes_step,
+     {"hyperparameters": {"lr": 0.1, "step": 1.0}}, "reserved"),
+    ("a string default", "Mistake", plain, {"hyperparameters": {"lr": "0.1"}}, "number"),
+    ("a default its check refuses", "Mistake", plain,
+     {"hyperparameters": {"lr": Hyperparameter(-1.0, non_negative)}}, "default"),
+    ("a slot named twice", "Mistake", never_writes_m,
+     {"state": ("m", "m"), "hyperparameters": {"lr": 0.1}}, "twice"),
+    ("a shaped slot", "Mistake", never_writes_m,
+     {"state": {"m": Slot(shape=lambda s: s)}, "hyperparameters": {"lr": 0.1}}, "parallel"),
+    ("per_step without its names", "Mistake", plain,
+     {"hyperparameters": {"lr": 0.1}, "per_step": helper_step}, "go together"),
+    ("an empty name", "", plain, {"hyperparameters": {"lr": 0.1}}, "non-empty"),
+]
+
+
+@pytest.mark.parametrize("what, name, update, options, message", MISTAKES,
+                         ids=[m[0] for m in MISTAKES])
+def test_every_mistake_is_a_typed_error_before_anything_exists(what, name, update, options,
+                                                                message):
+    before = registry.names()
+    with pytest.raises(RuleDefinitionError, match=message):
+        define_optimizer(name, update, **options)
+    assert registry.names() == before
+    assert registry.lookup("Adam") is flatopt.Adam
+
+
+def test_helpers_are_found_and_compiled_with_the_update():
+    try:
+        cls = define_optimizer("HelperTest", calls_a_helper, hyperparameters={"lr": 0.5})
+        opt = cls({"w": np.ones(3, np.float32)})
+        opt.step({"w": np.ones(3, np.float32)})
+        np.testing.assert_array_equal(opt.params["w"], np.full(3, 0.5, np.float32))
+    finally:
+        registry.unregister("HelperTest")
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(lr=st.floats(0, 10), beta=st.floats(0, 0.999), weight_decay=st.floats(0, 1),
+       nesterov=st.booleans(), steps=st.integers(1, 4), data=st.data())
+def test_a_defined_rule_matches_its_reference_for_generated_settings(lr, beta, weight_decay,
+                                                                     nesterov, steps, data):
+    cls = registry.lookup("MomentumTest") or define_optimizer("MomentumTest", momentum_update,
+                                                              **MOMENTUM)
+    size = data.draw(st.integers(0, 40))
+    values = st.floats(-1e3, 1e3)
+    p = np.array(data.draw(st.lists(values, min_size=size, max_size=size)))
+    grads = [np.array(data.draw(st.lists(values, min_size=size, max_size=size)))
+             for _ in range(steps)]
+    opt = cls({"w": p.copy()}, lr=lr, beta=beta, weight_decay=weight_decay, nesterov=nesterov)
+    for g in grads:
+        opt.step({"w": g})
+    np.testing.assert_allclose(opt.params["w"], momentum_reference(
+        p, grads, lr, beta, weight_decay, nesterov), rtol=1e-9, atol=1e-9)
