@@ -49,14 +49,21 @@ from . import registry
 from .kernels._bind import bind_functions
 from .errors import RuleDefinitionError
 from .optimizer import Optimizer
-from .schema import MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, flag, real
+from .schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, flag, real,
+                     step_count)
 from .kernels.rule import Rule
 
 RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream",
                       "bit_exact", "master_weights", "rounding", "state_dtype", "grad_dtype",
-                      "seed", "step", "foreach", "fused", "differentiable", "capturable"})
-"""Names a hyperparameter or value cannot take: group keys, constructor options, and
-``step`` (the per-parameter count ``per_step`` receives)."""
+                      "seed", "step", "group_step", "foreach", "fused", "differentiable",
+                      "capturable"})
+"""Names a hyperparameter or value cannot take: group keys, constructor options, ``step`` (the
+per-parameter count ``per_step`` receives) and ``group_step``."""
+
+GROUP_STEP = "group_step"
+"""A name any function may read: its group's step count, advanced at every step whether or
+not a parameter has a gradient (pytorch-optimizer's and timm's ``group["step"]``; AdEMAMix's).
+Read, it becomes group state of that name (saved with the hyperparameters)."""
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Numba colours its messages
 
@@ -302,12 +309,14 @@ def _checked(name, update, hyperparameters, state, derived, per_step, per_step_v
     if unused:
         raise _fail(name, f"value(s) {unused} are computed but update never reads them")
     _check_writes(name, update, update_parameters, slots, sources)
+    if GROUP_STEP in read:
+        hypers[GROUP_STEP] = Hyperparameter(0, step_count, (0,), state=True)
     return Definition(name, update, slots, hypers, derived, derived_names, per_step,
                       per_step_values, update_reads, per_step_reads, derived_reads)
 
 
 def _known(name: str, what: str, reads: Sequence[str], hypers: Mapping, *others) -> None:
-    known = set(hypers).union(*others)
+    known = set(hypers).union(*others) | {GROUP_STEP}
     unknown = [key for key in reads if key not in known]
     if unknown:
         raise _fail(name, f"{what} reads {unknown}, which are no hyperparameter"
@@ -517,6 +526,7 @@ def _trial(d: Definition) -> tuple[bool, bool]:
     state = np.zeros((len(d.slots), params.size))
     shapes = [True, True]
     for step in range(1, TRIAL_STEPS + 1):
+        values[GROUP_STEP] = step
         if d.per_step is not None:
             result = _run(d, compiled, d.per_step, [np.int64(step)] +
                           [values[v] for v in d.per_step_reads])
@@ -587,12 +597,18 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
     def kernel_flags(self, settings):
         return rule.flags(*[settings[v] for v in flags])
 
+    def before_step(self, settings):
+        if GROUP_STEP not in d.hyperparameters:
+            return None
+        return [{GROUP_STEP: s[GROUP_STEP] + 1} for s in settings]
+
     parameters = [inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
         inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=h.default)
-        for k, h in d.hyperparameters.items()]
+        for k, h in d.hyperparameters.items() if not h.state]
     namespace = {
         "schema": schema, "user_defined": True, "kernel_scalars": kernel_scalars,
         "prepare_scalars": prepare_scalars, "kernel_flags": kernel_flags,
+        "before_step": before_step,
         "__doc__": doc or (f"{d.name}: a user-defined rule stepping every element with "
                            f"{d.update.__name__}()."),
         "__module__": d.update.__module__,

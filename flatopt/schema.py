@@ -84,6 +84,14 @@ def flag(value: Any) -> bool:
     return bool(value)
 
 
+def step_count(value: Any) -> int:
+    """A step count: a whole number in [0, 2**53] (a group's count, group state)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
+            or not 0 <= value <= MAX_STEP:
+        raise Invalid(f"must be a whole number in [0, {MAX_STEP}], got {value!r}")
+    return int(value)
+
+
 def betas(value: Any) -> tuple[float, float]:
     """A pair (beta1, beta2), each in [0, 1)."""
     return beta_tuple(value, 2)

@@ -6,6 +6,7 @@ lines; the process exits non-zero on any failure. Each rank's gradients come fro
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
@@ -13,6 +14,9 @@ import traceback
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+for _position, _argument in enumerate(sys.argv[:-1]):  # --plugin MODULE: registers more
+    if _argument == "--plugin":                        # optimizers, before NAMES is read
+        importlib.import_module(sys.argv[_position + 1])
 
 import flatopt  # noqa: E402
 from flatopt import distributed  # noqa: E402
@@ -570,6 +574,8 @@ if __name__ == "__main__":
     arguments = sys.argv[1:]
     directory = arguments.pop(arguments.index("--dir") + 1) if "--dir" in arguments else ""
     arguments = [a for a in arguments if a != "--dir"]
+    while "--plugin" in arguments:  # imported above
+        del arguments[arguments.index("--plugin"):arguments.index("--plugin") + 2]
     if "--only" in arguments:  # identity for these optimizers only (a focused job)
         ONLY[:] = arguments[arguments.index("--only") + 1:]
         arguments = arguments[:arguments.index("--only")]

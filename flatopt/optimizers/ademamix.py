@@ -12,7 +12,7 @@ from ..kernels.rules import ademamix as rule
 from ..optimizer import Optimizer
 from ..registry import register
 from ..schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, beta_tuple,
-                      non_negative)
+                      non_negative, step_count)
 
 
 class AdEMAMixParamState(NamedTuple):
@@ -39,14 +39,6 @@ def optional_period(value: Any) -> int | None:
     return int(value)
 
 
-def group_step(value: Any) -> int:
-    """A step count: a whole number in [0, 2**53]."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) \
-            or not 0 <= value <= MAX_STEP:
-        raise Invalid(f"must be a whole number in [0, {MAX_STEP}], got {value!r}")
-    return int(value)
-
-
 def _logs_defined(values: Mapping[str, Any]) -> list[str]:
     beta1, _, beta3 = values["betas"]
     if values["t_beta3"] is not None and (beta1 == 0 or beta3 == 0):
@@ -67,7 +59,7 @@ SCHEMA = Schema(
         "weight_decay": Hyperparameter(1e-2, non_negative, (1e-2, 0.0, 0.1)),
         "t_beta3": Hyperparameter(None, optional_period, (None, 8)),
         "t_alpha": Hyperparameter(None, optional_period, (None, 5)),
-        "step": Hyperparameter(0, group_step, (0,), state=True),
+        "step": Hyperparameter(0, step_count, (0,), state=True),
     },
     cross_check=_logs_defined,
     # a state-dict entry holds the three moments; its presence says the parameter has state

@@ -1,0 +1,108 @@
+"""The examples/ rules, written with the public API only (flatopt.define_optimizer), against
+their oracles: pytorch-optimizer's AdaBelief and Adan (float64 within 1e-10, float32 within
+2e-5, several groups, missing gradients), and with everything a built-in rule gets: exact
+resume in a fresh process, ZeRO-1 bit-identical at 2 and 3 ranks, the CUDA simulator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import examples_plugin
+from checkpoint_helpers import check_round_trip
+from test_checkpoint_resume import check_exact_resume
+
+torch = pytest.importorskip("torch")
+pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+
+SHAPES = {"enc.w": (5, 7), "enc.b": (7,), "head.w": (7, 3), "head.b": (3,)}
+# per step: the paths without a gradient
+MISSING = [set(), {"enc.b"}, set(), {"head.w", "head.b"}, set(), {"enc.w"}, set(), set()]
+
+
+def group_settings(name: str) -> list[dict]:
+    """Two groups with different settings: flatopt's names, then the oracle's."""
+    if name == "AdaBelief":
+        return [dict(lr=3e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-16),
+                dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.0, eps=1e-12)]
+    return [dict(lr=3e-3, beta1=0.98, beta2=0.92, beta3=0.99, weight_decay=0.05, eps=1e-8),
+            dict(lr=1e-2, beta1=0.9, beta2=0.9, beta3=0.999, weight_decay=0.0, eps=1e-6)]
+
+
+def oracle_settings(name: str, settings: dict) -> dict:
+    out = {k: v for k, v in settings.items() if not k.startswith("beta")}
+    out["betas"] = tuple(settings[k] for k in sorted(settings) if k.startswith("beta"))
+    return out
+
+
+@pytest.fixture
+def examples():
+    with examples_plugin.registered() as classes:
+        yield dict(zip(examples_plugin.MODULES, classes))
+
+
+@pytest.mark.parametrize("dtype, rtol, atol", [(np.float64, 1e-10, 1e-13),
+                                               (np.float32, 2e-5, 2e-6)],
+                         ids=["float64", "float32"])
+@pytest.mark.parametrize("name", ["AdaBelief", "Adan"])
+def test_matches_pytorch_optimizer(examples, name, dtype, rtol, atol):
+    rng = np.random.default_rng(7)
+    values = {path: rng.standard_normal(shape).astype(dtype) for path, shape in SHAPES.items()}
+    groups = group_settings(name)
+    opt = examples[name]([{"params": {p: values[p].copy() for p in values if p.startswith(g)},
+                           **s} for g, s in zip(("enc", "head"), groups)])
+    tensors = {p: torch.tensor(v.copy(), requires_grad=True) for p, v in values.items()}
+    oracle = getattr(pytorch_optimizer, name)(
+        [{"params": [t for p, t in tensors.items() if p.startswith(g)],
+          **oracle_settings(name, s)} for g, s in zip(("enc", "head"), groups)])
+    for step, missing in enumerate(MISSING):
+        grads = {p: rng.standard_normal(s).astype(dtype) for p, s in SHAPES.items()
+                 if p not in missing}
+        opt.step(grads)
+        for path, tensor in tensors.items():
+            tensor.grad = None if path in missing else torch.tensor(grads[path])
+        oracle.step()
+        for path, tensor in tensors.items():
+            np.testing.assert_allclose(opt.params[path], tensor.detach().numpy(), rtol=rtol,
+                                       atol=atol, err_msg=f"{name} {path} at step {step}")
+    assert opt.state_of("enc.b").step == len(MISSING) - 1  # its own count
+    assert opt.param_groups[0]["group_step"] == len(MISSING)  # the oracle's group["step"]
+
+
+@pytest.mark.parametrize("name", ["AdaBelief", "Adan"])
+def test_examples_round_trip_through_checkpoints(examples, name, tmp_path):
+    check_round_trip(name, tmp_path)
+
+
+@pytest.mark.slow
+def test_examples_resume_exactly_in_a_fresh_process(examples, tmp_path):
+    check_exact_resume(tmp_path, ["AdaBelief", "Adan"], plugins=["examples_register"])
+
+
+@pytest.mark.parametrize("name", ["AdaBelief", "Adan"])
+def test_examples_in_the_cuda_simulator_match_the_cpu(examples, name):
+    pytest.importorskip("numba_cuda")
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal((3, 50)).astype(np.float32)
+    cpu = examples[name]({"w": p.copy()}, weight_decay=0.1)
+    gpu = examples[name]({"w": p.copy()}, weight_decay=0.1, device="cuda")
+    for _ in range(3):
+        g = rng.standard_normal((3, 50)).astype(np.float32)
+        cpu.step({"w": g})
+        gpu.step({"w": g})
+    host = gpu.params["w"]
+    host = host if isinstance(host, np.ndarray) else host.copy_to_host()
+    np.testing.assert_allclose(host, cpu.params["w"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 3])
+def test_examples_under_zero1_are_bit_identical_to_one_process(size):
+    test_mpi = pytest.importorskip("test_mpi")
+    if test_mpi._skip_reason() is not None:
+        pytest.skip(test_mpi._skip_reason())
+    ok = test_mpi.checks_by_rank(test_mpi.run_job(
+        size, "--plugin", "examples_register", "identity", "--only", "AdaBelief", "Adan"), size)
+    for name in ("AdaBelief", "Adan"):
+        assert ok.get(f"identity {name} at {size} ranks") == set(range(size)), name
