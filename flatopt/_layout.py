@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -165,7 +165,9 @@ class FlatBuffer:
     ``stale[slot]`` that its gradient values are left over from before it went missing
     (``opt.grads[path]`` zeroes them when the view is next taken);
     ``columns`` holds the rule's per-parameter arrays (step counts, flags, bias corrections),
-    ``kernel_columns`` the same arrays in the order the rule's kernels take them.
+    ``kernel_columns`` the same arrays in the order the rule's kernels take them;
+    ``constants`` (name -> path -> value) fills columns that are constants of each
+    parameter (``Optimizer.path_columns``: a chain's masks), which loads leave alone.
 
     ``storage`` (a :class:`flatopt._storage.BufferStorage`) says how they are stored: by
     default everything in the parameters' dtype; with reduced precision ``params`` and
@@ -182,7 +184,7 @@ class FlatBuffer:
                  paths: Sequence[str], shapes: Sequence[tuple[int, ...]],
                  columns: dict[str, np.dtype] | None = None,
                  shaped_slots: dict[str, Callable[[tuple], tuple | None]] | None = None,
-                 storage=None):
+                 storage=None, constants: Mapping[str, Mapping[str, float]] | None = None):
         self.number = number
         self.group = group
         self.storage = storage
@@ -225,6 +227,8 @@ class FlatBuffer:
         self.columns: dict[str, np.ndarray] = {
             name: np.zeros(len(self.paths), dtype=column_dtype)
             for name, column_dtype in (columns or {}).items()}
+        for name, values in (constants or {}).items():  # Optimizer.path_columns
+            self.columns[name][...] = [values[path] for path in self.paths]
         self.kernel_columns = tuple(self.columns.values())
         self.slot_layouts = {name: SlotLayout([shape_of(s) for s in self.shapes], self.dtype)
                              for name, shape_of in (shaped_slots or {}).items()}

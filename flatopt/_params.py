@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ._layout import SUPPORTED_DTYPES
 from ._storage import is_half
-from .errors import HyperparameterError
+from .errors import HyperparameterError, ParamError
 from .schema import Invalid, text
 
 try:  # numpy >= 2
@@ -121,6 +122,29 @@ def torch_implementation_arguments(name: str, arguments: dict) -> None:
         if value is not False:
             raise HyperparameterError(f"{name}: {key}={value!r} has no meaning in flatopt "
                                       f"({why}); leave it out")
+
+
+def constant_columns(columns: Mapping[str, Callable[[str, tuple], Any]],
+                     arrays: list[tuple[str, np.ndarray]]) -> dict[str, dict[str, float]]:
+    """``Optimizer.path_columns`` evaluated for every new parameter, before anything is
+    built: name -> path -> value. A function that raises, or gives no finite number, is a
+    :class:`ParamError` naming the path (nothing has changed yet)."""
+    table: dict[str, dict[str, float]] = {}
+    problems = []
+    for name, function in columns.items():
+        table[name] = {}
+        for path, array in arrays:
+            try:
+                value = float(function(path, tuple(array.shape)))
+                if not math.isfinite(value):
+                    raise ValueError(f"gave {value}")
+            except Exception as exc:  # a user's function: report it, typed
+                problems.append(f"{path!r}: its {name!r} value: {type(exc).__name__}: {exc}")
+                continue
+            table[name][path] = value
+    if problems:
+        raise ParamError("cannot add these parameters: " + "; ".join(problems[:20]))
+    return table
 
 
 def check_entries(schema, group: Mapping, where: str, seen: dict[str, str], index,

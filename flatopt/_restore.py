@@ -153,6 +153,8 @@ def apply(opt, state, settings, params, buffers, *, staging: int | None = None,
     for buf in opt.buffers:
         contents = buffers.get(buf.number)
         for name, column in buf.columns.items():
+            if name in opt.path_columns:
+                continue  # constants of the parameter, not state
             column[...] = contents.columns[name] if contents and \
                 name in contents.columns else 0
         for name, flat in buf.state.items():

@@ -15,7 +15,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 
@@ -48,10 +48,10 @@ class Optimizer:
 
     Subclasses set ``schema`` and implement ``kernel_scalars``, ``kernel_flags`` and (when
     the rule's prepare step takes scalars) ``prepare_scalars``; register them with
-    :func:`flatopt.registry.register` so checkpoints and tools find them.
-    """
+    :func:`flatopt.registry.register` so checkpoints and tools find them."""
 
     schema: ClassVar[Schema]
+    path_columns: ClassVar[Mapping[str, Callable[[str, tuple], float]]] = {}  # _params
 
     def __init__(self, params: Any, **defaults: Any):
         # comm= (an mpi4py communicator): data-parallel ZeRO-1, see flatopt.distributed
@@ -181,8 +181,8 @@ class Optimizer:
                                   "{path: array} with at least one parameter")
         _raise(param_problems, ParamError)
         _raise(hyper_problems, HyperparameterError)
-        infos: list[ParamInfo] = []
-        next_id = len(self.index)
+        constants = _params.constant_columns(self.path_columns, all_arrays)  # ParamError
+        infos, next_id = [], len(self.index)
         resolved = [_storage.resolve_group(self.schema, storage, entries, len(self.param_groups) + n)
                     for n, (_, storage, entries) in enumerate(staged)]
         for n, ((_, _, entries), storages) in enumerate(zip(staged, resolved)):
@@ -192,7 +192,7 @@ class Optimizer:
             ids = {path: next_id + k for k, (path, _) in enumerate(entries)}
             next_id += len(entries)
             infos += self._build_buffers(len(self.param_groups), entries, ids, values,
-                                         storages)
+                                         storages, constants)
             paths = tuple(path for path, _ in entries)
             self.param_groups.append({"params": paths, **values})
             self._storage.append(storage)
@@ -204,8 +204,8 @@ class Optimizer:
         self._device.attach(self.buffers[len(self._device.hosts):])
         self._device.add_views(infos)
 
-    def _build_buffers(self, group: int, entries: list, ids: dict,
-                       settings: Mapping[str, Any], storages: list) -> list[ParamInfo]:
+    def _build_buffers(self, group: int, entries: list, ids: dict, settings: Mapping[str, Any],
+                       storages: list, constants: dict) -> list[ParamInfo]:
         """One buffer per dtype and storage of the group's entries, filled with their values
         (and, for an eager schema, the state its settings use, at its initial values)."""
         rule = self.schema.rule
@@ -217,7 +217,7 @@ class Optimizer:
             buf = FlatBuffer(len(self.buffers), group, storage.compute,
                              [ids[p] for p, _ in members], [p for p, _ in members],
                              [a.shape for _, a in members], columns,
-                             self.schema.shaped_slots, storage)
+                             self.schema.shaped_slots, storage, constants)
             for slot, (path, array) in enumerate(members):
                 buf.view(buf.params, slot)[...] = array
                 _codec.reset_parameter(buf, slot)

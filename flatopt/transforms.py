@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, NamedTuple
 
-from .custom import compile_source, define_optimizer
+from ._rule_source import compile_source
+from .custom import define_optimizer
 from .errors import RuleDefinitionError
 from .optimizer import Optimizer
 from .schema import Hyperparameter, Invalid, Slot, flag, non_negative

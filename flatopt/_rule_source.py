@@ -1,0 +1,305 @@
+"""A user rule's kernel functions, generated as source, and its trial run
+(:func:`flatopt.define_optimizer`'s machinery; ``flatopt/custom.py`` has the contract).
+
+The span and prepare functions the backends' walks call are written as Python source from the
+rule's :class:`Definition` (:func:`span_source`, :func:`prepare_source`), compiled with
+``exec`` and their source registered with ``linecache``, so that ``inspect.getsource`` (the
+rule's fingerprint, and with it Numba's on-disk cache key) and Numba's error messages read
+them. Every value is read into a local once before the element loop, as the built-in spans do.
+"""
+
+from __future__ import annotations
+
+import linecache
+import math
+import numbers
+import re
+import types
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+from numba import njit
+
+from .errors import RuleDefinitionError
+from .kernels._bind import bind_functions
+from .kernels.rule import Rule
+from .schema import Hyperparameter
+
+GROUP_STEP = "group_step"
+"""A name any function may read: its group's step count, advanced at every step whether or
+not a parameter has a gradient (pytorch-optimizer's and timm's ``group["step"]``; AdEMAMix's).
+Read, it becomes group state of that name (saved with the hyperparameters)."""
+
+TRIAL_STEPS = 3
+"""Steps of the trial run :func:`define_optimizer` makes with the default hyperparameters."""
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Numba colours its messages
+
+TRIAL_STEPS = 3
+"""Steps of the trial run :func:`define_optimizer` makes with the default hyperparameters."""
+
+
+
+class Definition(NamedTuple):
+    """A rule's parts after :func:`define_optimizer` checked them (what the generator and the
+    optimizer class read)."""
+
+    name: str
+    update: Callable
+    slots: tuple[str, ...]
+    hyperparameters: dict[str, Hyperparameter]
+    derived: Callable | None
+    derived_names: tuple[str, ...]
+    per_step: Callable | None
+    per_step_values: tuple[str, ...]
+    update_reads: tuple[str, ...]
+    per_step_reads: tuple[str, ...]
+    derived_reads: tuple[str, ...]
+    per_parameter: dict[str, Callable]
+    """Constants of each parameter by name: ``function(path, shape) -> number``."""
+
+
+
+def fail(name: str, message: str) -> RuleDefinitionError:
+    return RuleDefinitionError(f"rule {name!r}: {message}")
+
+
+def identifier(name: str) -> str:
+    cleaned = "".join(c if c.isalnum() else "_" for c in name)
+    return cleaned if cleaned[:1].isalpha() else f"rule_{cleaned}"
+
+
+
+def call_derived(name: str, derived: Callable, reads: Sequence[str],
+                  values: Mapping[str, Any]) -> dict[str, float]:
+    try:
+        result = derived(*[values[key] for key in reads])
+    except Exception as exc:  # a user's function: report what it raised, typed
+        raise fail(name, f"derived {derived.__name__}() raised {type(exc).__name__}: "
+                          f"{exc}") from exc
+    if not isinstance(result, Mapping) or not all(isinstance(k, str) for k in result):
+        raise fail(name, f"derived {derived.__name__}() must return a dict of name -> "
+                          f"number, got {result!r}")
+    out = {}
+    for key, value in result.items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            raise fail(name, f"derived value {key!r} must be a number, got {value!r}")
+        out[key] = float(value)
+    return out
+
+
+
+def helpers(name: str, roots: Sequence[Callable]) -> tuple[Callable, ...]:
+    """The plain functions ``roots`` call by global name, transitively (Numba compiles each
+    alongside); the backends' own primitives (``fma``) are left to the backends."""
+    found: dict[str, Callable] = {}
+    pending = list(roots)
+    while pending:
+        function = pending.pop()
+        for global_name in function.__code__.co_names:
+            value = function.__globals__.get(global_name)
+            value = getattr(value, "py_func", value)  # a function the user jitted already
+            if not isinstance(value, types.FunctionType) or \
+                    value.__module__ == "flatopt.kernels.arithmetic" or \
+                    value in roots or value.__name__ in found:
+                continue
+            if global_name != value.__name__:
+                raise fail(name, f"{function.__name__}() calls {value.__name__}() as "
+                                  f"{global_name!r}; call helpers by their own name")
+            found[value.__name__] = value
+            pending.append(value)
+    return tuple(found.values())
+
+
+def register_source(filename: str, source: str) -> None:
+    """Make ``source`` readable by ``inspect.getsource`` (and Numba's error messages) under
+    ``filename``: ``linecache`` keeps entries whose modification time is None."""
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+
+
+def compile_source(source: str, function_name: str, filename: str,
+                   namespace: dict) -> Callable:
+    """The function ``source`` defines, its source registered for ``inspect``."""
+    register_source(filename, source)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[function_name]
+
+
+def span_source(d: Definition, key: str, scalars: Sequence[str],
+                 columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
+    """The span: the values read into locals once, then ``update`` over the elements."""
+    arrays = ["_p", "_g", *[f"_s{j}" for j in range(len(d.slots))]]
+    lines = [f"def {key}_span(arrays, scalars, columns, flags, k, start, stop, stride):",
+             f"    {', '.join(arrays)}, = arrays"]
+    local = {}
+    for j, value in enumerate(scalars):
+        local[value] = f"_h{j}"
+        lines.append(f"    _h{j} = scalars[{j}]")
+    for j, value in enumerate(columns):
+        if j == 0:
+            continue  # the step count: per_step's, not update's
+        local[value] = f"_c{j}"
+        lines.append(f"    _c{j} = columns[{j}][k]")
+    for j, value in enumerate(flags):
+        local[value] = f"_f{j}"
+        lines.append(f"    _f{j} = flags[{j}]")
+    elements = [f"{a}[i]" for a in arrays]
+    call = f"{d.update.__name__}({', '.join(elements + [local[v] for v in d.update_reads])})"
+    targets = "".join(f"{a}[i], " for a in [arrays[0], *arrays[2:]])
+    targets = targets if returns_tuple else targets[:-2]
+    lines += ["    for i in range(start, stop, stride):", f"        {targets} = {call}", ""]
+    return "\n".join(lines)
+
+
+def prepare_source(d: Definition, key: str, prepare_scalars: Sequence[str],
+                   columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
+    """The prepare: each present parameter's step count, then its ``per_step`` values (which
+    may read the parameter's ``per_parameter`` constants)."""
+    lines = [f"def {key}_prepare(present, columns, scalars, flags, start, stop, stride):",
+             "    _steps = columns[0]"]
+    local = {}
+    for j, value in enumerate(columns[1:], start=1):
+        lines.append(f"    _c{j} = columns[{j}]")
+        if value in d.per_parameter:
+            local[value] = f"_c{j}[k]"
+    for j, value in enumerate(prepare_scalars):
+        local[value] = f"_h{j}"
+        lines.append(f"    _h{j} = scalars[{j}]")
+    for j, value in enumerate(flags):
+        local[value] = f"_f{j}"
+        lines.append(f"    _f{j} = flags[{j}]")
+    lines += ["    for k in range(start, stop, stride):",
+              "        if present[k] != 0:",
+              "            _steps[k] += 1"]
+    if d.per_step is not None:
+        targets = "".join(f"_c{j + 1}[k], " for j in range(len(d.per_step_values)))
+        targets = targets if returns_tuple else targets[:-2]
+        arguments = ", ".join(["_steps[k]", *[local[v] for v in d.per_step_reads]])
+        lines.append(f"            {targets} = {d.per_step.__name__}({arguments})")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def layouts(d: Definition):
+    """The kernel argument layouts: scalars (what ``update`` reads that is a number, in the
+    buffer's dtype), prepare scalars (``per_step``'s numbers, float64), flags (every
+    switch); the columns are the step count, the per_step values, the per_parameter ones."""
+    flags = tuple(k for k, h in d.hyperparameters.items() if h.is_flag)
+    columns = (*d.per_step_values, *d.per_parameter)
+    scalars = tuple(v for v in d.update_reads if v not in flags and v not in columns)
+    prepare = tuple(v for v in d.per_step_reads if v not in flags and v not in d.per_parameter)
+    return scalars, prepare, flags
+
+
+def _layout(name: str, fields: Sequence[str], kind: type) -> type:
+    return NamedTuple(name, [(f, kind) for f in fields])
+
+
+def make_rule(d: Definition, sources: Mapping[str, str], shapes: tuple[bool, bool]) -> Rule:
+    """The kernel rule; ``shapes``: whether update and per_step return tuples (a single
+    value may come bare), as the trial run found."""
+    key = f"user_{identifier(d.name)}"
+    scalars, prepare, flags = layouts(d)
+    columns = ("step", *d.per_step_values, *d.per_parameter)
+    namespace: dict = {f.__name__: f for f in (d.update, d.per_step) if f is not None}
+    texts = {f"{key}_span": span_source(d, key, scalars, columns, flags, shapes[0]),
+             f"{key}_prepare": prepare_source(d, key, prepare, columns, flags, shapes[1])}
+    span, prepare_function = (
+        compile_source(text, name, f"<flatopt rule {d.name!r} {name}>", dict(namespace))
+        for name, text in texts.items())
+    for function in (span, prepare_function):
+        function.__module__ = f"flatopt.custom.{key}"  # its own namespace when bound
+    roots = [d.update, *filter(None, [d.per_step])]
+    called = (*roots, *helpers(d.name, roots))
+    clashes = {h.__name__ for h in called} & set(texts)
+    if clashes:
+        raise fail(d.name, f"function name(s) {sorted(clashes)} are the generated walk's "
+                           "own; rename them")
+    try:
+        return Rule(name=key, span=span, prepare=prepare_function, helpers=called,
+                    slots=d.slots,
+                    columns={"step": "int64", **{v: "param" for v in columns[1:]}},
+                    scalars=_layout(f"{key}_Scalars", scalars, float),
+                    prepare_scalars=_layout(f"{key}_PrepareScalars", prepare, float),
+                    flags=_layout(f"{key}_Flags", flags, bool),
+                    generated={**sources, **texts})
+    except TypeError as exc:
+        raise fail(d.name, str(exc)) from None
+
+
+def trial_run(d: Definition) -> tuple[bool, bool]:
+    """Compile ``update`` and ``per_step`` with Numba (float64, uncached) and run them for
+    :data:`TRIAL_STEPS` steps on sample elements with the default hyperparameters: a typing
+    error, a wrong number of results or a non-finite result from finite inputs fails here,
+    naming the function, before any optimizer exists. Returns whether update and per_step
+    return tuples."""
+    functions = [d.update, *filter(None, [d.per_step])]
+    try:
+        compiled = bind_functions(f"rule {d.name!r}", (*functions, *helpers(d.name, functions)),
+                                  njit(error_model="numpy"))
+    except TypeError as exc:
+        raise fail(d.name, str(exc)) from None
+    defaults = {k: h.default for k, h in d.hyperparameters.items()}
+    values = dict(defaults)
+    if d.derived is not None:
+        values.update(call_derived(d.name, d.derived, d.derived_reads, defaults))
+    for key, function in d.per_parameter.items():
+        try:
+            values[key] = float(function("trial.weight", (8,)))
+        except Exception as exc:  # a user's function: report it, typed
+            raise fail(d.name, f"per_parameter {key!r} raised {type(exc).__name__} for path "
+                               f"'trial.weight', shape (8,): {exc}") from None
+    rng = np.random.default_rng(0)
+    params = np.concatenate([rng.standard_normal(6), [0.0, 1.0]])
+    grads = np.concatenate([rng.standard_normal(6), [0.0, 0.0]])
+    state = np.zeros((len(d.slots), params.size))
+    shapes = [True, True]
+    for step in range(1, TRIAL_STEPS + 1):
+        values[GROUP_STEP] = step
+        if d.per_step is not None:
+            result = _run(d, compiled, d.per_step, [np.int64(step)] +
+                          [values[v] for v in d.per_step_reads])
+            shapes[1] = isinstance(result, tuple)
+            result = result if shapes[1] else (result,)
+            if len(result) != len(d.per_step_values):
+                raise fail(d.name, f"per_step {d.per_step.__name__}() returned "
+                                    f"{len(result)} value(s), per_step_values names "
+                                    f"{len(d.per_step_values)}")
+            values.update(zip(d.per_step_values, map(float, result)))
+            bad = [v for v in d.per_step_values if not math.isfinite(values[v])]
+            if bad:
+                raise fail(d.name, f"per_step gives non-finite {bad} at step {step} with "
+                                    f"the default hyperparameters")
+        for i in range(params.size):
+            before = (params[i], grads[i], *state[:, i])
+            result = _run(d, compiled, d.update,
+                          [*before, *[values[v] for v in d.update_reads]])
+            shapes[0] = isinstance(result, tuple)
+            result = result if shapes[0] else (result,)
+            if len(result) != 1 + len(d.slots):
+                raise fail(d.name, f"update {d.update.__name__}() returned {len(result)} "
+                                    f"value(s); it must return the parameter and its "
+                                    f"{len(d.slots)} state slot(s) {d.slots}")
+            if not all(isinstance(r, (float, int, np.floating)) for r in result):
+                raise fail(d.name, f"update {d.update.__name__}() must return numbers, "
+                                    f"got {result!r}")
+            if not all(math.isfinite(r) for r in result):
+                names = ("param", *d.slots)
+                raise fail(d.name, f"update {d.update.__name__}() gives a non-finite "
+                                    f"{dict(zip(names, result))} from finite inputs "
+                                    f"{dict(zip(('param', 'grad', *d.slots), before))} at "
+                                    f"step {step} with the default hyperparameters")
+            params[i], state[:, i] = result[0], result[1:]
+    return shapes[0], shapes[1]
+
+
+def _run(d: Definition, compiled: Mapping[str, Callable], function: Callable,
+         arguments: list) -> Any:
+    try:
+        return compiled[function.__name__](*arguments)
+    except Exception as exc:  # Numba's typing errors and whatever the body raises
+        first = _ANSI.sub("", str(exc)).strip().splitlines()
+        detail = " ".join(line.strip() for line in first[:6])
+        raise fail(d.name, f"{function.__name__}() does not compile or run with Numba: "
+                            f"{type(exc).__name__}: {detail}") from None
