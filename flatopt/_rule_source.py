@@ -10,8 +10,11 @@ them. Every value is read into a local once before the element loop, as the buil
 
 from __future__ import annotations
 
+import ast
+import inspect
 import linecache
 import math
+import textwrap
 import numbers
 import re
 import types
@@ -126,9 +129,34 @@ def compile_source(source: str, function_name: str, filename: str,
     return namespace[function_name]
 
 
+VALUES = "flatopt_values"
+"""The one parameter that replaces an update's named values in its bound copy."""
+
+CALL_LIMIT = 30
+"""CPython compiles a call of more than 30 arguments (its STACK_USE_GUIDELINE) as a call with
+``*args``, which Numba cannot inline: the values travel in tuples of at most this many."""
+
+
+def bound_update_source(d: Definition, key: str, source: str) -> str:
+    """``update``'s source as ``{key}_update(<elements>, flatopt_values)``: its named values
+    read from nested tuples (``flatopt_values[i][j]``) at the top of the same body, so that
+    the span's call has a few arguments however many values the rule reads."""
+    tree = ast.parse(textwrap.dedent(source))
+    function = tree.body[0]
+    fixed = 2 + len(d.slots)
+    function.name = f"{key}_update"
+    function.decorator_list = []
+    function.args.args = [*function.args.args[:fixed], ast.arg(VALUES)]
+    reads = [ast.parse(f"{value} = {VALUES}[{n // CALL_LIMIT}][{n % CALL_LIMIT}]").body[0]
+             for n, value in enumerate(d.update_reads)]
+    function.body = [*reads, *function.body]
+    return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
+
+
 def span_source(d: Definition, key: str, scalars: Sequence[str],
-                 columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
-    """The span: the values read into locals once, then ``update`` over the elements."""
+                columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
+    """The span: the values read into locals once and packed into tuples, then the bound
+    update (:func:`bound_update_source`) over the elements."""
     arrays = ["_p", "_g", *[f"_s{j}" for j in range(len(d.slots))]]
     lines = [f"def {key}_span(arrays, scalars, columns, flags, k, start, stop, stride):",
              f"    {', '.join(arrays)}, = arrays"]
@@ -144,8 +172,12 @@ def span_source(d: Definition, key: str, scalars: Sequence[str],
     for j, value in enumerate(flags):
         local[value] = f"_f{j}"
         lines.append(f"    _f{j} = flags[{j}]")
+    reads = [local[v] for v in d.update_reads]
+    groups = ["(" + "".join(f"{r}, " for r in reads[n:n + CALL_LIMIT]) + ")"
+              for n in range(0, len(reads), CALL_LIMIT)]
+    lines.append(f"    _values = ({''.join(g + ', ' for g in groups)})")
     elements = [f"{a}[i]" for a in arrays]
-    call = f"{d.update.__name__}({', '.join(elements + [local[v] for v in d.update_reads])})"
+    call = f"{key}_update({', '.join([*elements, '_values'])})"
     targets = "".join(f"{a}[i], " for a in [arrays[0], *arrays[2:]])
     targets = targets if returns_tuple else targets[:-2]
     lines += ["    for i in range(start, stop, stride):", f"        {targets} = {call}", ""]
@@ -204,15 +236,18 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: tuple[bool, boo
     columns = ("step", *d.per_step_values, *d.per_parameter)
     namespace: dict = {f.__name__: f for f in (d.update, d.per_step) if f is not None}
     texts = {f"{key}_span": span_source(d, key, scalars, columns, flags, shapes[0]),
-             f"{key}_prepare": prepare_source(d, key, prepare, columns, flags, shapes[1])}
-    span, prepare_function = (
-        compile_source(text, name, f"<flatopt rule {d.name!r} {name}>", dict(namespace))
+             f"{key}_prepare": prepare_source(d, key, prepare, columns, flags, shapes[1]),
+             f"{key}_update": bound_update_source(
+                 d, key, sources.get(d.update.__name__) or inspect.getsource(d.update))}
+    span, prepare_function, update = (
+        compile_source(text, name, f"<flatopt rule {d.name!r} {name}>",
+                       dict(d.update.__globals__ if name.endswith("_update") else namespace))
         for name, text in texts.items())
-    for function in (span, prepare_function):
-        function.__module__ = f"flatopt.custom.{key}"  # its own namespace when bound
+    for function in (span, prepare_function, update):
+        function.__module__ = f"flatopt.custom.{function.__name__}"  # its own namespace
     roots = [d.update, *filter(None, [d.per_step])]
-    called = (*roots, *helpers(d.name, roots))
-    clashes = {h.__name__ for h in called} & set(texts)
+    called = (update, *roots[1:], *helpers(d.name, roots))
+    clashes = {h.__name__ for h in called[1:]} & set(texts)
     if clashes:
         raise fail(d.name, f"function name(s) {sorted(clashes)} are the generated walk's "
                            "own; rename them")

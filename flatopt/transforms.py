@@ -31,7 +31,8 @@ parameter's step count):
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple
+from fnmatch import fnmatchcase
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from ._rule_source import compile_source
 from .custom import define_optimizer
@@ -51,6 +52,8 @@ class Transform(NamedTuple):
     per_step: Callable | None = None
     per_step_values: tuple[str, ...] = ()
     clip_norm: float | None = None
+    mask: tuple[str, ...] | None = None
+    """Path patterns: the piece applies to the parameters matching one (:func:`masked`)."""
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -163,6 +166,32 @@ def clip_by_global_norm(max_norm: float) -> Transform:
     return Transform("clip_by_global_norm", None, {}, {}, clip_norm=float(max_norm))
 
 
+def masked(inner: Transform, mask: str | Sequence[str]) -> Transform:
+    """``inner`` applied only to parameters whose path matches a pattern of ``mask`` (glob
+    patterns, ``*`` crossing dots, as :func:`flatopt.group_by_pattern`); the others' update
+    passes through unchanged, as ``optax.masked`` (whose mask is a tree of booleans). The
+    mask is a constant of each parameter, set when it is added; ``inner``'s state exists for
+    every parameter (staying zero where masked out)."""
+    patterns = (mask,) if isinstance(mask, str) else tuple(mask)
+    if not isinstance(inner, Transform) or inner.piece is None or inner.mask is not None:
+        raise RuleDefinitionError("masked() takes one transformation that is neither "
+                                  "clipping nor masked already")
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise RuleDefinitionError(f"masked(): mask must be a path pattern or a sequence of "
+                                  f"them, got {mask!r}")
+    return inner._replace(kind=f"masked_{inner.kind}", mask=patterns)
+
+
+class PathMask:
+    """1.0 for a path matching one of ``patterns``, else 0.0 (a ``per_parameter`` value)."""
+
+    def __init__(self, patterns: tuple[str, ...]):
+        self.patterns = patterns
+
+    def __call__(self, path: str, shape: tuple) -> float:
+        return 1.0 if any(fnmatchcase(path, p) for p in self.patterns) else 0.0
+
+
 def _unit(value: float) -> Hyperparameter:
     return Hyperparameter(value, _beta, (value,))
 
@@ -213,8 +242,11 @@ def chain(*transforms: Transform, name: str | None = None) -> type[Optimizer]:
                                 for v in t.per_step_values)
         per_step = _generated("chain_per_step", _per_step_source(pieces, renames), pieces,
                               sources, namespace)
+    masks = {renamed["mask"]: PathMask(t.mask) for t, renamed in zip(pieces, renames)
+             if t.mask is not None}
     cls = define_optimizer(name, update, hyperparameters=hypers, state=state, derived=derived,
                            per_step=per_step, per_step_values=per_step_values,
+                           per_parameter=masks,
                            int8_state=True, sources=sources,
                            doc=f"{name}: optax-style chain, one fused pass per buffer.")
     if clips:
@@ -237,7 +269,7 @@ def _parameters(function: Callable) -> tuple[str, ...]:
 def _rename(t: Transform, taken: set[str]) -> dict[str, str]:
     """The transform's local names (slots, hyperparameters, derived and per_step values)
     -> the chain's: the same, or with ``_2``, ``_3`` ... where an earlier piece took it."""
-    local = [*t.state, *t.hyperparameters, *t.per_step_values,
+    local = [*t.state, *t.hyperparameters, *t.per_step_values, *(["mask"] if t.mask else []),
              *[v for v in _parameters(t.piece)[2 + len(t.state):]
                if v not in t.hyperparameters and v not in t.per_step_values]]
     renamed = {}
@@ -255,14 +287,19 @@ def _update_source(pieces, renames, state: Mapping[str, Slot]) -> str:
     slots = [f"_s{j}" for j in range(len(state))]
     slot_of = dict(zip(state, slots))
     values = list(dict.fromkeys(renamed[v] for t, renamed in zip(pieces, renames)
-                                for v in _parameters(t.piece)[2 + len(t.state):]))
+                                for v in [*_parameters(t.piece)[2 + len(t.state):],
+                                          *(["mask"] if t.mask else [])]))
     lines = [f"def chain_update({', '.join(['_p', '_g', *slots, *values])}):", "    _u = _g"]
     for t, renamed in zip(pieces, renames):
         own = [slot_of[renamed[s]] for s in t.state]
         arguments = ["_u", "_p", *own,
                      *[renamed[v] for v in _parameters(t.piece)[2 + len(t.state):]]]
         targets = ", ".join(["_u", *own])
-        lines.append(f"    {targets} = {t.piece.__name__}({', '.join(arguments)})")
+        indent = "    "
+        if t.mask is not None:  # a constant per parameter: the same branch for all its elements
+            lines.append(f"    if {renamed['mask']} != 0:")
+            indent = "        "
+        lines.append(f"{indent}{targets} = {t.piece.__name__}({', '.join(arguments)})")
     lines += ["    _p = _p + _u", f"    return {', '.join(['_p', *slots])}", ""]
     return "\n".join(lines)
 

@@ -236,6 +236,17 @@ def takes_step(p, g, lr, step):
     return p
 
 
+def many_values(p, g, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9,
+                a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20, a21,
+                a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33):
+    # more than 30 values: CPython calls with *args past 30 arguments, which Numba cannot
+    # inline; the span passes them in tuples
+    p = p - (a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11
+             + a12 + a13 + a14 + a15 + a16 + a17 + a18 + a19 + a20 + a21 + a22 + a23
+             + a24 + a25 + a26 + a27 + a28 + a29 + a30 + a31 + a32 + a33) * g
+    return p
+
+
 MISTAKES = [
     ("a name clashing with a built-in optimizer", "Adam", plain, {"hyperparameters": {"lr": 0.1}},
      "built-in"),
@@ -309,3 +320,14 @@ def test_a_defined_rule_matches_its_reference_for_generated_settings(lr, beta, w
         opt.step({"w": g})
     np.testing.assert_allclose(opt.params["w"], momentum_reference(
         p, grads, lr, beta, weight_decay, nesterov), rtol=1e-9, atol=1e-9)
+
+
+def test_an_update_reading_more_than_30_values_compiles_and_steps():
+    try:
+        cls = define_optimizer("ManyValuesTest", many_values,
+                               hyperparameters={f"a{i}": 0.01 * i for i in range(34)})
+        opt = cls({"w": np.ones(5, np.float32)})
+        opt.step({"w": np.ones(5, np.float32)})
+        np.testing.assert_allclose(opt.params["w"], 1 - 0.01 * sum(range(34)), rtol=1e-6)
+    finally:
+        registry.unregister("ManyValuesTest")

@@ -4,6 +4,8 @@ flatopt's AdamW (the same update up to rounding)."""
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -54,19 +56,25 @@ PIECES = {
 
 @st.composite
 def chains(draw):
-    """A sequence of 1 to 4 transforms (repeats allowed: their names get suffixes), then a
-    learning rate: (flatopt transforms, optax transforms)."""
+    """A sequence of 1 to 4 transforms (repeats allowed: their names get suffixes), each
+    maybe masked to some paths, then a learning rate: (flatopt transforms, optax's)."""
     kinds = draw(st.lists(st.sampled_from(sorted(PIECES)), min_size=1, max_size=4))
     ours, theirs = [], []
     for kind in kinds:
         arguments = draw(PIECES[kind][0])
-        ours.append(PIECES[kind][1](*arguments))
-        theirs.append(PIECES[kind][2](*arguments))
+        mine, reference = PIECES[kind][1](*arguments), PIECES[kind][2](*arguments)
+        pattern = draw(st.sampled_from([None, "a", "*", "[!a]"]))  # masked to some paths
+        if pattern is not None:
+            mine = T.masked(mine, pattern)
+            reference = optax.masked(reference, {path: fnmatchcase(path, pattern)
+                                                 for path in SHAPES})
+        ours.append(mine)
+        theirs.append(reference)
     lr = draw(st.sampled_from([1e-3, 0.1]))
     return ours + [T.scale_by_learning_rate(lr)], theirs + [optax.scale_by_learning_rate(lr)]
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
+@settings(max_examples=15, deadline=None, derandomize=True)
 @given(pair=chains(), steps=st.integers(1, 4))
 def test_generated_chains_match_optax(pair, steps):
     ours, theirs = pair
@@ -148,3 +156,28 @@ def test_bad_transform_arguments_are_refused():
         T.scale_by_rms(initial_scale=1.0)
     with pytest.raises(RuleDefinitionError, match="b1"):
         T.chain(T.scale_by_adam(b1=1.5), T.scale_by_learning_rate(0.1))
+
+
+def test_bad_masks_are_refused():
+    with pytest.raises(RuleDefinitionError, match="clipping nor masked"):
+        T.masked(T.clip_by_global_norm(1.0), "*")
+    with pytest.raises(RuleDefinitionError, match="clipping nor masked"):
+        T.masked(T.masked(T.trace(), "*"), "a")
+    with pytest.raises(RuleDefinitionError, match="path pattern"):
+        T.masked(T.trace(), [])
+
+
+def test_a_mask_is_set_for_parameters_added_later_and_survives_loads(unregister, tmp_path):
+    cls = T.chain(T.masked(T.add_decayed_weights(0.5), "*.w"), T.scale_by_learning_rate(1.0))
+    unregister.append(cls.schema.name)
+    opt = cls({"l.w": np.ones(2), "l.b": np.ones(2)})
+    opt.add_param_group({"params": {"m.w": np.ones(2), "m.b": np.ones(2)}})
+    zeros = {path: np.zeros(2) for path in ("l.w", "l.b", "m.w", "m.b")}
+    opt.step(zeros)
+    flatopt.save(tmp_path / "masked.h5", opt)
+    flatopt.load(tmp_path / "masked.h5", opt)
+    opt.step(zeros)
+    for path in ("l.w", "m.w"):  # decayed twice: 1 -> 0.5 -> 0.25
+        np.testing.assert_array_equal(opt.params[path], np.full(2, 0.25))
+    for path in ("l.b", "m.b"):
+        np.testing.assert_array_equal(opt.params[path], np.ones(2))
