@@ -258,7 +258,7 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: tuple[bool, boo
                     scalars=_layout(f"{key}_Scalars", scalars, float),
                     prepare_scalars=_layout(f"{key}_PrepareScalars", prepare, float),
                     flags=_layout(f"{key}_Flags", flags, bool),
-                    generated={**sources, **texts})
+                    generated={**sources, **texts}, origin=d.update.__module__)
     except TypeError as exc:
         raise fail(d.name, str(exc)) from None
 

@@ -57,6 +57,7 @@ code anywhere unpacks them by position.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ import numpy as np
 
 
 _positions: dict[type, types.ModuleType] = {}
+_MADE: dict[str, "Rule"] = {}
+"""Rules made at run time with an ``origin``, by key (the latest made under each)."""
 
 
 def positions(layout: type[NamedTuple]) -> types.ModuleType:
@@ -121,6 +124,10 @@ class Rule:
     generated: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     """The source of functions made at run time (``flatopt.custom``: a user rule's span and
     prepare), by function name; the others' is read from their files."""
+    origin: str | None = None
+    """For a rule made at run time, the module whose import makes it again: such a rule
+    pickles as (origin, name and fingerprint), so that another process (a CUDA compile
+    worker, ``bench/cuda_static.py``) gets the same rule by importing that module."""
     fingerprint: str = field(init=False)
     """A digest of the rule's source: compiled kernels are cached under it, so editing a
     rule can never load a stale kernel from Numba's on-disk cache."""
@@ -154,6 +161,18 @@ class Rule:
         if self.global_reductions:  # (only then: other rules keep their cached kernels)
             digest.update(b"global_reductions")
         object.__setattr__(self, "fingerprint", digest.hexdigest()[:16])
+        if self.origin is not None:
+            _MADE[self.key] = self
+
+    @property
+    def key(self) -> str:
+        """The rule's name and fingerprint: its kernels' names (and Numba cache keys)."""
+        return f"{self.name}_{self.fingerprint}"
+
+    def __reduce__(self):
+        if self.origin is None:
+            return super().__reduce__()
+        return made_rule, (self.origin, self.key)
 
     @property
     def functions(self) -> tuple[Callable, ...]:
@@ -171,3 +190,13 @@ class Rule:
     def column_dtype(self, name: str, param_dtype: np.dtype) -> np.dtype:
         kind = self.columns[name]
         return np.dtype(param_dtype) if kind == "param" else np.dtype(kind)
+
+
+def made_rule(origin: str, key: str) -> Rule:
+    """The rule made at run time under ``key``, importing ``origin`` (which makes it) first
+    when this process has not made it yet (how such a rule unpickles)."""
+    if key not in _MADE:
+        importlib.import_module(origin)
+    if key not in _MADE:
+        raise LookupError(f"importing {origin!r} did not make rule {key} (its source changed?)")
+    return _MADE[key]

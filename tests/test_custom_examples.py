@@ -106,3 +106,23 @@ def test_examples_under_zero1_are_bit_identical_to_one_process(size):
         size, "--plugin", "examples_register", "identity", "--only", "AdaBelief", "Adan"), size)
     for name in ("AdaBelief", "Adan"):
         assert ok.get(f"identity {name} at {size} ranks") == set(range(size)), name
+
+
+@pytest.mark.cuda_compile
+def test_the_examples_cuda_kernels_compile_for_sm80_and_sm90(examples):
+    """What the CUDA compile tests check for the built-in rules (no spills, registers within
+    the launch bounds, no float64 in a float32 kernel), for every kernel of the examples'
+    own that the enumeration finds (every dtype, storage layout, exact or not). The compile
+    workers get each rule by importing its module (``Rule.origin``)."""
+    from bench import cuda_launches, cuda_static
+    problem = cuda_static.compiler_problem()
+    if problem:
+        pytest.skip(f"no CUDA compiler here: {problem}")
+    keys = [cls.schema.rule.key for cls in examples.values()]
+    found = [f for f in cuda_launches.enumerate_launches(list(examples)).values()
+             if any(key in f.launch.kernel for key in keys)]
+    assert {f.family for f in found} >= {"step", "step, float64", "coded step", "prepare"}
+    results = cuda_static.compile_all(found)
+    assert len(results) == len(found) * len(cuda_static.TARGETS)
+    wrong = [p for result in results for p in cuda_static.problems(result)]
+    assert wrong == [], "\n".join(wrong)
