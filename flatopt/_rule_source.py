@@ -130,33 +130,42 @@ def compile_source(source: str, function_name: str, filename: str,
 
 
 VALUES = "flatopt_values"
-"""The one parameter that replaces an update's named values in its bound copy."""
+"""The parameters that replace an update's named values in its bound copy
+(``flatopt_values0``, ``flatopt_values1``, ...: one flat tuple each)."""
 
 CALL_LIMIT = 30
 """CPython compiles a call of more than 30 arguments (its STACK_USE_GUIDELINE) as a call with
-``*args``, which Numba cannot inline: the values travel in tuples of at most this many."""
+``*args``, which Numba cannot inline: the values travel in flat tuples of at most 25."""
+
+TUPLE_SIZE = 25
+
+
+def _tuples(count: int) -> list[range]:
+    return [range(n, min(n + TUPLE_SIZE, count)) for n in range(0, count, TUPLE_SIZE)]
 
 
 def bound_update_source(d: Definition, key: str, source: str) -> str:
-    """``update``'s source as ``{key}_update(<elements>, flatopt_values)``: its named values
-    read from nested tuples (``flatopt_values[i][j]``) at the top of the same body, so that
-    the span's call has a few arguments however many values the rule reads."""
+    """``update``'s source as ``{key}_update(<elements>, flatopt_values0, ...)``: its named
+    values read from flat tuples at the top of the same body, so that the span's call has a
+    few arguments however many values the rule reads."""
     tree = ast.parse(textwrap.dedent(source))
     function = tree.body[0]
     fixed = 2 + len(d.slots)
     function.name = f"{key}_update"
     function.decorator_list = []
-    function.args.args = [*function.args.args[:fixed], ast.arg(VALUES)]
-    reads = [ast.parse(f"{value} = {VALUES}[{n // CALL_LIMIT}][{n % CALL_LIMIT}]").body[0]
-             for n, value in enumerate(d.update_reads)]
+    groups = _tuples(len(d.update_reads))
+    function.args.args = [*function.args.args[:fixed],
+                          *[ast.arg(f"{VALUES}{t}") for t in range(len(groups))]]
+    reads = [ast.parse(f"{d.update_reads[n]} = {VALUES}{t}[{n - group.start}]").body[0]
+             for t, group in enumerate(groups) for n in group]
     function.body = [*reads, *function.body]
     return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
 
 
 def span_source(d: Definition, key: str, scalars: Sequence[str],
                 columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
-    """The span: the values read into locals once and packed into tuples, then the bound
-    update (:func:`bound_update_source`) over the elements."""
+    """The span: the values read into locals once and packed into flat tuples, then the
+    bound update (:func:`bound_update_source`) over the elements."""
     arrays = ["_p", "_g", *[f"_s{j}" for j in range(len(d.slots))]]
     lines = [f"def {key}_span(arrays, scalars, columns, flags, k, start, stop, stride):",
              f"    {', '.join(arrays)}, = arrays"]
@@ -172,12 +181,14 @@ def span_source(d: Definition, key: str, scalars: Sequence[str],
     for j, value in enumerate(flags):
         local[value] = f"_f{j}"
         lines.append(f"    _f{j} = flags[{j}]")
-    reads = [local[v] for v in d.update_reads]
-    groups = ["(" + "".join(f"{r}, " for r in reads[n:n + CALL_LIMIT]) + ")"
-              for n in range(0, len(reads), CALL_LIMIT)]
-    lines.append(f"    _values = ({''.join(g + ', ' for g in groups)})")
+    groups = _tuples(len(d.update_reads))
+    for t, group in enumerate(groups):
+        values = "".join(f"{local[d.update_reads[n]]}, " for n in group)
+        lines.append(f"    _t{t} = ({values})")
+    if len(arrays) + len(groups) > CALL_LIMIT:
+        raise fail(d.name, f"{len(d.slots)} state slots are more than a call can take")
     elements = [f"{a}[i]" for a in arrays]
-    call = f"{key}_update({', '.join([*elements, '_values'])})"
+    call = f"{key}_update({', '.join([*elements, *[f'_t{t}' for t in range(len(groups))]])})"
     targets = "".join(f"{a}[i], " for a in [arrays[0], *arrays[2:]])
     targets = targets if returns_tuple else targets[:-2]
     lines += ["    for i in range(start, stop, stride):", f"        {targets} = {call}", ""]

@@ -13,6 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 import flatopt
 from flatopt import registry
+from flatopt._layout import chunk_table
+from flatopt.kernels import threads
 from flatopt.custom import define_optimizer
 from flatopt.errors import HyperparameterError, RuleDefinitionError
 from flatopt.schema import Hyperparameter, Slot, non_negative
@@ -329,5 +331,42 @@ def test_an_update_reading_more_than_30_values_compiles_and_steps():
         opt = cls({"w": np.ones(5, np.float32)})
         opt.step({"w": np.ones(5, np.float32)})
         np.testing.assert_allclose(opt.params["w"], 1 - 0.01 * sum(range(34)), rtol=1e-6)
+    finally:
+        registry.unregister("ManyValuesTest")
+
+
+def parallel_equals_serial(cls, monkeypatch, **settings) -> None:
+    """A user rule's parallel chunk walk (chunks of 64 elements, several per parameter, some
+    parameters missing) gives its serial walk's bits."""
+    rng = np.random.default_rng(9)
+    shapes = {"a": (300,), "b": (), "c": (0,), "d": (17, 9), "e": (64,)}
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    serial, chunked = cls(params, **settings), cls(params, **settings)
+    for buf in chunked.buffers:
+        buf.chunk_size = 64
+        buf.chunk_first = chunk_table(buf.offsets, buf.sizes, buf.length, 64)
+    for step in range(4):
+        grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()
+                 if (step + ord(k)) % 3}
+        serial.step(grads)
+        monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(threads, "_policy", "always")
+        chunked.step(grads)
+        monkeypatch.undo()
+    for path in shapes:
+        assert chunked.params[path].tobytes() == serial.params[path].tobytes(), path
+
+
+def test_the_parallel_walk_gives_the_serial_bits(momentum, monkeypatch):
+    parallel_equals_serial(momentum, monkeypatch, nesterov=True, weight_decay=0.1)
+
+
+def test_the_parallel_walk_of_a_rule_reading_more_than_30_values(monkeypatch):
+    """Found by the bench: the values' tuples were nested, which Numba's parallel array
+    analysis refused (the serial walk compiled)."""
+    try:
+        cls = define_optimizer("ManyValuesTest", many_values,
+                               hyperparameters={f"a{i}": 0.001 * i for i in range(34)})
+        parallel_equals_serial(cls, monkeypatch)
     finally:
         registry.unregister("ManyValuesTest")

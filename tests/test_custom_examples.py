@@ -10,6 +10,7 @@ import pytest
 
 import examples_plugin
 from checkpoint_helpers import check_round_trip
+from test_custom import parallel_equals_serial
 from test_checkpoint_resume import check_exact_resume
 
 torch = pytest.importorskip("torch")
@@ -67,6 +68,11 @@ def test_matches_pytorch_optimizer(examples, name, dtype, rtol, atol):
                                        atol=atol, err_msg=f"{name} {path} at step {step}")
     assert opt.state_of("enc.b").step == len(MISSING) - 1  # its own count
     assert opt.param_groups[0]["group_step"] == len(MISSING)  # the oracle's group["step"]
+
+
+@pytest.mark.parametrize("name", ["AdaBelief", "Adan"])
+def test_the_examples_parallel_walk_gives_the_serial_bits(examples, name, monkeypatch):
+    parallel_equals_serial(examples[name], monkeypatch, weight_decay=0.1)
 
 
 @pytest.mark.parametrize("name", ["AdaBelief", "Adan"])

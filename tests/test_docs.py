@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import linecache
 import math
 import os
 import re
@@ -70,11 +71,19 @@ def test_every_python_block_runs_as_a_complete_program(page, number, code, tmp_p
         pytest.skip(f"{page} python block {number} {reason}")
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__main__"}   # nothing given: every name is the block's own
+    filename = f"{page} python block {number}"
+    # its source readable as a file's or a notebook cell's (a user rule's functions need it)
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    registered = set(flatopt.registry.names())
     try:
-        exec(compile(code, f"{page} python block {number}", "exec"), namespace)
+        exec(compile(code, filename, "exec"), namespace)
     except Exception as exc:
         raise AssertionError(f"{page} python block {number} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        linecache.cache.pop(filename, None)
+        for name in set(flatopt.registry.names()) - registered:  # a block's own rules
+            flatopt.registry.unregister(name)
 
 
 # --- the tables and lists a test can read ---------------------------------------------------

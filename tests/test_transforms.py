@@ -14,6 +14,7 @@ import flatopt
 import custom_references as optax
 from flatopt import registry, transforms as T
 from flatopt.errors import RuleDefinitionError
+from test_custom import parallel_equals_serial
 
 SHAPES = {"a": (4, 6), "b": (9,)}
 
@@ -156,6 +157,13 @@ def test_bad_transform_arguments_are_refused():
         T.scale_by_rms(initial_scale=1.0)
     with pytest.raises(RuleDefinitionError, match="b1"):
         T.chain(T.scale_by_adam(b1=1.5), T.scale_by_learning_rate(0.1))
+
+
+def test_a_masked_chains_parallel_walk_gives_the_serial_bits(unregister, monkeypatch):
+    cls = T.chain(T.clip_by_global_norm(2.0), T.scale_by_adam(), T.trace(0.5),
+                  T.masked(T.add_decayed_weights(0.1), "[ad]"), T.scale_by_learning_rate(0.01))
+    unregister.append(cls.schema.name)
+    parallel_equals_serial(cls, monkeypatch)
 
 
 def test_bad_masks_are_refused():
