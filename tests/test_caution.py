@@ -14,10 +14,10 @@ import pytest
 import flatopt
 from flatopt import HyperparameterError
 from flatopt.checkpoint import writer as writer_mod
-from flatopt.kernels import cpu, threads
-from flatopt._layout import chunk_table
+from flatopt.kernels import cpu
 from optimizers import INFO, NAMES, slow_beyond
 from reference import ReferenceOptimizer
+from walks import SHAPES, serial_and_chunked
 
 CAUTIOUS = [name for name in NAMES if INFO[name].cautious]  # Adam, AdamW, Lion, ADOPT
 
@@ -131,26 +131,9 @@ def test_switching_caution_mid_run_follows_the_reference(name):
 def test_the_scale_does_not_depend_on_threads_or_chunks(name, monkeypatch):
     """The count of agreeing elements is summed per chunk segment, then in chunk order: the
     same bits serially, and threaded over 64-element chunks that cut every parameter."""
-    rng = np.random.default_rng(11)
-    shapes = {"a": (5000,), "b": (), "c": (0,), "d": (17, 9), "e": (64,)}
-    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     cls = flatopt.registry.lookup(name)
-    serial = cls(params, caution=True)
-    chunked = cls(params, caution=True)
-    for buf in chunked.buffers:
-        buf.chunk_size = 64
-        buf.chunk_first = chunk_table(buf.offsets, buf.sizes, buf.length, 64)
-    for step in range(4):
-        grads = {k: rng.standard_normal(s).astype(np.float32)
-                 for i, (k, s) in enumerate(shapes.items()) if (step + i) % 3}
-        monkeypatch.setattr(threads, "_policy", "never")
-        serial.step(grads)
-        monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(threads, "_policy", "always")
-        chunked.step(grads)
-        monkeypatch.undo()
-    for path in shapes:
-        assert chunked.params[path].tobytes() == serial.params[path].tobytes(), path
+    serial, chunked = serial_and_chunked(lambda params: cls(params, caution=True), monkeypatch,
+                                         {**SHAPES, "a": (5000,)}, seed=11)
     scales = serial.buffers[0].columns["caution_scale"]
     assert np.array_equal(chunked.buffers[0].columns["caution_scale"], scales)
     assert np.any(scales > 1)  # the mask did keep a share below one somewhere

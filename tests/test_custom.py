@@ -13,13 +13,12 @@ from hypothesis import given, settings, strategies as st
 
 import flatopt
 from flatopt import registry
-from flatopt._layout import chunk_table
-from flatopt.kernels import threads
 from flatopt.custom import define_optimizer
 from flatopt.errors import HyperparameterError, RuleDefinitionError
 from flatopt.schema import Hyperparameter, Slot, non_negative
 
 from checkpoint_helpers import check_round_trip
+from walks import serial_and_chunked
 
 
 # ----------------------------------------------------------------------------- a small rule
@@ -336,25 +335,8 @@ def test_an_update_reading_more_than_30_values_compiles_and_steps():
 
 
 def parallel_equals_serial(cls, monkeypatch, **settings) -> None:
-    """A user rule's parallel chunk walk (chunks of 64 elements, several per parameter, some
-    parameters missing) gives its serial walk's bits."""
-    rng = np.random.default_rng(9)
-    shapes = {"a": (300,), "b": (), "c": (0,), "d": (17, 9), "e": (64,)}
-    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
-    serial, chunked = cls(params, **settings), cls(params, **settings)
-    for buf in chunked.buffers:
-        buf.chunk_size = 64
-        buf.chunk_first = chunk_table(buf.offsets, buf.sizes, buf.length, 64)
-    for step in range(4):
-        grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()
-                 if (step + ord(k)) % 3}
-        serial.step(grads)
-        monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(threads, "_policy", "always")
-        chunked.step(grads)
-        monkeypatch.undo()
-    for path in shapes:
-        assert chunked.params[path].tobytes() == serial.params[path].tobytes(), path
+    """A user rule's parallel chunk walk gives its serial walk's bits."""
+    serial_and_chunked(lambda params: cls(params, **settings), monkeypatch, seed=9)
 
 
 def test_the_parallel_walk_gives_the_serial_bits(momentum, monkeypatch):

@@ -10,6 +10,7 @@ import flatopt
 from flatopt._layout import CHUNK_ELEMENTS, chunk_table
 from flatopt.kernels import cpu, threads
 from optimizers import cases
+from walks import SHAPES, serial_and_chunked
 
 
 def f32(*shape, seed=0):
@@ -83,26 +84,10 @@ def test_parallel_chunk_walk_equals_serial_walk(name, monkeypatch):
     """The chunk walk (chunks of 64 elements spanning parameters, several per parameter)
     gives the serial walk's bits, missing gradients skipped in both."""
     from optimizers import fit_shape, random_settings
-    rng = np.random.default_rng(5)
-    settings = random_settings(name, rng)
-    shapes = {k: fit_shape(name, s)
-              for k, s in {"a": (300,), "b": (), "c": (0,), "d": (17, 9), "e": (64,)}.items()}
-    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    settings = random_settings(name, np.random.default_rng(5))
     cls = flatopt.registry.lookup(name)
-    serial, chunked = cls(params, **settings), cls(params, **settings)
-    for buf in chunked.buffers:
-        buf.chunk_size = 64
-        buf.chunk_first = chunk_table(buf.offsets, buf.sizes, buf.length, 64)
-    for step in range(4):
-        grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()
-                 if (step + ord(k)) % 3}  # a different third missing at each step
-        serial.step(grads)
-        monkeypatch.setattr(threads, "PARALLEL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(threads, "_policy", "always")
-        chunked.step(grads)
-        monkeypatch.undo()
-    for path in shapes:
-        assert chunked.params[path].tobytes() == serial.params[path].tobytes(), path
+    serial_and_chunked(lambda params: cls(params, **settings), monkeypatch,
+                       {k: fit_shape(name, s) for k, s in SHAPES.items()})
 
 
 # ---------------------------------------------------------------------------- variants
