@@ -45,8 +45,8 @@ import numpy as np
 from . import registry
 from .errors import RuleDefinitionError
 from .optimizer import Optimizer
-from .schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, flag, real,
-                     step_count)
+from .schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, flag,
+                     non_negative, real, step_count)
 from .kernels.rule import Rule
 from ._rule_source import (GROUP_STEP, Definition, call_derived, fail, identifier, layouts,
                            make_rule, trial_run)
@@ -57,6 +57,11 @@ RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream
                       "capturable"})
 """Names a hyperparameter or value cannot take: group keys, constructor options, ``step`` (the
 per-parameter count ``per_step`` receives) and ``group_step``."""
+
+NON_NEGATIVE = ("lr", "eps", "weight_decay")
+"""Hyperparameters declared by a number that must also be >= 0, as torch checks them in every
+optimizer (a ``Hyperparameter`` with a check of its own overrides)."""
+
 
 def finite(value: Any) -> float:
     """A finite real number: the check of a hyperparameter declared by a number."""
@@ -153,7 +158,8 @@ def _hyperparameter(name: str, key: Any, value: Any) -> Hyperparameter:
     elif isinstance(value, (bool, np.bool_)):
         hyper = Hyperparameter(bool(value), flag, (bool(value), not value))
     elif isinstance(value, numbers.Real):
-        hyper = Hyperparameter(float(value), finite, (float(value),))
+        check = non_negative if key in NON_NEGATIVE else finite
+        hyper = Hyperparameter(float(value), check, (float(value),))
     else:
         raise fail(name, f"hyperparameter {key!r}: the default must be a number, a bool or "
                           f"a flatopt.Hyperparameter, got {type(value).__name__} {value!r}")

@@ -115,6 +115,22 @@ def test_bad_hyperparameter_values_are_refused_by_the_declared_checks(momentum):
         momentum({"w": np.ones(3)}, momentum=0.9)  # not one of its names
 
 
+def test_lr_eps_and_weight_decay_given_by_a_number_are_non_negative_as_in_torch():
+    def decayed(p, g, lr, eps, weight_decay, shift):
+        p = p * (1 - lr * weight_decay) - lr * g / (abs(g) + eps) + shift
+        return p
+
+    try:
+        cls = define_optimizer("SignsTest", decayed, hyperparameters={
+            "lr": 0.1, "eps": 1e-8, "weight_decay": 0.0, "shift": 0.0})
+        for key in ("lr", "eps", "weight_decay"):
+            with pytest.raises(HyperparameterError, match=key):
+                cls({"w": np.ones(2)}, **{key: -1.0})
+        cls({"w": np.ones(2)}, shift=-1.0)  # any other number may be negative
+    finally:
+        registry.unregister("SignsTest")
+
+
 def test_a_defined_rule_round_trips_through_checkpoints_and_state_dicts(momentum, tmp_path):
     check_round_trip("MomentumTest", tmp_path)
     opt = momentum({"w": np.arange(5.0)})

@@ -40,6 +40,7 @@ import flatopt
 from flatopt import registry
 from flatopt.checkpoint import run as run_mod, verify_checkpoint
 from flatopt.errors import FlatoptError
+import examples_plugin
 from optimizers import NAMES, fit_shape, info, random_settings
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -85,6 +86,12 @@ def configurations() -> list:
                 continue
             marks = [] if (name, storage) in fast else [pytest.mark.slow]
             result.append(pytest.param(name, storage, marks=marks, id=f"{name}-{storage}"))
+    # the rules of examples/, written with the public API (registered while their test runs)
+    for name, storage, marks in (("AdaBelief", "float32", []),
+                                 ("Adan", "float32", [pytest.mark.slow]),
+                                 ("AdaBelief", "bf16_master", [pytest.mark.slow]),
+                                 ("Adan", "bf16_state", [pytest.mark.slow])):
+        result.append(pytest.param(name, storage, marks=marks, id=f"{name}-{storage}"))
     return result
 
 
@@ -668,6 +675,12 @@ def test_the_public_surface_against_a_twin_that_never_saves(name, storage, reque
     slow = request.node.get_closest_marker("slow") is not None
     examples = int(os.environ.get("FLATOPT_STATEFUL_EXAMPLES", 5 if slow else 3))
     steps = int(os.environ.get("FLATOPT_STATEFUL_STEPS", 25 if slow else 20))
+    example = name in examples_plugin.MODULES
+    with examples_plugin.registered(name) if example else contextlib.nullcontext():
+        run(name, storage, examples, steps)
+
+
+def run(name: str, storage: str, examples: int, steps: int) -> None:
     run_state_machine_as_test(machine(name, storage), settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None,
         derandomize=not RANDOM, database=None, print_blob=True,
