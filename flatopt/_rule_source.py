@@ -73,23 +73,35 @@ def identifier(name: str) -> str:
 
 
 
-def call_derived(name: str, derived: Callable, reads: Sequence[str],
-                  values: Mapping[str, Any]) -> dict[str, float]:
+def derived_problem(derived: Callable, reads: Sequence[str], values: Mapping[str, Any],
+                    names: Sequence[str] | None = None) -> tuple[dict[str, float], str | None]:
+    """``derived``'s values for these hyperparameter ``values``, and why they are unusable
+    (it raised, gave no dict of finite numbers, or other names than ``names``), or None."""
     try:
         result = derived(*[values[key] for key in reads])
-    except Exception as exc:  # a user's function: report what it raised, typed
-        raise fail(name, f"derived {derived.__name__}() raised {type(exc).__name__}: "
-                          f"{exc}") from exc
+    except Exception as exc:  # a user's function: report what it raised
+        return {}, f"derived {derived.__name__}() raised {type(exc).__name__}: {exc}"
     if not isinstance(result, Mapping) or not all(isinstance(k, str) for k in result):
-        raise fail(name, f"derived {derived.__name__}() must return a dict of name -> "
-                          f"number, got {result!r}")
+        return {}, f"derived {derived.__name__}() must return a dict of name -> number, " \
+                   f"got {result!r}"
     out = {}
     for key, value in result.items():
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-            raise fail(name, f"derived value {key!r} must be a number, got {value!r}")
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
+                or not math.isfinite(value):
+            return {}, f"derived value {key!r} must be a finite number, got {value!r}"
         out[key] = float(value)
-    return out
+    if names is not None and tuple(out) != tuple(names):
+        return {}, f"derived {derived.__name__}() gave {tuple(out)}, not {tuple(names)}"
+    return out, None
 
+
+def call_derived(name: str, derived: Callable, reads: Sequence[str],
+                 values: Mapping[str, Any]) -> dict[str, float]:
+    """:func:`derived_problem`'s values, its problem a :class:`RuleDefinitionError`."""
+    out, problem = derived_problem(derived, reads, values)
+    if problem:
+        raise fail(name, problem)
+    return out
 
 
 def helpers(name: str, roots: Sequence[Callable]) -> tuple[Callable, ...]:

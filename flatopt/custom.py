@@ -43,13 +43,13 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from . import registry
-from .errors import RuleDefinitionError
+from .errors import HyperparameterError, RuleDefinitionError
 from .optimizer import Optimizer
-from .schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, flag,
-                     non_negative, real, step_count)
+from .schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, describe_group,
+                     flag, non_negative, real, step_count)
 from .kernels.rule import Rule
-from ._rule_source import (GROUP_STEP, Definition, call_derived, fail, identifier, layouts,
-                           make_rule, trial_run)
+from ._rule_source import (GROUP_STEP, Definition, call_derived, derived_problem, fail,
+                           identifier, layouts, make_rule, trial_run)
 
 RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream",
                       "bit_exact", "master_weights", "rounding", "state_dtype", "grad_dtype",
@@ -288,6 +288,9 @@ def _derived(name: str, derived: Callable | None, hypers: Mapping, constants: Ma
         return (), ()
     _plain_function(name, derived, "derived", sources)
     reads = _parameters(derived)
+    if GROUP_STEP in reads:
+        raise fail(name, "derived cannot read group_step (it is checked before the step "
+                         "advances it): read it in per_step or update")
     _known(name, "derived", reads, hypers)
     values = call_derived(name, derived, reads, {k: h.default for k, h in hypers.items()})
     for key in values:
@@ -352,8 +355,21 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
     def values(settings: Mapping[str, Any]) -> dict[str, Any]:
         if d.derived is None:
             return settings
-        derived = call_derived(d.name, d.derived, d.derived_reads, settings)
+        derived, _ = derived_problem(d.derived, d.derived_reads, settings)
         return {**settings, **derived}
+
+    def check_step(self, settings):
+        """derived's values for every group, before anything changes (a group value it
+        cannot take is the group's problem: HyperparameterError)."""
+        if d.derived is None:
+            return
+        problems = [f"{describe_group(number, group)}: {problem}"
+                    for number, group in enumerate(settings)
+                    for problem in [derived_problem(d.derived, d.derived_reads, group,
+                                                    d.derived_names)[1]] if problem]
+        if problems:
+            raise HyperparameterError(f"{d.name}: cannot step with these hyperparameters: "
+                                      + "; ".join(problems))
 
     def kernel_scalars(self, settings, dtype):
         known = values(settings)
@@ -377,7 +393,8 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
     namespace = {
         "schema": schema, "user_defined": True, "kernel_scalars": kernel_scalars,
         "prepare_scalars": prepare_scalars, "kernel_flags": kernel_flags,
-        "before_step": before_step, "path_columns": dict(d.per_parameter),
+        "before_step": before_step, "check_step": check_step,
+        "path_columns": dict(d.per_parameter),
         "__doc__": doc or (f"{d.name}: a user-defined rule stepping every element with "
                            f"{d.update.__name__}()."),
         "__module__": d.update.__module__,

@@ -131,6 +131,36 @@ def test_lr_eps_and_weight_decay_given_by_a_number_are_non_negative_as_in_torch(
         registry.unregister("SignsTest")
 
 
+def inverse_update(p, g, m, inv_lr, group_step):
+    m = m + g
+    p = p - m / inv_lr
+    return p, m
+
+
+def inverse_derived(lr):
+    return {"inv_lr": 1 / lr}
+
+
+def test_a_group_value_derived_cannot_take_refuses_the_step_and_changes_nothing():
+    """Found by a hostile probe: a derived() that raises for a scheduled value (lr = 0) failed
+    the step after the group's step count had advanced."""
+    try:
+        cls = define_optimizer("InverseTest", inverse_update, state=("m",), derived=inverse_derived,
+                               hyperparameters={"lr": 0.1})
+        opt = cls({"w": np.ones(3)})
+        opt.step({"w": np.ones(3)})
+        before = opt.state_dict()
+        opt.param_groups[0]["lr"] = 0.0
+        with pytest.raises(HyperparameterError, match="param group 0.*ZeroDivisionError"):
+            opt.step({"w": np.ones(3)})
+        after = opt.state_dict()
+        assert after["param_groups"][0]["group_step"] == before["param_groups"][0]["group_step"]
+        assert after["state"]["w"]["step"] == 1
+        np.testing.assert_array_equal(after["state"]["w"]["m"], before["state"]["w"]["m"])
+    finally:
+        registry.unregister("InverseTest")
+
+
 def test_a_defined_rule_round_trips_through_checkpoints_and_state_dicts(momentum, tmp_path):
     check_round_trip("MomentumTest", tmp_path)
     opt = momentum({"w": np.arange(5.0)})
