@@ -270,7 +270,9 @@ class Staged:
         self.params = buf.params.copy()
         self.master = None if buf.master is None else buf.master.copy()
         self.compensation = None if buf.compensation is None else buf.compensation.copy()
-        self.columns = {name: np.zeros_like(column) for name, column in buf.columns.items()}
+        # a parameter's constants (Optimizer.path_columns: a chain's masks) are not state
+        self.columns = {name: column.copy() if name in opt.path_columns
+                        else np.zeros_like(column) for name, column in buf.columns.items()}
         self.draws = buf.draws
         self.loaded = False
         """Whether a saved buffer's draws were taken (the largest of them is kept)."""

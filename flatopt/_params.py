@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
@@ -124,6 +123,9 @@ def torch_implementation_arguments(name: str, arguments: dict) -> None:
                                       f"({why}); leave it out")
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def constant_columns(columns: Mapping[str, Callable[[str, tuple], Any]],
                      arrays: list[tuple[str, np.ndarray]]) -> dict[str, dict[str, float]]:
     """``Optimizer.path_columns`` evaluated for every new parameter, before anything is
@@ -136,8 +138,8 @@ def constant_columns(columns: Mapping[str, Callable[[str, tuple], Any]],
         for path, array in arrays:
             try:
                 value = float(function(path, tuple(array.shape)))
-                if not math.isfinite(value):
-                    raise ValueError(f"gave {value}")
+                if not abs(value) <= FLOAT32_MAX:  # NaN too; float32 columns hold it
+                    raise ValueError(f"gave {value}, not a number within float32's range")
             except Exception as exc:  # a user's function: report it, typed
                 problems.append(f"{path!r}: its {name!r} value: {type(exc).__name__}: {exc}")
                 continue

@@ -11,17 +11,19 @@ them. Every value is read into a local once before the element loop, as the buil
 from __future__ import annotations
 
 import ast
+import hashlib
 import inspect
 import linecache
 import math
-import textwrap
 import numbers
 import re
+import textwrap
 import types
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from numba import njit
+from numba.core import types as numba_types
 
 from .errors import RuleDefinitionError
 from .kernels._bind import bind_functions
@@ -104,26 +106,101 @@ def call_derived(name: str, derived: Callable, reads: Sequence[str],
     return out
 
 
+KERNEL_MODULES = ("math", "cmath", "numpy")
+"""Modules whose functions a rule's code may call through their name (``math.sqrt``)."""
+
+
 def helpers(name: str, roots: Sequence[Callable]) -> tuple[Callable, ...]:
     """The plain functions ``roots`` call by global name, transitively (Numba compiles each
-    alongside); the backends' own primitives (``fma``) are left to the backends."""
+    alongside); the backends' own primitives (``fma``) are left to the backends. Refused:
+    a module other than :data:`KERNEL_MODULES` read through its name (its functions would
+    be compiled without their source in the rule's fingerprint), a helper called by another
+    name, recursion (the kernels inline every call), and ``raise``/``assert`` (a kernel that
+    raises halfway leaves a step half-applied)."""
     found: dict[str, Callable] = {}
+    calls: dict[str, set[str]] = {}
     pending = list(roots)
     while pending:
         function = pending.pop()
+        calls[function.__name__] = set()
+        _check_body(name, function)
         for global_name in function.__code__.co_names:
             value = function.__globals__.get(global_name)
+            if isinstance(value, types.ModuleType) and value.__name__ not in KERNEL_MODULES:
+                raise fail(name, f"{function.__name__}() reads module {value.__name__!r}: "
+                                 f"import the functions it calls by name (from "
+                                 f"{value.__name__} import f), so that their source is "
+                                 "part of the rule")
             value = getattr(value, "py_func", value)  # a function the user jitted already
             if not isinstance(value, types.FunctionType) or \
-                    value.__module__ == "flatopt.kernels.arithmetic" or \
-                    value in roots or value.__name__ in found:
+                    value.__module__ == "flatopt.kernels.arithmetic":
                 continue
             if global_name != value.__name__:
                 raise fail(name, f"{function.__name__}() calls {value.__name__}() as "
-                                  f"{global_name!r}; call helpers by their own name")
+                                 f"{global_name!r}; call helpers by their own name")
+            calls[function.__name__].add(value.__name__)
+            if value in roots or value.__name__ in found:
+                continue
             found[value.__name__] = value
             pending.append(value)
+    cycle = _cycle(calls)
+    if cycle:
+        raise fail(name, f"{' -> '.join(cycle)}: recursion cannot be compiled into a kernel "
+                         "(every call is inlined)")
     return tuple(found.values())
+
+
+def _cycle(calls: Mapping[str, set[str]]) -> list[str] | None:
+    """A call cycle (names, the first repeated last), or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for callee in sorted(calls.get(node, ())):
+            found = visit(callee, path + [node])
+            if found:
+                return found
+        done.add(node)
+        return None
+
+    for start in sorted(calls):
+        found = visit(start, [])
+        if found:
+            return found
+    return None
+
+
+def _check_body(name: str, function: Callable) -> None:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return  # generated (a chain's) or unreadable: the trial compile speaks for it
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Raise, ast.Assert)):
+            raise fail(name, f"{function.__name__}() raises (line {node.lineno} of its "
+                             "source): a kernel cannot stop halfway through a buffer; give "
+                             "a value instead (NaN, for the non-finite checks to catch)")
+
+
+def frozen_globals(functions: Sequence[Callable]) -> str:
+    """The values of the global constants ``functions`` read (numbers, strings, tuples,
+    arrays), which Numba compiles in as constants: written into the rule's generated source,
+    so that a changed value changes the fingerprint (and the kernels' cache key)."""
+    seen = {}
+    for function in functions:
+        for global_name in function.__code__.co_names:
+            if global_name not in function.__globals__:
+                continue
+            value = function.__globals__[global_name]
+            if isinstance(value, np.ndarray):
+                seen[global_name] = (f"array {value.dtype} {value.shape} "
+                                     f"{hashlib.sha256(value.tobytes()).hexdigest()[:16]}")
+            elif isinstance(value, (numbers.Number, str, bytes, tuple, type(None))):
+                seen[global_name] = repr(value)
+    return "".join(f"# global {k} = {v}\n" for k, v in sorted(seen.items()))
 
 
 def register_source(filename: str, source: str) -> None:
@@ -231,7 +308,7 @@ def prepare_source(d: Definition, key: str, prepare_scalars: Sequence[str],
         targets = "".join(f"_c{j + 1}[k], " for j in range(len(d.per_step_values)))
         targets = targets if returns_tuple else targets[:-2]
         arguments = ", ".join(["_steps[k]", *[local[v] for v in d.per_step_reads]])
-        lines.append(f"            {targets} = {d.per_step.__name__}({arguments})")
+        lines.append(f"            {targets} = {key}_per_step({arguments})")
     lines.append("")
     return "\n".join(lines)
 
@@ -251,26 +328,47 @@ def _layout(name: str, fields: Sequence[str], kind: type) -> type:
     return NamedTuple(name, [(f, kind) for f in fields])
 
 
+KEY_LENGTH = 40
+"""Characters of a rule's name kept in its kernels' names (Numba names cache files after
+them; the fingerprint that follows keeps them apart)."""
+
+
+def fresh_source(functions: Sequence[Callable]) -> None:
+    """Forget ``linecache``'s copy of the files that define ``functions`` where they changed
+    since it was read (a rule defined again after its file was edited)."""
+    for function in functions:
+        linecache.checkcache(function.__code__.co_filename)
+
+
 def make_rule(d: Definition, sources: Mapping[str, str], shapes: tuple[bool, bool]) -> Rule:
     """The kernel rule; ``shapes``: whether update and per_step return tuples (a single
     value may come bare), as the trial run found."""
-    key = f"user_{identifier(d.name)}"
+    key = f"user_{identifier(d.name)[:KEY_LENGTH]}"
     scalars, prepare, flags = layouts(d)
     columns = ("step", *d.per_step_values, *d.per_parameter)
-    namespace: dict = {f.__name__: f for f in (d.update, d.per_step) if f is not None}
+    roots = [d.update, *filter(None, [d.per_step])]
+    found = helpers(d.name, roots)
+    fresh_source([*roots, *found])
+    namespace: dict = {}
+    if d.per_step is not None:  # called by a name no generated local can shadow
+        per_step = types.FunctionType(d.per_step.__code__, d.per_step.__globals__,
+                                      f"{key}_per_step")
+        per_step.__module__ = d.per_step.__module__
+        namespace[per_step.__name__] = per_step
+        roots[1] = per_step
     texts = {f"{key}_span": span_source(d, key, scalars, columns, flags, shapes[0]),
              f"{key}_prepare": prepare_source(d, key, prepare, columns, flags, shapes[1]),
-             f"{key}_update": bound_update_source(
-                 d, key, sources.get(d.update.__name__) or inspect.getsource(d.update))}
+             f"{key}_update": frozen_globals([d.update, *roots[1:], *found]) +
+             bound_update_source(d, key, sources.get(d.update.__name__)
+                                 or inspect.getsource(d.update))}
     span, prepare_function, update = (
         compile_source(text, name, f"<flatopt rule {d.name!r} {name}>",
                        dict(d.update.__globals__ if name.endswith("_update") else namespace))
         for name, text in texts.items())
     for function in (span, prepare_function, update):
         function.__module__ = f"flatopt.custom.{function.__name__}"  # its own namespace
-    roots = [d.update, *filter(None, [d.per_step])]
-    called = (update, *roots[1:], *helpers(d.name, roots))
-    clashes = {h.__name__ for h in called[1:]} & set(texts)
+    called = (update, *roots[1:], *found)
+    clashes = {h.__name__ for h in found} & {*texts, f"{key}_per_step"}
     if clashes:
         raise fail(d.name, f"function name(s) {sorted(clashes)} are the generated walk's "
                            "own; rename them")
@@ -281,7 +379,11 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: tuple[bool, boo
                     scalars=_layout(f"{key}_Scalars", scalars, float),
                     prepare_scalars=_layout(f"{key}_PrepareScalars", prepare, float),
                     flags=_layout(f"{key}_Flags", flags, bool),
-                    generated={**sources, **texts}, origin=d.update.__module__)
+                    generated={**sources, **texts,
+                               **({f"{key}_per_step": sources[d.per_step.__name__]}
+                                  if d.per_step is not None and d.per_step.__name__ in sources
+                                  else {})},
+                    origin=d.update.__module__)
     except TypeError as exc:
         raise fail(d.name, str(exc)) from None
 
@@ -349,7 +451,30 @@ def trial_run(d: Definition) -> tuple[bool, bool]:
                                     f"{dict(zip(('param', 'grad', *d.slots), before))} at "
                                     f"step {step} with the default hyperparameters")
             params[i], state[:, i] = result[0], result[1:]
+    _stays_float32(d, compiled, values)
     return shapes[0], shapes[1]
+
+
+def _stays_float32(d: Definition, compiled: Mapping[str, Callable], values: Mapping) -> None:
+    """``update`` compiled for float32 elements and values (as a float32 buffer's kernels
+    call it) must give float32 results: a float64 one means its arithmetic was promoted (a
+    Python literal, an integer), which the float32 walks would pay for and the 16-bit
+    storage modes' views refuse to store."""
+    flags = {k for k, h in d.hyperparameters.items() if h.is_flag}
+    arguments = [np.float32(0.5)] * (2 + len(d.slots)) + [
+        bool(values[v]) if v in flags else np.float32(values[v]) for v in d.update_reads]
+    dispatcher = compiled[d.update.__name__]
+    _run(d, compiled, d.update, arguments)
+    result = dispatcher.overloads[dispatcher.signatures[-1]].signature.return_type
+    members = list(result) if isinstance(result, numba_types.BaseTuple) else [result]
+    names = ("param", *d.slots)
+    wide = [n for n, t in zip(names, members) if t != numba_types.float32]
+    if wide:
+        raise fail(d.name, f"update {d.update.__name__}() gives {wide} as "
+                           f"{[str(t) for n, t in zip(names, members) if n in wide]} from "
+                           "float32 inputs: a Python literal or an integer in its "
+                           "arithmetic promotes float32 to float64; give constants as "
+                           "derived values (rounded to the buffer's dtype)")
 
 
 def _run(d: Definition, compiled: Mapping[str, Callable], function: Callable,

@@ -49,14 +49,18 @@ from .schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, de
                      flag, non_negative, real, step_count)
 from .kernels.rule import Rule
 from ._rule_source import (GROUP_STEP, Definition, call_derived, derived_problem, fail,
-                           identifier, layouts, make_rule, trial_run)
+                           fresh_source, identifier, layouts, make_rule, trial_run)
 
 RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream",
                       "bit_exact", "master_weights", "rounding", "state_dtype", "grad_dtype",
                       "seed", "step", "group_step", "foreach", "fused", "differentiable",
-                      "capturable"})
+                      "capturable", "betas", "momentum_decay"})
 """Names a hyperparameter or value cannot take: group keys, constructor options, ``step`` (the
-per-parameter count ``per_step`` receives) and ``group_step``."""
+per-parameter count ``per_step`` receives), ``group_step``, and ``betas`` (a tuple in torch's
+groups, which schedulers cycle as one). Names starting with ``_`` or ``flatopt_`` are the
+generated code's."""
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 NON_NEGATIVE = ("lr", "eps", "weight_decay")
 """Hyperparameters declared by a number that must also be >= 0, as torch checks them in every
@@ -100,6 +104,10 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     that Numba cannot compile, or that gives NaN or an infinity from finite inputs, fails
     here).
     """
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31:
+        raise RuleDefinitionError(f"rule {name!r}: version must be a whole number >= 1, got "
+                                  f"{version!r}")
+    fresh_source([f for f in (update, derived, per_step) if isinstance(f, types.FunctionType)])
     definition = _checked(name, update, hyperparameters, state, derived, per_step,
                           per_step_values, per_parameter, sources or {})
     slots = _slots(name, state)
@@ -150,9 +158,10 @@ def _parameters(function: Callable) -> tuple[str, ...]:
 def _hyperparameter(name: str, key: Any, value: Any) -> Hyperparameter:
     if not isinstance(key, str) or not key.isidentifier() or keyword.iskeyword(key):
         raise fail(name, f"hyperparameter name {key!r} must be a Python identifier")
-    if key in RESERVED or key.startswith("_"):
+    if _reserved(key):
         raise fail(name, f"hyperparameter name {key!r} is reserved (group keys, "
-                          "constructor options, 'step', names starting with '_')")
+                         "constructor options, 'step', 'betas', names starting with '_' or "
+                         "'flatopt_')")
     if isinstance(value, Hyperparameter):
         hyper = value
     elif isinstance(value, (bool, np.bool_)):
@@ -173,22 +182,36 @@ def _hyperparameter(name: str, key: Any, value: Any) -> Hyperparameter:
     if not isinstance(default, (bool, float, int)) or isinstance(default, np.generic):
         raise fail(name, f"hyperparameter {key!r}: its check must give a number or a bool, "
                           f"gave {default!r}")
+    if isinstance(hyper.since, bool) or not isinstance(hyper.since, int) or hyper.since < 1:
+        raise fail(name, f"hyperparameter {key!r}: since must be a schema version >= 1, got "
+                         f"{hyper.since!r}")
     examples = hyper.examples or (hyper.default,)
-    return Hyperparameter(hyper.default, _user_check(hyper.check), examples, hyper.since)
+    return Hyperparameter(hyper.default, _user_check(hyper.check, isinstance(default, bool)),
+                          examples, hyper.since)
 
 
-def _user_check(check: Callable) -> Callable:
-    """A user's check, reporting a ``ValueError`` it raises as the value's problem."""
+def _reserved(key: str) -> bool:
+    return key in RESERVED or key.startswith(("_", "flatopt_"))
+
+
+def _user_check(check: Callable, switch: bool) -> Callable:
+    """A user's check, reporting a ``ValueError`` it raises as the value's problem, and a
+    value it gives that is not a number (a bool for a ``switch``) as one too."""
     if check in (flag, finite, real) or getattr(check, "__module__", "") == "flatopt.schema":
         return check
 
     def checked(value: Any) -> Any:
         try:
-            return check(value)
+            result = check(value)
         except Invalid:
             raise
         except (ValueError, TypeError) as exc:
             raise Invalid(str(exc)) from None
+        if switch != isinstance(result, bool) or not isinstance(result, (bool, int, float)) \
+                or isinstance(result, np.generic) or result != result:
+            raise Invalid(f"is {value!r}, which its check turned into {result!r}, not a "
+                          f"{'bool' if switch else 'number'}")
+        return result
     checked.__name__ = getattr(check, "__name__", "check")
     return checked
 
@@ -200,7 +223,7 @@ def _slots(name: str, state: Sequence[str] | Mapping[str, Slot]) -> dict[str, Sl
     slots: dict[str, Slot] = {}
     for slot, declared in items:
         if not isinstance(slot, str) or not slot.isidentifier() or keyword.iskeyword(slot) \
-                or slot == "step" or slot.startswith("_"):
+                or slot == "step" or slot.startswith(("_", "flatopt_")):
             raise fail(name, f"state slot name {slot!r} must be an identifier other than "
                               "'step', not starting with '_'")
         if slot in slots:
@@ -263,7 +286,7 @@ def _checked(name, update, hyperparameters, state, derived, per_step, per_step_v
 def _value_name(name: str, what: str, key: Any, taken: Sequence[str]) -> None:
     """A derived, per_step or per_parameter value's name: an identifier no other name has."""
     if not isinstance(key, str) or not key.isidentifier() or keyword.iskeyword(key) \
-            or key.startswith("_") or key in RESERVED or key in taken:
+            or _reserved(key) or key in taken:
         raise fail(name, f"{what} value {key!r} clashes with another name (a hyperparameter, "
                          "another value, a reserved name) or is not an identifier")
 
@@ -363,10 +386,16 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
         cannot take is the group's problem: HyperparameterError)."""
         if d.derived is None:
             return
-        problems = [f"{describe_group(number, group)}: {problem}"
-                    for number, group in enumerate(settings)
-                    for problem in [derived_problem(d.derived, d.derived_reads, group,
-                                                    d.derived_names)[1]] if problem]
+        problems = []
+        narrow = {buf.group for buf in self.buffers if buf.dtype == np.float32}
+        for number, group in enumerate(settings):
+            values, problem = derived_problem(d.derived, d.derived_reads, group,
+                                              d.derived_names)
+            if problem is None and number in narrow:
+                wide = {k: v for k, v in values.items() if abs(v) > FLOAT32_MAX}
+                problem = f"derived values {wide} overflow float32" if wide else None
+            if problem:
+                problems.append(f"{describe_group(number, group)}: {problem}")
         if problems:
             raise HyperparameterError(f"{d.name}: cannot step with these hyperparameters: "
                                       + "; ".join(problems))

@@ -485,3 +485,14 @@ def array_problem(value: Any, shape: tuple, dtype: np.dtype, *,
         return ("holds negative, NaN or infinite values; a second moment is finite and >= 0 "
                 "(was the state damaged or written by hand?)")
     return None
+
+
+def same_kind(a: Schema, b: Schema) -> bool:
+    """Whether state of schema ``a`` loads into an optimizer of schema ``b``: the same
+    schema, or one made again with the same name, kernels (rule fingerprint), version and
+    names of hyperparameters, columns and slots (two chains of the same transforms with
+    other defaults: ``flatopt.chain``)."""
+    return a is b or (a.name == b.name and a.version == b.version
+                      and a.rule.key == b.rule.key
+                      and list(a.hyperparameters) == list(b.hyperparameters)
+                      and list(a.columns) == list(b.columns) and list(a.slots) == list(b.slots))

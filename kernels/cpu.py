@@ -409,7 +409,9 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
     compiled = _compiled.get((key, cache))
     if compiled is None:
         functions = bind(rule, njit(inline="always", error_model="numpy"))
-        prepare = njit(cache=cache)(instantiate(
+        # NumPy's error model: a prepare that divides by zero gives inf, never stops the
+        # walk with some parameters' step counts advanced (a user rule's per_step)
+        prepare = njit(cache=cache, error_model="numpy")(instantiate(
             _prepare_walk, f"prepare_{key}", prepare=functions[rule.prepare.__name__]))
         reduce = finalize = None
         if rule.reduce is not None:
@@ -419,7 +421,7 @@ def compile_rule(rule: Rule, cache: bool = True) -> CompiledRule:
                               error_model="numpy", fastmath={"reassoc"},
                               bound={"reduce": functions[rule.reduce.__name__]})
             if rule.finalize is not None:  # none with global reductions
-                finalize = njit(cache=cache)(instantiate(
+                finalize = njit(cache=cache, error_model="numpy")(instantiate(
                     _finalize_walk, f"finalize_{key}",
                     finalize=functions[rule.finalize.__name__]))
         compiled = _compiled[key, cache] = CompiledRule(rule, key, cache, functions, prepare,

@@ -117,7 +117,7 @@ def test_bad_hyperparameter_values_are_refused_by_the_declared_checks(momentum):
 
 def test_lr_eps_and_weight_decay_given_by_a_number_are_non_negative_as_in_torch():
     def decayed(p, g, lr, eps, weight_decay, shift):
-        p = p * (1 - lr * weight_decay) - lr * g / (abs(g) + eps) + shift
+        p = p - lr * weight_decay * p - lr * g / (abs(g) + eps) + shift
         return p
 
     try:
@@ -294,6 +294,33 @@ def many_values(p, g, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9,
     return p
 
 
+def literal_in_body(p, g, m, lr):
+    m = 0.9 * m + g  # float64 from float32 inputs
+    p = p - lr * m
+    return p, m
+
+
+def halve(x, n):
+    return x if n == 0 else halve(x * 0.5, n - 1)
+
+
+def recursive(p, g, lr):
+    p = p - lr * halve(g, 2)
+    return p
+
+
+def raises(p, g, lr):
+    if g > 100.0:
+        raise ValueError("gradient too large")
+    p = p - lr * g
+    return p
+
+
+def reads_a_module(p, g, lr):
+    p = p - lr * np.float32(g) * registry.MAX  # noqa: F821 (any module but math/numpy)
+    return p
+
+
 MISTAKES = [
     ("a name clashing with a built-in optimizer", "Adam", plain, {"hyperparameters": {"lr": 0.1}},
      "built-in"),
@@ -326,6 +353,22 @@ MISTAKES = [
     ("per_step without its names", "Mistake", plain,
      {"hyperparameters": {"lr": 0.1}, "per_step": helper_step}, "go together"),
     ("an empty name", "", plain, {"hyperparameters": {"lr": 0.1}}, "non-empty"),
+    # found by a hostile probe: each defined, then failed (unchecked) at the first step
+    ("a float literal making float32 float64", "Mistake", literal_in_body,
+     {"state": ("m",), "hyperparameters": {"lr": 0.1}}, "promotes float32 to float64"),
+    ("recursion", "Mistake", recursive, {"hyperparameters": {"lr": 0.1}},
+     "halve -> halve: recursion"),
+    ("a raise in the body", "Mistake", raises, {"hyperparameters": {"lr": 0.1}}, "raises"),
+    ("a module read through its name", "Mistake", reads_a_module,
+     {"hyperparameters": {"lr": 0.1}}, "reads module 'flatopt.registry'"),
+    ("a generated name", "Mistake", plain,
+     {"hyperparameters": {"lr": 0.1, "flatopt_values0": 1.0}}, "reserved"),
+    ("betas as a number", "Mistake", plain, {"hyperparameters": {"lr": 0.1, "betas": 0.9}},
+     "reserved"),
+    ("a version that is not a whole number", "Mistake", plain,
+     {"hyperparameters": {"lr": 0.1}, "version": 2.5}, "version"),
+    ("since below 1", "Mistake", plain,
+     {"hyperparameters": {"lr": Hyperparameter(0.1, non_negative, since=0)}}, "since"),
 ]
 
 
@@ -398,3 +441,101 @@ def test_the_parallel_walk_of_a_rule_reading_more_than_30_values(monkeypatch):
         parallel_equals_serial(cls, monkeypatch)
     finally:
         registry.unregister("ManyValuesTest")
+
+
+
+SCALE = np.float32(1.0)  # a float32 constant: a Python float would make the kernel float64
+
+
+def scaled(p, g, lr):
+    p = p - lr * SCALE * g
+    return p
+
+
+def test_a_changed_global_constant_is_a_new_rule():
+    """Found by a hostile probe: Numba compiles globals in as constants, and the rule's
+    fingerprint (its kernels' cache key) covered the source only, so a rule defined again
+    after a global changed ran the old kernel (in this process and from the disk cache)."""
+    global SCALE
+    try:
+        for scale in (1.0, 100.0):
+            SCALE = np.float32(scale)
+            cls = define_optimizer("ScaledTest", scaled, hyperparameters={"lr": 0.1})
+            opt = cls({"w": np.zeros(3, np.float32)})
+            opt.step({"w": np.ones(3, np.float32)})
+            np.testing.assert_allclose(opt.params["w"], -0.1 * scale, rtol=1e-6)
+    finally:
+        SCALE = np.float32(1.0)
+        registry.unregister("ScaledTest")
+
+
+def k(step, lr):  # named like the generated prepare's loop variable
+    return lr / (step - 4)
+
+
+def stepped_by(p, g, c):
+    p = p - c * g
+    return p
+
+
+def test_per_step_is_called_by_a_name_no_generated_local_shadows_and_never_stops_a_walk():
+    """Found by a hostile probe: a per_step named ``k`` failed to compile in the prepare walk,
+    and one dividing by zero (at step 4) stopped it halfway, some step counts advanced."""
+    try:
+        cls = define_optimizer("PerStepTest", stepped_by, hyperparameters={"lr": 0.1},
+                               per_step=k, per_step_values=("c",))
+        opt = cls({"a": np.ones(3), "b": np.ones(2)})
+        for _ in range(4):
+            opt.step({"a": np.ones(3), "b": np.ones(2)})
+        assert opt.state_of("a").step == opt.state_of("b").step == 4
+        assert np.isinf(opt.params["a"]).all()  # c = 0.1 / 0: the error model's inf
+    finally:
+        registry.unregister("PerStepTest")
+
+
+def checked_type(value):
+    value = float(value)
+    return "big" if value > 1 else value
+
+
+def big_constant(path, shape):
+    return 1e39
+
+
+def overflowing(lr):
+    return {"huge": lr * 1e40}
+
+
+def uses_huge(p, g, lr, huge):
+    p = p - lr * g + huge * (g - g)
+    return p
+
+
+def test_values_checked_only_at_a_step_are_typed_errors_naming_the_group_or_path():
+    """Found by a hostile probe: a check giving a string, a per_parameter value and a derived
+    value beyond float32 passed (ValueError at the step; inf parameters)."""
+    try:
+        cls = define_optimizer("CheckTypeTest", plain, hyperparameters={
+            "lr": Hyperparameter(0.1, checked_type, (0.1,))})
+        opt = cls({"w": np.ones(3)})
+        opt.param_groups[0]["lr"] = 5.0
+        with pytest.raises(HyperparameterError, match="param group 0.*lr.*'big'"):
+            opt.step({"w": np.ones(3)})
+        cls = define_optimizer("BigTest", scaled_by, hyperparameters={"lr": 0.1},
+                               per_parameter={"scale": big_constant})
+        with pytest.raises(flatopt.ParamError, match="'w'.*float32"):
+            cls({"w": np.ones(3, np.float32)})
+        cls = define_optimizer("OverflowTest", uses_huge, hyperparameters={"lr": 1e-41},
+                               derived=overflowing)
+        opt = cls({"w": np.ones(3, np.float32)}, lr=0.1)
+        with pytest.raises(HyperparameterError, match="overflow float32"):
+            opt.step({"w": np.ones(3, np.float32)})
+        assert opt.state_of("w") is None or opt.state_of("w").step == 0
+    finally:
+        for name in ("CheckTypeTest", "BigTest", "OverflowTest"):
+            registry.unregister(name)
+
+
+def scaled_by(p, g, lr, scale):
+    p = p - lr * scale * g
+    return p

@@ -4,8 +4,10 @@ flatopt's AdamW (the same update up to rounding)."""
 
 from __future__ import annotations
 
+import copy
 from fnmatch import fnmatchcase
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -175,17 +177,69 @@ def test_bad_masks_are_refused():
         T.masked(T.trace(), [])
 
 
-def test_a_mask_is_set_for_parameters_added_later_and_survives_loads(unregister, tmp_path):
-    cls = T.chain(T.masked(T.add_decayed_weights(0.5), "*.w"), T.scale_by_learning_rate(1.0))
+@pytest.mark.parametrize("storage", [{}, {"state_dtype": "bfloat16"},
+                                     {"master_weights": True, "dtype": "bfloat16"}],
+                         ids=["float32", "bf16_state", "bf16_master"])
+def test_a_mask_is_set_for_parameters_added_later_and_survives_loads(unregister, tmp_path,
+                                                                     storage):
+    """Found by a hostile probe: loads into reduced-precision buffers zeroed the masks."""
+    storage = dict(storage)
+    dtype = ml_dtypes.bfloat16 if storage.pop("dtype", None) else np.float32
+    cls = T.chain(T.scale_by_adam(), T.masked(T.add_decayed_weights(0.5), "*.w"),
+                  T.scale_by_learning_rate(0.25))
     unregister.append(cls.schema.name)
-    opt = cls({"l.w": np.ones(2), "l.b": np.ones(2)})
-    opt.add_param_group({"params": {"m.w": np.ones(2), "m.b": np.ones(2)}})
-    zeros = {path: np.zeros(2) for path in ("l.w", "l.b", "m.w", "m.b")}
-    opt.step(zeros)
-    flatopt.save(tmp_path / "masked.h5", opt)
-    flatopt.load(tmp_path / "masked.h5", opt)
-    opt.step(zeros)
-    for path in ("l.w", "m.w"):  # decayed twice: 1 -> 0.5 -> 0.25
-        np.testing.assert_array_equal(opt.params[path], np.full(2, 0.25))
-    for path in ("l.b", "m.b"):
-        np.testing.assert_array_equal(opt.params[path], np.ones(2))
+    paths = ("l.w", "l.b", "m.w", "m.b")
+    start = {path: np.ones(2, dtype) for path in paths}
+    opt = cls({p: start[p].copy() for p in paths[:2]}, **storage)
+    opt.add_param_group({"params": {p: start[p].copy() for p in paths[2:]}})
+    grads = {path: np.full(2, 0.5, dtype) for path in paths}
+    opt.step(grads)
+    for load in ("file", "state_dict"):
+        again = cls({p: start[p].copy() for p in paths[:2]}, **storage)
+        again.add_param_group({"params": {p: start[p].copy() for p in paths[2:]}})
+        if load == "file":
+            flatopt.save(tmp_path / "masked.h5", opt)
+            flatopt.load(tmp_path / "masked.h5", again)
+        else:
+            again.load_state_dict(opt.state_dict())
+            for path in paths:
+                again.params[path] = opt.params[path]
+        twin = copy.deepcopy(opt.state_dict()), {p: opt.params[p].copy() for p in paths}
+        for o in (again, opt):
+            o.step(grads)
+        for path in paths:
+            assert again.params[path].tobytes() == opt.params[path].tobytes(), (load, path)
+        opt.load_state_dict(twin[0])
+        for path in paths:
+            opt.params[path] = twin[1][path]
+    decayed = opt.params["l.w"].astype(np.float32)[0] < opt.params["l.b"].astype(np.float32)[0]
+    assert decayed  # the weights decay, the biases do not
+
+
+def test_chains_of_the_same_pieces_with_other_defaults_each_load_their_own_files(unregister,
+                                                                                 tmp_path):
+    """Found by a hostile probe: two such chains share a default name; the second replaced
+    the first, whose own checkpoints then failed to load into it."""
+    encoder = T.chain(T.scale_by_adam(), T.scale_by_learning_rate(1e-3))
+    decoder = T.chain(T.scale_by_adam(b1=0.5), T.scale_by_learning_rate(1e-2))
+    unregister.append(encoder.schema.name)
+    assert encoder.schema.name == decoder.schema.name
+    for cls in (encoder, decoder):
+        opt = cls({"w": np.ones(3)})
+        opt.step({"w": np.ones(3)})
+        flatopt.save(tmp_path / "own.h5", opt)
+        again = cls({"w": np.zeros(3)})
+        flatopt.load(tmp_path / "own.h5", again)
+        assert again.params["w"].tobytes() == opt.params["w"].tobytes()
+
+
+def test_a_chain_with_a_long_default_name_steps(unregister):
+    """Found by a hostile probe: a 258-character default name made Numba's cache file names
+    too long for the file system (OSError at the first step)."""
+    cls = T.chain(*[T.masked(T.add_decayed_weights(0.01), "*.weight") for _ in range(8)],
+                  T.scale_by_adam(), T.scale_by_learning_rate(1e-3))
+    unregister.append(cls.schema.name)
+    assert len(cls.schema.name) > 250
+    opt = cls({"l.weight": np.ones(4, np.float32)})
+    opt.step({"l.weight": np.ones(4, np.float32)})
+    assert opt.params["l.weight"][0] < 1

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import _lossless
 from ..optimizer import Optimizer
-from ..schema import describe_group
+from ..schema import describe_group, same_kind
 from .difference import Difference
 from .reader import Contents, SavedParam
 
@@ -116,8 +116,8 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
         for number in range(min(len(ck.groups), len(opt.param_groups))):
             contributors[number].add(number)
     schema = opt.schema
-    same_kind = ck.schema is schema
-    state = set(schema.group_state) if same_kind else set()
+    kind = same_kind(ck.schema, schema)
+    state = set(schema.group_state) if kind else set()
     for number, values in enumerate(opt.settings()):
         where = describe_group(number, values)
         live = {k: v for k, v in values.items() if k != "label"}
@@ -127,7 +127,7 @@ def _compare_groups(ck: Contents, opt: Optimizer, result: Comparison, *, hyperpa
             label = (f" (saved group {saved_number})"
                      if saved_number != number or regroup else "")
             for key in sorted(set(saved) | set(live)):
-                if not same_kind and key not in schema.hyperparameters:
+                if not kind and key not in schema.hyperparameters:
                     continue
                 s, l = saved.get(key), live.get(key)
                 if key in owned and key in saved and hyperparameters != "live":
@@ -168,7 +168,7 @@ def compare(ck: Contents, opt: Optimizer, *, rename, hyperparameters: str | None
             regroup: bool, scheduler) -> Comparison:
     """Every difference between ``ck`` and ``opt``, and the load plan."""
     result = Comparison()
-    if ck.schema is not opt.schema:
+    if not same_kind(ck.schema, opt.schema):
         redefined = ck.schema.name == opt.schema.name  # flatopt.define_optimizer replaced it
         result.differences.append(Difference(
             "optimizer", "file", ck.schema.name, opt.schema.name,
