@@ -389,10 +389,10 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
         problems = []
         narrow = {buf.group for buf in self.buffers if buf.dtype == np.float32}
         for number, group in enumerate(settings):
-            values, problem = derived_problem(d.derived, d.derived_reads, group,
-                                              d.derived_names)
+            derived, problem = derived_problem(d.derived, d.derived_reads, group,
+                                               d.derived_names)
             if problem is None and number in narrow:
-                wide = {k: v for k, v in values.items() if abs(v) > FLOAT32_MAX}
+                wide = {k: v for k, v in derived.items() if abs(v) > FLOAT32_MAX}
                 problem = f"derived values {wide} overflow float32" if wide else None
             if problem:
                 problems.append(f"{describe_group(number, group)}: {problem}")
@@ -428,6 +428,7 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
                            f"{d.update.__name__}()."),
         "__module__": d.update.__module__,
     }
+
     def __init__(self, params, **hyperparameters):
         Optimizer.__init__(self, params, **hyperparameters)
     __init__.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
