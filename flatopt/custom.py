@@ -384,8 +384,10 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
     def check_step(self, settings):
         """derived's values for every group, before anything changes (a group value it
         cannot take is the group's problem: HyperparameterError)."""
-        if d.derived is None:
-            return
+        checked = self.__dict__.get("_derived_checked")
+        if d.derived is None or (checked is not None and len(checked) == len(settings)
+                                 and all(a is b for a, b in zip(checked, settings))):
+            return  # the same validated group values as at the last step: checked then
         problems = []
         narrow = {buf.group for buf in self.buffers if buf.dtype == np.float32}
         for number, group in enumerate(settings):
@@ -399,6 +401,7 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
         if problems:
             raise HyperparameterError(f"{d.name}: cannot step with these hyperparameters: "
                                       + "; ".join(problems))
+        self._derived_checked = list(settings)
 
     def kernel_scalars(self, settings, dtype):
         known = values(settings)
