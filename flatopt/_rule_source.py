@@ -40,10 +40,6 @@ TRIAL_STEPS = 3
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Numba colours its messages
 
-TRIAL_STEPS = 3
-"""Steps of the trial run :func:`define_optimizer` makes with the default hyperparameters."""
-
-
 
 class Definition(NamedTuple):
     """A rule's parts after :func:`define_optimizer` checked them (what the generator and the
@@ -62,6 +58,16 @@ class Definition(NamedTuple):
     derived_reads: tuple[str, ...]
     per_parameter: dict[str, Callable]
     """Constants of each parameter by name: ``function(path, shape) -> number``."""
+    reduce: Callable | None = None
+    """``reduce(param, grad, *state, <values>)``: per-element terms, added up per parameter
+    (float64) into the totals ``reduce_values`` names."""
+    reduce_values: tuple[str, ...] = ()
+    reduce_reads: tuple[str, ...] = ()
+    per_tensor: Callable | None = None
+    """``per_tensor(<totals and values>)``: each present parameter's ``per_tensor_values``
+    from its totals, after the reduce pass and before the update."""
+    per_tensor_values: tuple[str, ...] = ()
+    per_tensor_reads: tuple[str, ...] = ()
 
 
 
@@ -233,54 +239,111 @@ def _tuples(count: int) -> list[range]:
     return [range(n, min(n + TUPLE_SIZE, count)) for n in range(0, count, TUPLE_SIZE)]
 
 
-def bound_update_source(d: Definition, key: str, source: str) -> str:
-    """``update``'s source as ``{key}_update(<elements>, flatopt_values0, ...)``: its named
-    values read from flat tuples at the top of the same body, so that the span's call has a
-    few arguments however many values the rule reads."""
+def bound_source(source: str, name: str, fixed: int, reads: Sequence[str]) -> str:
+    """An element function's source (``update`` or ``reduce``) as ``name(<elements>,
+    flatopt_values0, ...)``: its named values read from flat tuples at the top of the same
+    body, so that the walk's call has a few arguments however many values the rule reads."""
     tree = ast.parse(textwrap.dedent(source))
     function = tree.body[0]
-    fixed = 2 + len(d.slots)
-    function.name = f"{key}_update"
+    function.name = name
     function.decorator_list = []
-    groups = _tuples(len(d.update_reads))
+    groups = _tuples(len(reads))
     function.args.args = [*function.args.args[:fixed],
                           *[ast.arg(f"{VALUES}{t}") for t in range(len(groups))]]
-    reads = [ast.parse(f"{d.update_reads[n]} = {VALUES}{t}[{n - group.start}]").body[0]
-             for t, group in enumerate(groups) for n in group]
-    function.body = [*reads, *function.body]
+    unpack = [ast.parse(f"{reads[n]} = {VALUES}{t}[{n - group.start}]").body[0]
+              for t, group in enumerate(groups) for n in group]
+    function.body = [*unpack, *function.body]
     return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
+
+
+def _element_walk(d: Definition, header: str, reads: Sequence[str], scalars: Sequence[str],
+                  columns: Sequence[str], flags: Sequence[str]) -> tuple[list[str], str]:
+    """The start of a walk over one parameter's elements (the span, the reduce): the values
+    ``reads`` names read into locals once and packed into flat tuples; and the call's
+    arguments (the elements, the tuples)."""
+    arrays = ["_p", "_g", *[f"_s{j}" for j in range(len(d.slots))]]
+    lines = [header, f"    {', '.join(arrays)}, = arrays"]
+    local = {}
+    for j, value in enumerate(scalars):
+        if value in reads:
+            local[value] = f"_h{j}"
+            lines.append(f"    _h{j} = scalars[{j}]")
+    for j, value in enumerate(columns):
+        if j > 0 and value in reads:  # (column 0, the step count, is per_step's)
+            local[value] = f"_c{j}"
+            lines.append(f"    _c{j} = columns[{j}][k]")
+    for j, value in enumerate(flags):
+        if value in reads:
+            local[value] = f"_f{j}"
+            lines.append(f"    _f{j} = flags[{j}]")
+    groups = _tuples(len(reads))
+    for t, group in enumerate(groups):
+        values = "".join(f"{local[reads[n]]}, " for n in group)
+        lines.append(f"    _t{t} = ({values})")
+    if len(arrays) + len(groups) > CALL_LIMIT:
+        raise fail(d.name, f"{len(d.slots)} state slots are more than a call can take")
+    arguments = [*[f"{a}[i]" for a in arrays], *[f"_t{t}" for t in range(len(groups))]]
+    return lines, ", ".join(arguments)
 
 
 def span_source(d: Definition, key: str, scalars: Sequence[str],
                 columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
-    """The span: the values read into locals once and packed into flat tuples, then the
-    bound update (:func:`bound_update_source`) over the elements."""
-    arrays = ["_p", "_g", *[f"_s{j}" for j in range(len(d.slots))]]
-    lines = [f"def {key}_span(arrays, scalars, columns, flags, k, start, stop, stride):",
-             f"    {', '.join(arrays)}, = arrays"]
-    local = {}
-    for j, value in enumerate(scalars):
+    """The span: the bound update (:func:`bound_source`) over the elements."""
+    lines, arguments = _element_walk(
+        d, f"def {key}_span(arrays, scalars, columns, flags, k, start, stop, stride):",
+        d.update_reads, scalars, columns, flags)
+    stored = ["_p", *[f"_s{j}" for j in range(len(d.slots))]]
+    targets = "".join(f"{a}[i], " for a in stored)
+    targets = targets if returns_tuple else targets[:-2]
+    lines += ["    for i in range(start, stop, stride):",
+              f"        {targets} = {key}_update({arguments})", ""]
+    return "\n".join(lines)
+
+
+def reduce_source(d: Definition, key: str, scalars: Sequence[str], columns: Sequence[str],
+                  flags: Sequence[str], returns_tuple: bool) -> str:
+    """The reduce: the bound ``reduce`` over the elements, its terms added in float64 (the
+    backend adds the segments' partial sums in chunk order: the same totals at any thread
+    count or world size)."""
+    lines, arguments = _element_walk(
+        d, f"def {key}_reduce(arrays, scalars, columns, flags, k, start, stop, stride):",
+        d.reduce_reads, scalars, columns, flags)
+    count = len(d.reduce_values)
+    terms = [f"_r{j}" for j in range(count)]
+    lines += [f"    _a{j} = 0.0" for j in range(count)]
+    lines += ["    for i in range(start, stop, stride):",
+              f"        {', '.join(terms)}{',' if returns_tuple else ''} = "
+              f"{key}_reduce_terms({arguments})"]
+    lines += [f"        _a{j} += float(_r{j})" for j in range(count)]
+    lines += [f"    return ({''.join(f'_a{j}, ' for j in range(count))})", ""]
+    return "\n".join(lines)
+
+
+def finalize_source(d: Definition, key: str, prepare_scalars: Sequence[str],
+                    columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
+    """The finalize: ``per_tensor`` of each present parameter's totals (``sums[k, j]``),
+    stored in its columns for the update to read."""
+    lines = [f"def {key}_finalize(present, columns, scalars, flags, start, stop, stride, "
+             "sums):"]
+    local = {value: f"sums[k, {j}]" for j, value in enumerate(d.reduce_values)}
+    for j, value in enumerate(columns[1:], start=1):
+        lines.append(f"    _c{j} = columns[{j}]")
+        local[value] = f"_c{j}[k]"
+    for j, value in enumerate(prepare_scalars):
         local[value] = f"_h{j}"
         lines.append(f"    _h{j} = scalars[{j}]")
-    for j, value in enumerate(columns):
-        if j == 0:
-            continue  # the step count: per_step's, not update's
-        local[value] = f"_c{j}"
-        lines.append(f"    _c{j} = columns[{j}][k]")
     for j, value in enumerate(flags):
         local[value] = f"_f{j}"
         lines.append(f"    _f{j} = flags[{j}]")
-    groups = _tuples(len(d.update_reads))
-    for t, group in enumerate(groups):
-        values = "".join(f"{local[d.update_reads[n]]}, " for n in group)
-        lines.append(f"    _t{t} = ({values})")
-    if len(arrays) + len(groups) > CALL_LIMIT:
-        raise fail(d.name, f"{len(d.slots)} state slots are more than a call can take")
-    elements = [f"{a}[i]" for a in arrays]
-    call = f"{key}_update({', '.join([*elements, *[f'_t{t}' for t in range(len(groups))]])})"
-    targets = "".join(f"{a}[i], " for a in [arrays[0], *arrays[2:]])
+    if len(d.per_tensor_reads) > CALL_LIMIT:
+        raise fail(d.name, f"per_tensor reads {len(d.per_tensor_reads)} values, more than a "
+                           f"call can take ({CALL_LIMIT})")
+    targets = "".join(local[v] + ", " for v in d.per_tensor_values)
     targets = targets if returns_tuple else targets[:-2]
-    lines += ["    for i in range(start, stop, stride):", f"        {targets} = {call}", ""]
+    arguments = ", ".join(local[v] for v in d.per_tensor_reads)
+    lines += ["    for k in range(start, stop, stride):",
+              "        if present[k] != 0:",
+              f"            {targets} = {key}_per_tensor({arguments})", ""]
     return "\n".join(lines)
 
 
@@ -313,15 +376,27 @@ def prepare_source(d: Definition, key: str, prepare_scalars: Sequence[str],
     return "\n".join(lines)
 
 
+def _unique(names) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
+
+
 def layouts(d: Definition):
-    """The kernel argument layouts: scalars (what ``update`` reads that is a number, in the
-    buffer's dtype), prepare scalars (``per_step``'s numbers, float64), flags (every
-    switch); the columns are the step count, the per_step values, the per_parameter ones."""
+    """The kernel argument layouts: scalars (the numbers ``update`` and ``reduce`` read, in
+    the buffer's dtype), prepare scalars (the numbers ``per_step`` and ``per_tensor`` read,
+    float64), flags (every switch); the columns are the step count, then :func:`columns`."""
     flags = tuple(k for k, h in d.hyperparameters.items() if h.is_flag)
-    columns = (*d.per_step_values, *d.per_parameter)
-    scalars = tuple(v for v in d.update_reads if v not in flags and v not in columns)
-    prepare = tuple(v for v in d.per_step_reads if v not in flags and v not in d.per_parameter)
+    columns = rule_columns(d)
+    scalars = tuple(v for v in _unique((*d.update_reads, *d.reduce_reads))
+                    if v not in flags and v not in columns)
+    prepare = tuple(v for v in _unique((*d.per_step_reads, *d.per_tensor_reads))
+                    if v not in flags and v not in columns and v not in d.reduce_values)
     return scalars, prepare, flags
+
+
+def rule_columns(d: Definition) -> tuple[str, ...]:
+    """The per-parameter columns after the step count: per_step's values, per_tensor's, the
+    per_parameter constants."""
+    return (*d.per_step_values, *d.per_tensor_values, *d.per_parameter)
 
 
 def _layout(name: str, fields: Sequence[str], kind: type) -> type:
@@ -340,61 +415,90 @@ def fresh_source(functions: Sequence[Callable]) -> None:
         linecache.checkcache(function.__code__.co_filename)
 
 
-def make_rule(d: Definition, sources: Mapping[str, str], shapes: tuple[bool, bool]) -> Rule:
-    """The kernel rule; ``shapes``: whether update and per_step return tuples (a single
-    value may come bare), as the trial run found."""
+class Shapes(NamedTuple):
+    """Whether each of a rule's functions returns a tuple (one value may come bare), as the
+    trial run found."""
+
+    update: bool = True
+    per_step: bool = True
+    reduce: bool = True
+    per_tensor: bool = True
+
+
+def _renamed(function: Callable, name: str) -> Callable:
+    """``function`` under ``name`` (the generated walks call it by a name no generated local
+    can shadow), over its own module's globals."""
+    renamed = types.FunctionType(function.__code__, function.__globals__, name)
+    renamed.__module__ = function.__module__
+    return renamed
+
+
+def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule:
+    """The kernel rule, its walks generated as source for these ``shapes``."""
     key = f"user_{identifier(d.name)[:KEY_LENGTH]}"
     scalars, prepare, flags = layouts(d)
-    columns = ("step", *d.per_step_values, *d.per_parameter)
-    roots = [d.update, *filter(None, [d.per_step])]
-    found = helpers(d.name, roots)
-    fresh_source([*roots, *found])
-    namespace: dict = {}
-    if d.per_step is not None:  # called by a name no generated local can shadow
-        per_step = types.FunctionType(d.per_step.__code__, d.per_step.__globals__,
-                                      f"{key}_per_step")
-        per_step.__module__ = d.per_step.__module__
-        namespace[per_step.__name__] = per_step
-        roots[1] = per_step
-    texts = {f"{key}_span": span_source(d, key, scalars, columns, flags, shapes[0]),
-             f"{key}_prepare": prepare_source(d, key, prepare, columns, flags, shapes[1]),
-             f"{key}_update": frozen_globals([d.update, *roots[1:], *found]) +
-             bound_update_source(d, key, sources.get(d.update.__name__)
-                                 or inspect.getsource(d.update))}
-    span, prepare_function, update = (
-        compile_source(text, name, f"<flatopt rule {d.name!r} {name}>",
-                       dict(d.update.__globals__ if name.endswith("_update") else namespace))
-        for name, text in texts.items())
-    for function in (span, prepare_function, update):
+    columns = ("step", *rule_columns(d))
+    elementwise = [d.update, *filter(None, [d.reduce])]
+    found = helpers(d.name, [*elementwise, *filter(None, [d.per_step, d.per_tensor])])
+    namespace: dict = {}  # per_step and per_tensor under their generated names
+    generated = dict(sources)
+    for role, function in (("per_step", d.per_step), ("per_tensor", d.per_tensor)):
+        if function is not None:
+            renamed = namespace[f"{key}_{role}"] = _renamed(function, f"{key}_{role}")
+            if function.__name__ in sources:
+                generated[renamed.__name__] = sources[function.__name__]
+    fresh_source([*elementwise, *filter(None, [d.per_step, d.per_tensor]), *found])
+
+    def source_of(function: Callable) -> str:
+        return sources.get(function.__name__) or inspect.getsource(function)
+
+    frozen = frozen_globals([*elementwise, *filter(None, [d.per_step, d.per_tensor]), *found])
+    texts = {f"{key}_span": span_source(d, key, scalars, columns, flags, shapes.update),
+             f"{key}_prepare": prepare_source(d, key, prepare, columns, flags,
+                                              shapes.per_step),
+             f"{key}_update": frozen + bound_source(source_of(d.update), f"{key}_update",
+                                                    2 + len(d.slots), d.update_reads)}
+    if d.reduce is not None:
+        texts[f"{key}_reduce"] = reduce_source(d, key, scalars, columns, flags, shapes.reduce)
+        texts[f"{key}_finalize"] = finalize_source(d, key, prepare, columns, flags,
+                                                   shapes.per_tensor)
+        texts[f"{key}_reduce_terms"] = bound_source(source_of(d.reduce), f"{key}_reduce_terms",
+                                                    2 + len(d.slots), d.reduce_reads)
+    user_side = (f"{key}_update", f"{key}_reduce_terms")  # compiled over the user's globals
+    made = {name: compile_source(text, name, f"<flatopt rule {d.name!r} {name}>",
+                                 dict(d.update.__globals__ if name in user_side else namespace))
+            for name, text in texts.items()}
+    for function in made.values():
         function.__module__ = f"flatopt.custom.{function.__name__}"  # its own namespace
-    called = (update, *roots[1:], *found)
-    clashes = {h.__name__ for h in found} & {*texts, f"{key}_per_step"}
+    clashes = {h.__name__ for h in found} & {*texts, *namespace}
     if clashes:
         raise fail(d.name, f"function name(s) {sorted(clashes)} are the generated walk's "
                            "own; rename them")
+    generated.update(texts)
+    helper_functions = (made[f"{key}_update"],
+                        *filter(None, [made.get(f"{key}_reduce_terms")]),
+                        *namespace.values(), *found)
     try:
-        return Rule(name=key, span=span, prepare=prepare_function, helpers=called,
-                    slots=d.slots,
+        return Rule(name=key, span=made[f"{key}_span"], prepare=made[f"{key}_prepare"],
+                    helpers=helper_functions, slots=d.slots,
                     columns={"step": "int64", **{v: "param" for v in columns[1:]}},
                     scalars=_layout(f"{key}_Scalars", scalars, float),
                     prepare_scalars=_layout(f"{key}_PrepareScalars", prepare, float),
                     flags=_layout(f"{key}_Flags", flags, bool),
-                    generated={**sources, **texts,
-                               **({f"{key}_per_step": sources[d.per_step.__name__]}
-                                  if d.per_step is not None and d.per_step.__name__ in sources
-                                  else {})},
+                    reduce=made.get(f"{key}_reduce"), finalize=made.get(f"{key}_finalize"),
+                    reductions=d.reduce_values, generated=generated,
                     origin=d.update.__module__)
     except TypeError as exc:
         raise fail(d.name, str(exc)) from None
 
 
-def trial_run(d: Definition) -> tuple[bool, bool]:
-    """Compile ``update`` and ``per_step`` with Numba (float64, uncached) and run them for
-    :data:`TRIAL_STEPS` steps on sample elements with the default hyperparameters: a typing
-    error, a wrong number of results or a non-finite result from finite inputs fails here,
-    naming the function, before any optimizer exists. Returns whether update and per_step
-    return tuples."""
-    functions = [d.update, *filter(None, [d.per_step])]
+def trial_run(d: Definition) -> Shapes:
+    """Compile the rule's functions with Numba (float64, uncached) and run them for
+    :data:`TRIAL_STEPS` steps on sample elements with the default hyperparameters, in the
+    order of a step (per_step, reduce over the elements, per_tensor, update): a typing error,
+    a wrong number of results or a non-finite result from finite inputs fails here, naming
+    the function, before any optimizer exists. Returns which of them return tuples."""
+    functions = [f for f in (d.update, d.per_step, d.reduce, d.per_tensor) if f is not None]
     try:
         compiled = bind_functions(f"rule {d.name!r}", (*functions, *helpers(d.name, functions)),
                                   njit(error_model="numpy"))
@@ -414,45 +518,51 @@ def trial_run(d: Definition) -> tuple[bool, bool]:
     params = np.concatenate([rng.standard_normal(6), [0.0, 1.0]])
     grads = np.concatenate([rng.standard_normal(6), [0.0, 0.0]])
     state = np.zeros((len(d.slots), params.size))
-    shapes = [True, True]
+    shapes = {}
+    elements = ("param", "grad", *d.slots)
+
+    def results(role: str, function: Callable, arguments: list, names: Sequence[str],
+                inputs: str) -> tuple:
+        result = _run(d, compiled, function, arguments)
+        shapes[role] = isinstance(result, tuple)
+        result = result if shapes[role] else (result,)
+        if len(result) != len(names):
+            raise fail(d.name, f"{role} {function.__name__}() returned {len(result)} "
+                               f"value(s), not the {len(names)} of {tuple(names)}")
+        if not all(isinstance(r, (float, int, np.floating, np.integer)) for r in result):
+            raise fail(d.name, f"{role} {function.__name__}() must return numbers, got "
+                               f"{result!r}")
+        if not all(math.isfinite(r) for r in result):
+            raise fail(d.name, f"{role} {function.__name__}() gives a non-finite "
+                               f"{dict(zip(names, result))} from finite inputs {inputs} at "
+                               f"step {step} with the default hyperparameters")
+        return result
+
     for step in range(1, TRIAL_STEPS + 1):
         values[GROUP_STEP] = step
         if d.per_step is not None:
-            result = _run(d, compiled, d.per_step, [np.int64(step)] +
-                          [values[v] for v in d.per_step_reads])
-            shapes[1] = isinstance(result, tuple)
-            result = result if shapes[1] else (result,)
-            if len(result) != len(d.per_step_values):
-                raise fail(d.name, f"per_step {d.per_step.__name__}() returned "
-                                    f"{len(result)} value(s), per_step_values names "
-                                    f"{len(d.per_step_values)}")
-            values.update(zip(d.per_step_values, map(float, result)))
-            bad = [v for v in d.per_step_values if not math.isfinite(values[v])]
-            if bad:
-                raise fail(d.name, f"per_step gives non-finite {bad} at step {step} with "
-                                    f"the default hyperparameters")
+            values.update(zip(d.per_step_values, results(
+                "per_step", d.per_step, [np.int64(step), *[values[v] for v in d.per_step_reads]],
+                d.per_step_values, f"(step={step})")))
+        if d.reduce is not None:
+            totals = np.zeros(len(d.reduce_values))
+            for i in range(params.size):
+                before = (params[i], grads[i], *state[:, i])
+                totals += results("reduce", d.reduce,
+                                  [*before, *[values[v] for v in d.reduce_reads]],
+                                  d.reduce_values, str(dict(zip(elements, before))))
+            values.update(zip(d.reduce_values, totals))
+            values.update(zip(d.per_tensor_values, results(
+                "per_tensor", d.per_tensor, [values[v] for v in d.per_tensor_reads],
+                d.per_tensor_values, str(dict(zip(d.reduce_values, totals))))))
         for i in range(params.size):
             before = (params[i], grads[i], *state[:, i])
-            result = _run(d, compiled, d.update,
-                          [*before, *[values[v] for v in d.update_reads]])
-            shapes[0] = isinstance(result, tuple)
-            result = result if shapes[0] else (result,)
-            if len(result) != 1 + len(d.slots):
-                raise fail(d.name, f"update {d.update.__name__}() returned {len(result)} "
-                                    f"value(s); it must return the parameter and its "
-                                    f"{len(d.slots)} state slot(s) {d.slots}")
-            if not all(isinstance(r, (float, int, np.floating)) for r in result):
-                raise fail(d.name, f"update {d.update.__name__}() must return numbers, "
-                                    f"got {result!r}")
-            if not all(math.isfinite(r) for r in result):
-                names = ("param", *d.slots)
-                raise fail(d.name, f"update {d.update.__name__}() gives a non-finite "
-                                    f"{dict(zip(names, result))} from finite inputs "
-                                    f"{dict(zip(('param', 'grad', *d.slots), before))} at "
-                                    f"step {step} with the default hyperparameters")
+            result = results("update", d.update,
+                             [*before, *[values[v] for v in d.update_reads]],
+                             ("param", *d.slots), str(dict(zip(elements, before))))
             params[i], state[:, i] = result[0], result[1:]
     _stays_float32(d, compiled, values)
-    return shapes[0], shapes[1]
+    return Shapes(**shapes)
 
 
 def _stays_float32(d: Definition, compiled: Mapping[str, Callable], values: Mapping) -> None:
@@ -461,8 +571,9 @@ def _stays_float32(d: Definition, compiled: Mapping[str, Callable], values: Mapp
     Python literal, an integer), which the float32 walks would pay for and the 16-bit
     storage modes' views refuse to store."""
     flags = {k for k, h in d.hyperparameters.items() if h.is_flag}
-    arguments = [np.float32(0.5)] * (2 + len(d.slots)) + [
-        bool(values[v]) if v in flags else np.float32(values[v]) for v in d.update_reads]
+    with np.errstate(over="ignore"):  # a value float32 cannot hold: check_step refuses it
+        arguments = [np.float32(0.5)] * (2 + len(d.slots)) + [
+            bool(values[v]) if v in flags else np.float32(values[v]) for v in d.update_reads]
     dispatcher = compiled[d.update.__name__]
     _run(d, compiled, d.update, arguments)
     result = dispatcher.overloads[dispatcher.signatures[-1]].signature.return_type

@@ -80,7 +80,9 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
                      derived: Callable | None = None, per_step: Callable | None = None,
                      per_step_values: Sequence[str] = (),
                      per_parameter: Mapping[str, Callable[[str, tuple], float]] | None = None,
-                     version: int = 1,
+                     reduce: Callable | None = None, reduce_values: Sequence[str] = (),
+                     per_tensor: Callable | None = None,
+                     per_tensor_values: Sequence[str] = (), version: int = 1,
                      int8_state: bool = False, doc: str | None = None,
                      sources: Mapping[str, str] | None = None) -> type[Optimizer]:
     """An optimizer class stepping every element with ``update`` (see the module docstring),
@@ -98,6 +100,14 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     before anything changes. ``sources``: the source of functions made at run time
     (:func:`flatopt.chain`).
 
+    Per-tensor totals (LAMB's trust ratio, a cautious update's kept fraction):
+    ``reduce(param, grad, *state, <values>)`` gives one term per name of ``reduce_values``
+    for each element, from the values before this step's update; the terms are added up per
+    parameter in float64 (the same totals at any thread count or world size), then
+    ``per_tensor(<totals and values by name>)`` turns each parameter's totals into the
+    values ``per_tensor_values`` names, computed in float64 and rounded to the buffer's
+    dtype, which ``update`` reads by name. The two come together.
+
     Raises :class:`RuleDefinitionError` for every mistake it can see before an optimizer
     exists: it checks the names and signatures, compiles the functions with Numba and runs
     ``update`` for a few steps on sample values with the default hyperparameters (a body
@@ -107,9 +117,11 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31:
         raise RuleDefinitionError(f"rule {name!r}: version must be a whole number >= 1, got "
                                   f"{version!r}")
-    fresh_source([f for f in (update, derived, per_step) if isinstance(f, types.FunctionType)])
+    fresh_source([f for f in (update, derived, per_step, reduce, per_tensor)
+                  if isinstance(f, types.FunctionType)])
     definition = _checked(name, update, hyperparameters, state, derived, per_step,
-                          per_step_values, per_parameter, sources or {})
+                          per_step_values, per_parameter, sources or {},
+                          (reduce, reduce_values, per_tensor, per_tensor_values))
     slots = _slots(name, state)
     shapes = trial_run(definition)
     rule = make_rule(definition, sources or {}, shapes)
@@ -237,7 +249,7 @@ def _slots(name: str, state: Sequence[str] | Mapping[str, Slot]) -> dict[str, Sl
 
 
 def _checked(name, update, hyperparameters, state, derived, per_step, per_step_values,
-             per_parameter, sources) -> Definition:
+             per_parameter, sources, totals) -> Definition:
     if not isinstance(name, str) or not name or "\x00" in name or name != name.strip():
         raise RuleDefinitionError(f"a rule's name must be a non-empty string without NUL or "
                                   f"surrounding spaces, got {name!r}")
@@ -254,33 +266,79 @@ def _checked(name, update, hyperparameters, state, derived, per_step, per_step_v
     derived_names, derived_reads = _derived(name, derived, hypers, constants, sources)
     per_step_values, per_step_reads = _per_step(name, per_step, per_step_values, hypers,
                                                 derived_names, constants, sources)
-    update_parameters = _parameters(update)
-    fixed = 2 + len(slots)
-    if len(update_parameters) < fixed:
-        raise fail(name, f"update {update.__name__}{inspect.signature(update)} must take "
-                         f"the parameter, the gradient and its {len(slots)} state slot(s) "
-                         f"{slots} first")
-    update_reads = update_parameters[fixed:]
-    named = (*hypers, *derived_names, *per_step_values, *constants)
-    _known(name, "update", update_reads, hypers, derived_names, per_step_values, constants)
-    for position, parameter in enumerate(update_parameters[:fixed]):
-        if parameter in named:
-            raise fail(name, f"update's parameter {position + 1} ({parameter!r}) is an "
-                             "element (parameter, gradient or state), but its name is a "
-                             "hyperparameter's or value's")
-    read = set(update_reads) | set(per_step_reads) | set(derived_reads)
+    before_update = (derived_names, per_step_values, constants)
+    reduce, reduce_values, reduce_reads, per_tensor, per_tensor_values, per_tensor_reads = \
+        _totals(name, totals, slots, hypers, before_update, sources)
+    update_reads = _element_reads(name, "update", update, slots, hypers,
+                                  (*before_update, per_tensor_values))
+    read = {*update_reads, *per_step_reads, *derived_reads, *reduce_reads, *per_tensor_reads}
     unread = [key for key in hypers if key not in read]
     if unread:
         raise fail(name, f"hyperparameter(s) {unread} are read by no function (update, "
-                         "per_step or derived): a setting that changes nothing")
-    unused = [key for key in (*derived_names, *per_step_values, *constants) if key not in read]
+                         "per_step, derived, reduce or per_tensor): a setting that changes "
+                         "nothing")
+    unused = [key for key in (*derived_names, *per_step_values, *constants, *reduce_values,
+                              *per_tensor_values) if key not in read]
     if unused:
         raise fail(name, f"value(s) {unused} are computed but no function reads them")
-    _check_writes(name, update, update_parameters, slots, sources)
+    _check_writes(name, update, _parameters(update), slots, sources)
     if GROUP_STEP in read:
         hypers[GROUP_STEP] = Hyperparameter(0, step_count, (0,), state=True)
     return Definition(name, update, slots, hypers, derived, derived_names, per_step,
-                      per_step_values, update_reads, per_step_reads, derived_reads, constants)
+                      per_step_values, update_reads, per_step_reads, derived_reads, constants,
+                      reduce, reduce_values, reduce_reads, per_tensor, per_tensor_values,
+                      per_tensor_reads)
+
+
+def _element_reads(name: str, what: str, function: Callable, slots: Sequence[str],
+                   hypers: Mapping, others: Sequence[Sequence[str]]) -> tuple[str, ...]:
+    """The names an element function (``update``, ``reduce``) reads after the parameter,
+    the gradient and the state slots, checked against the known ones."""
+    parameters = _parameters(function)
+    fixed = 2 + len(slots)
+    if len(parameters) < fixed:
+        raise fail(name, f"{what} {function.__name__}{inspect.signature(function)} must take "
+                         f"the parameter, the gradient and its {len(slots)} state slot(s) "
+                         f"{tuple(slots)} first")
+    reads = parameters[fixed:]
+    _known(name, what, reads, hypers, *others)
+    named = {*hypers, *[v for values in others for v in values]}
+    for position, parameter in enumerate(parameters[:fixed]):
+        if parameter in named:
+            raise fail(name, f"{what}'s parameter {position + 1} ({parameter!r}) is an "
+                             "element (parameter, gradient or state), but its name is a "
+                             "hyperparameter's or value's")
+    return reads
+
+
+def _totals(name: str, totals: tuple, slots: Sequence[str], hypers: Mapping,
+            before: Sequence[Sequence[str]], sources) -> tuple:
+    """``reduce`` and ``per_tensor`` with their value names and the names they read."""
+    reduce, reduce_values, per_tensor, per_tensor_values = totals
+    for what, function, values in (("reduce", reduce, reduce_values),
+                                   ("per_tensor", per_tensor, per_tensor_values)):
+        if isinstance(values, str) or (function is None) != (not values):
+            raise fail(name, f"{what} and {what}_values go together (the function and a "
+                             "sequence of the names of the values it returns)")
+    if (reduce is None) != (per_tensor is None):
+        raise fail(name, "reduce and per_tensor go together: per_tensor turns reduce's "
+                         "totals into the values update reads")
+    if reduce is None:
+        return None, (), (), None, (), ()
+    reduce_values, per_tensor_values = tuple(reduce_values), tuple(per_tensor_values)
+    _plain_function(name, reduce, "reduce", sources)
+    _plain_function(name, per_tensor, "per_tensor", sources)
+    taken = [*hypers, *[v for values in before for v in values]]
+    for position, key in enumerate(reduce_values):
+        _value_name(name, "reduce", key, [*taken, *reduce_values[:position]])
+    for position, key in enumerate(per_tensor_values):
+        _value_name(name, "per_tensor", key,
+                    [*taken, *reduce_values, *per_tensor_values[:position]])
+    reduce_reads = _element_reads(name, "reduce", reduce, slots, hypers, before)
+    per_tensor_reads = _parameters(per_tensor)
+    _known(name, "per_tensor", per_tensor_reads, hypers, *before, reduce_values)
+    return (reduce, reduce_values, reduce_reads, per_tensor, per_tensor_values,
+            per_tensor_reads)
 
 
 def _value_name(name: str, what: str, key: Any, taken: Sequence[str]) -> None:
@@ -345,10 +403,8 @@ def _known(name: str, what: str, reads: Sequence[str], hypers: Mapping, *others)
     known = set(hypers).union(*others) | {GROUP_STEP}
     unknown = [key for key in reads if key not in known]
     if unknown:
-        raise fail(name, f"{what} reads {unknown}, which are no hyperparameter"
-                          f"{', derived value' if others else ''}"
-                          f"{' or per_step value' if len(others) > 1 else ''} "
-                          f"(known: {sorted(known)})")
+        raise fail(name, f"{what} reads {unknown}, which are no hyperparameter or value "
+                         f"it can read (it can read: {sorted(known)})")
     flags = [key for key in reads if key in hypers and hypers[key].is_flag]
     if what == "derived" and flags:
         raise fail(name, f"derived reads switches {flags}; derived values are numbers, "
@@ -357,14 +413,20 @@ def _known(name: str, what: str, reads: Sequence[str], hypers: Mapping, *others)
 
 def _check_writes(name: str, update: Callable, parameters: Sequence[str],
                   slots: Sequence[str], sources: Mapping[str, str]) -> None:
-    """Every state slot (and the parameter) is assigned somewhere in ``update``: a slot it
-    never writes would stay zero and only cost memory."""
+    """Every state slot (and the parameter) gets a new value in ``update``: assigned, or
+    returned as an expression other than its own input name. A slot it never writes would
+    stay zero and only cost memory."""
     source = sources.get(update.__name__) or inspect.getsource(update)
     tree = ast.parse(textwrap.dedent(source))
-    assigned = {node.id for node in ast.walk(tree)
-                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+    written = {node.id for node in ast.walk(tree)
+               if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
     element_names = [parameters[0], *parameters[2:2 + len(slots)]]
-    never = [n for n in element_names if n not in assigned]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Return) and node.value is not None:
+            results = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            written.update(element for element, result in zip(element_names, results)
+                           if not (isinstance(result, ast.Name) and result.id == element))
+    never = [n for n in element_names if n not in written]
     if never:
         raise fail(name, f"update {update.__name__}() never assigns {never} (the parameter "
                           "and every state slot must get a new value)")

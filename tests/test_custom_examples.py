@@ -1,7 +1,8 @@
 """The examples/ rules, written with the public API only (flatopt.define_optimizer), against
-their oracles: pytorch-optimizer's AdaBelief and Adan (float64 within 1e-10, float32 within
-2e-5, several groups, missing gradients), and with everything a built-in rule gets: exact
-resume in a fresh process, ZeRO-1 bit-identical at 2 and 3 ranks, the CUDA simulator."""
+their oracles: pytorch-optimizer's AdaBelief, Adan and Lamb (float64 within 1e-10, float32
+within 2e-5, several groups, missing gradients), and with everything a built-in rule gets:
+exact resume in a fresh process, ZeRO-1 bit-identical at 2 and 3 ranks, the CUDA simulator.
+Lamb is the example of per-tensor totals (reduce and per_tensor: its trust ratio)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 
 SHAPES = {"enc.w": (5, 7), "enc.b": (7,), "head.w": (7, 3), "head.b": (3,)}
 # per step: the paths without a gradient
+NAMES = list(examples_plugin.MODULES)
 MISSING = [set(), {"enc.b"}, set(), {"head.w", "head.b"}, set(), {"enc.w"}, set(), set()]
 
 
@@ -26,6 +28,9 @@ def group_settings(name: str) -> list[dict]:
     if name == "AdaBelief":
         return [dict(lr=3e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-16),
                 dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.0, eps=1e-12)]
+    if name == "Lamb":
+        return [dict(lr=3e-2, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-6),
+                dict(lr=1e-2, beta1=0.8, beta2=0.99, weight_decay=0.0, eps=1e-8)]
     return [dict(lr=3e-3, beta1=0.98, beta2=0.92, beta3=0.99, weight_decay=0.05, eps=1e-8),
             dict(lr=1e-2, beta1=0.9, beta2=0.9, beta3=0.999, weight_decay=0.0, eps=1e-6)]
 
@@ -45,7 +50,7 @@ def examples():
 @pytest.mark.parametrize("dtype, rtol, atol", [(np.float64, 1e-10, 1e-13),
                                                (np.float32, 2e-5, 2e-6)],
                          ids=["float64", "float32"])
-@pytest.mark.parametrize("name", ["AdaBelief", "Adan"])
+@pytest.mark.parametrize("name", NAMES)
 def test_matches_pytorch_optimizer(examples, name, dtype, rtol, atol):
     rng = np.random.default_rng(7)
     values = {path: rng.standard_normal(shape).astype(dtype) for path, shape in SHAPES.items()}
@@ -70,22 +75,22 @@ def test_matches_pytorch_optimizer(examples, name, dtype, rtol, atol):
     assert opt.param_groups[0]["group_step"] == len(MISSING)  # the oracle's group["step"]
 
 
-@pytest.mark.parametrize("name", ["AdaBelief", "Adan"])
+@pytest.mark.parametrize("name", NAMES)
 def test_the_examples_parallel_walk_gives_the_serial_bits(examples, name, monkeypatch):
     parallel_equals_serial(examples[name], monkeypatch, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("name", ["AdaBelief", "Adan"])
+@pytest.mark.parametrize("name", NAMES)
 def test_examples_round_trip_through_checkpoints(examples, name, tmp_path):
     check_round_trip(name, tmp_path)
 
 
 @pytest.mark.slow
 def test_examples_resume_exactly_in_a_fresh_process(examples, tmp_path):
-    check_exact_resume(tmp_path, ["AdaBelief", "Adan"], plugins=["examples_register"])
+    check_exact_resume(tmp_path, NAMES, plugins=["examples_register"])
 
 
-@pytest.mark.parametrize("name", ["AdaBelief", "Adan"])
+@pytest.mark.parametrize("name", NAMES)
 def test_examples_in_the_cuda_simulator_match_the_cpu(examples, name):
     pytest.importorskip("numba_cuda")
     rng = np.random.default_rng(3)
@@ -109,8 +114,8 @@ def test_examples_under_zero1_are_bit_identical_to_one_process(size):
     if test_mpi._skip_reason() is not None:
         pytest.skip(test_mpi._skip_reason())
     ok = test_mpi.checks_by_rank(test_mpi.run_job(
-        size, "--plugin", "examples_register", "identity", "--only", "AdaBelief", "Adan"), size)
-    for name in ("AdaBelief", "Adan"):
+        size, "--plugin", "examples_register", "identity", "--only", *NAMES), size)
+    for name in NAMES:
         assert ok.get(f"identity {name} at {size} ranks") == set(range(size)), name
 
 
