@@ -321,6 +321,62 @@ def reads_a_module(p, g, lr):
     return p
 
 
+# per-tensor totals: a cautious momentum (timm's caution over a momentum rule)
+def cautious_terms(p, g, m, beta, one_minus_beta):
+    m = beta * m + one_minus_beta * g
+    return (1.0 if m * g > 0 else 0.0), 1.0     # agreeing elements, elements
+
+
+def kept_scale(agreeing, elements):
+    return elements / max(agreeing, 1e-3 * elements)
+
+
+def cautious_update(p, g, m, lr, beta, one_minus_beta, scale, zero):
+    m = beta * m + one_minus_beta * g
+    u = m * scale if m * g > 0 else zero
+    return p - lr * u, m
+
+
+def cautious_derived(beta):
+    return {"one_minus_beta": 1.0 - beta, "zero": 0.0}
+
+
+CAUTIOUS = dict(state=("m",), hyperparameters={"lr": 0.01, "beta": 0.9},
+                derived=cautious_derived, reduce=cautious_terms,
+                reduce_values=("agreeing", "elements"), per_tensor=kept_scale,
+                per_tensor_values=("scale",))
+
+
+def cautious_reference(p, grads, lr=0.01, beta=0.9):
+    """The rule in float64 NumPy (missing gradients: None)."""
+    p, m = p.astype(np.float64), np.zeros(p.shape)
+    for g in grads:
+        if g is None:
+            continue
+        m = beta * m + (1 - beta) * g
+        mask = m * g > 0
+        scale = p.size / max(mask.sum(), 1e-3 * p.size) if p.size else 1.0
+        p = p - lr * np.where(mask, m * scale, 0.0)
+    return p
+
+
+def two_terms(p, g, m, beta, one_minus_beta):
+    return 1.0, 2.0
+
+
+def reads_a_total(p, g, m, lr, beta, one_minus_beta, agreeing, zero):
+    m = beta * m + one_minus_beta * g
+    return p - lr * agreeing * m, m
+
+
+def reads_only_agreeing(agreeing):
+    return agreeing
+
+
+def infinite_scale(agreeing, elements):
+    return agreeing / (elements - elements)
+
+
 MISTAKES = [
     ("a name clashing with a built-in optimizer", "Adam", plain, {"hyperparameters": {"lr": 0.1}},
      "built-in"),
@@ -369,6 +425,23 @@ MISTAKES = [
      {"hyperparameters": {"lr": 0.1}, "version": 2.5}, "version"),
     ("since below 1", "Mistake", plain,
      {"hyperparameters": {"lr": Hyperparameter(0.1, non_negative, since=0)}}, "since"),
+    # per-tensor totals
+    ("reduce without per_tensor", "Mistake", cautious_update,
+     {**CAUTIOUS, "per_tensor": None, "per_tensor_values": ()}, "go together"),
+    ("reduce without its names", "Mistake", cautious_update,
+     {**CAUTIOUS, "reduce_values": ()}, "reduce and reduce_values go together"),
+    ("a per_tensor value named as a hyperparameter", "Mistake", cautious_update,
+     {**CAUTIOUS, "per_tensor_values": ("lr",)}, "clashes"),
+    ("update reading a total", "Mistake", reads_a_total, CAUTIOUS, r"reads \['agreeing'\]"),
+    ("a total no function reads", "Mistake", cautious_update,
+     {**CAUTIOUS, "per_tensor": reads_only_agreeing}, r"\['elements'\] are computed"),
+    ("reduce giving the wrong number of terms", "Mistake", cautious_update,
+     {**CAUTIOUS, "reduce": two_terms, "reduce_values": ("agreeing",),
+      "per_tensor": reads_only_agreeing}, r"reduce two_terms\(\) returned 2 value"),
+    ("per_tensor giving an infinity", "Mistake", cautious_update,
+     {**CAUTIOUS, "per_tensor": infinite_scale}, "per_tensor infinite_scale.*non-finite"),
+    ("a reduce that is a lambda", "Mistake", cautious_update,
+     {**CAUTIOUS, "reduce": lambda p, g, m, beta, one_minus_beta: (1.0, 1.0)}, "def"),
 ]
 
 
@@ -539,3 +612,67 @@ def test_values_checked_only_at_a_step_are_typed_errors_naming_the_group_or_path
 def scaled_by(p, g, lr, scale):
     p = p - lr * scale * g
     return p
+
+
+# ----------------------------------------------------------------------------- per-tensor totals
+@pytest.fixture
+def cautious():
+    cls = define_optimizer("CautiousTest", cautious_update, **CAUTIOUS)
+    yield cls
+    registry.unregister("CautiousTest")
+
+
+@pytest.mark.filterwarnings("ignore:.*no gradient is marked present")
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(lr=st.floats(0, 1), beta=st.floats(0, 0.99), steps=st.integers(1, 4), data=st.data())
+def test_per_tensor_totals_match_their_reference_for_generated_tensors(lr, beta, steps,
+                                                                       data):
+    """A cautious momentum (each element's update kept where it agrees in sign with the
+    gradient, scaled by the tensor's kept fraction): several tensors, one of them over
+    several 16K chunks (its totals added across chunks), missing gradients."""
+    cls = registry.lookup("CautiousTest") or define_optimizer("CautiousTest", cautious_update,
+                                                              **CAUTIOUS)
+    sizes = data.draw(st.lists(st.sampled_from([0, 1, 7, 40_000]), min_size=1, max_size=3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    params = {f"t{i}": rng.standard_normal(n) for i, n in enumerate(sizes)}
+    grads = [{k: rng.standard_normal(v.size) for k, v in params.items()
+              if data.draw(st.booleans(), label=f"{k} has a gradient")} for _ in range(steps)]
+    opt = cls({k: v.copy() for k, v in params.items()}, lr=lr, beta=beta)
+    for g in grads:
+        opt.step(g)
+    for k, p in params.items():
+        np.testing.assert_allclose(opt.params[k], cautious_reference(
+            p, [g.get(k) for g in grads], lr, beta), rtol=1e-9, atol=1e-12, err_msg=k)
+
+
+def test_per_tensor_totals_are_the_same_bits_serial_and_parallel(cautious, monkeypatch):
+    parallel_equals_serial(cautious, monkeypatch, lr=0.1)
+
+
+def test_per_tensor_totals_in_reduced_precision_and_the_cuda_simulator(cautious):
+    """bf16 storage runs the reduce pass over decoded views; the CUDA backend its own reduce
+    and finalize kernels: both step as the float32 host does (up to bf16's rounding)."""
+    rng = np.random.default_rng(4)
+    p = rng.standard_normal((6, 40)).astype(np.float32)
+    host = cautious({"w": p.copy()}, lr=0.1)
+    coded = cautious({"w": p.copy()}, lr=0.1, state_dtype="bfloat16")
+    runs = [host, coded]
+    try:
+        import numba_cuda  # noqa: F401 (the simulator's backend)
+    except ImportError:
+        pass
+    else:
+        runs.append(cautious({"w": p.copy()}, lr=0.1, device="cuda"))
+    for _ in range(3):
+        g = rng.standard_normal((6, 40)).astype(np.float32)
+        for opt in runs:
+            opt.step({"w": g})
+    for opt in runs[1:]:
+        out = opt.params["w"]
+        out = out if isinstance(out, np.ndarray) else out.copy_to_host()
+        np.testing.assert_allclose(out, host.params["w"], rtol=2e-2, atol=2e-3)
+    assert not np.array_equal(host.params["w"], p)
+
+
+def test_per_tensor_totals_round_trip_through_checkpoints(cautious, tmp_path):
+    check_round_trip("CautiousTest", tmp_path)

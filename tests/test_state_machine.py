@@ -90,7 +90,9 @@ def configurations() -> list:
     for name, storage, marks in (("AdaBelief", "float32", []),
                                  ("Adan", "float32", [pytest.mark.slow]),
                                  ("AdaBelief", "bf16_master", [pytest.mark.slow]),
-                                 ("Adan", "bf16_state", [pytest.mark.slow])):
+                                 ("Adan", "bf16_state", [pytest.mark.slow]),
+                                 ("Lamb", "float32", []),
+                                 ("Lamb", "bf16_stochastic", [pytest.mark.slow])):
         result.append(pytest.param(name, storage, marks=marks, id=f"{name}-{storage}"))
     return result
 
