@@ -27,6 +27,8 @@ from numba.core import types as numba_types
 
 from .errors import RuleDefinitionError
 from .kernels._bind import bind_functions
+from .kernels.elementwise import (CALL_LIMIT, SPAN_ARGUMENTS, compile_function, element_head,
+                                  stored, tuples)
 from .kernels.rule import Rule
 from .schema import Hyperparameter
 
@@ -209,34 +211,10 @@ def frozen_globals(functions: Sequence[Callable]) -> str:
     return "".join(f"# global {k} = {v}\n" for k, v in sorted(seen.items()))
 
 
-def register_source(filename: str, source: str) -> None:
-    """Make ``source`` readable by ``inspect.getsource`` (and Numba's error messages) under
-    ``filename``: ``linecache`` keeps entries whose modification time is None."""
-    lines = source.splitlines(keepends=True)
-    linecache.cache[filename] = (len(source), None, lines, filename)
-
-
-def compile_source(source: str, function_name: str, filename: str,
-                   namespace: dict) -> Callable:
-    """The function ``source`` defines, its source registered for ``inspect``."""
-    register_source(filename, source)
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace[function_name]
-
-
 VALUES = "flatopt_values"
 """The parameters that replace an update's named values in its bound copy
-(``flatopt_values0``, ``flatopt_values1``, ...: one flat tuple each)."""
-
-CALL_LIMIT = 30
-"""CPython compiles a call of more than 30 arguments (its STACK_USE_GUIDELINE) as a call with
-``*args``, which Numba cannot inline: the values travel in flat tuples of at most 25."""
-
-TUPLE_SIZE = 25
-
-
-def _tuples(count: int) -> list[range]:
-    return [range(n, min(n + TUPLE_SIZE, count)) for n in range(0, count, TUPLE_SIZE)]
+(``flatopt_values0``, ``flatopt_values1``, ...: one flat tuple each, as
+:func:`kernels.elementwise.element_head` packs them)."""
 
 
 def bound_source(source: str, name: str, fixed: int, reads: Sequence[str]) -> str:
@@ -247,7 +225,7 @@ def bound_source(source: str, name: str, fixed: int, reads: Sequence[str]) -> st
     function = tree.body[0]
     function.name = name
     function.decorator_list = []
-    groups = _tuples(len(reads))
+    groups = tuples(len(reads))
     function.args.args = [*function.args.args[:fixed],
                           *[ast.arg(f"{VALUES}{t}") for t in range(len(groups))]]
     unpack = [ast.parse(f"{reads[n]} = {VALUES}{t}[{n - group.start}]").body[0]
@@ -256,45 +234,27 @@ def bound_source(source: str, name: str, fixed: int, reads: Sequence[str]) -> st
     return ast.unparse(ast.fix_missing_locations(tree)) + "\n"
 
 
-def _element_walk(d: Definition, header: str, reads: Sequence[str], scalars: Sequence[str],
+def _element_head(d: Definition, header: str, reads: Sequence[str], scalars: Sequence[str],
                   columns: Sequence[str], flags: Sequence[str]) -> tuple[list[str], str]:
-    """The start of a walk over one parameter's elements (the span, the reduce): the values
-    ``reads`` names read into locals once and packed into flat tuples; and the call's
-    arguments (the elements, the tuples)."""
-    arrays = ["_p", "_g", *[f"_s{j}" for j in range(len(d.slots))]]
-    lines = [header, f"    {', '.join(arrays)}, = arrays"]
-    local = {}
-    for j, value in enumerate(scalars):
-        if value in reads:
-            local[value] = f"_h{j}"
-            lines.append(f"    _h{j} = scalars[{j}]")
-    for j, value in enumerate(columns):
-        if j > 0 and value in reads:  # (column 0, the step count, is per_step's)
-            local[value] = f"_c{j}"
-            lines.append(f"    _c{j} = columns[{j}][k]")
-    for j, value in enumerate(flags):
-        if value in reads:
-            local[value] = f"_f{j}"
-            lines.append(f"    _f{j} = flags[{j}]")
-    groups = _tuples(len(reads))
-    for t, group in enumerate(groups):
-        values = "".join(f"{local[reads[n]]}, " for n in group)
-        lines.append(f"    _t{t} = ({values})")
-    if len(arrays) + len(groups) > CALL_LIMIT:
-        raise fail(d.name, f"{len(d.slots)} state slots are more than a call can take")
-    arguments = [*[f"{a}[i]" for a in arrays], *[f"_t{t}" for t in range(len(groups))]]
-    return lines, ", ".join(arguments)
+    """The start of a walk over one parameter's elements (the span, the reduce), as
+    :func:`kernels.elementwise.element_head` writes the built-in spans': each value
+    ``reads`` names read once, packed into flat tuples."""
+    where = {**{v: f"scalars[{j}]" for j, v in enumerate(scalars)},
+             **{v: f"columns[{j}][k]" for j, v in enumerate(columns) if j > 0},
+             **{v: f"flags[{j}]" for j, v in enumerate(flags)}}
+    try:
+        return element_head(header, len(d.slots), [(v, where[v]) for v in reads], pack=True)
+    except TypeError:
+        raise fail(d.name, f"{len(d.slots)} state slots are more than a call can take") \
+            from None
 
 
 def span_source(d: Definition, key: str, scalars: Sequence[str],
                 columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
     """The span: the bound update (:func:`bound_source`) over the elements."""
-    lines, arguments = _element_walk(
-        d, f"def {key}_span(arrays, scalars, columns, flags, k, start, stop, stride):",
-        d.update_reads, scalars, columns, flags)
-    stored = ["_p", *[f"_s{j}" for j in range(len(d.slots))]]
-    targets = "".join(f"{a}[i], " for a in stored)
-    targets = targets if returns_tuple else targets[:-2]
+    lines, arguments = _element_head(d, f"def {key}_span({SPAN_ARGUMENTS}):", d.update_reads,
+                                     scalars, columns, flags)
+    targets = stored(len(d.slots)) + ("," if returns_tuple else "")
     lines += ["    for i in range(start, stop, stride):",
               f"        {targets} = {key}_update({arguments})", ""]
     return "\n".join(lines)
@@ -305,9 +265,8 @@ def reduce_source(d: Definition, key: str, scalars: Sequence[str], columns: Sequ
     """The reduce: the bound ``reduce`` over the elements, its terms added in float64 (the
     backend adds the segments' partial sums in chunk order: the same totals at any thread
     count or world size)."""
-    lines, arguments = _element_walk(
-        d, f"def {key}_reduce(arrays, scalars, columns, flags, k, start, stop, stride):",
-        d.reduce_reads, scalars, columns, flags)
+    lines, arguments = _element_head(d, f"def {key}_reduce({SPAN_ARGUMENTS}):",
+                                     d.reduce_reads, scalars, columns, flags)
     count = len(d.reduce_values)
     terms = [f"_r{j}" for j in range(count)]
     lines += [f"    _a{j} = 0.0" for j in range(count)]
@@ -465,11 +424,10 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
         texts[f"{key}_reduce_terms"] = bound_source(source_of(d.reduce), f"{key}_reduce_terms",
                                                     2 + len(d.slots), d.reduce_reads)
     user_side = (f"{key}_update", f"{key}_reduce_terms")  # compiled over the user's globals
-    made = {name: compile_source(text, name, f"<flatopt rule {d.name!r} {name}>",
-                                 dict(d.update.__globals__ if name in user_side else namespace))
+    made = {name: compile_function(text, name,  # each filed under a module of its own
+                                   dict(d.update.__globals__ if name in user_side else namespace),
+                                   f"flatopt.custom.{name}")
             for name, text in texts.items()}
-    for function in made.values():
-        function.__module__ = f"flatopt.custom.{function.__name__}"  # its own namespace
     clashes = {h.__name__ for h in found} & {*texts, *namespace}
     if clashes:
         raise fail(d.name, f"function name(s) {sorted(clashes)} are the generated walk's "

@@ -34,7 +34,7 @@ import math
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from ._rule_source import compile_source
+from .kernels.elementwise import compile_function
 from .custom import define_optimizer
 from .errors import RuleDefinitionError
 from .optimizer import Optimizer
@@ -344,7 +344,5 @@ def _generated(function_name: str, source: str, pieces, sources: dict,
         for function in filter(None, (t.piece, t.derived, t.per_step)):
             namespace[function.__name__] = function
     sources[function_name] = source
-    function = compile_source(source, function_name, f"<flatopt {function_name}>",
-                              dict(namespace))
-    function.__module__ = f"{__name__}.generated"  # its own namespace when bound (_bind)
-    return function
+    # filed under a module of its own: its own namespace when bound (_bind)
+    return compile_function(source, function_name, dict(namespace), f"{__name__}.generated")

@@ -58,13 +58,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import numpy as np
 
+from . import elementwise
 
 _positions: dict[type, types.ModuleType] = {}
 _MADE: dict[str, "Rule"] = {}
@@ -152,7 +152,7 @@ class Rule:
         sources = {}
         for function in (*self.functions, *filter(None, [self.per_parameter])):
             sources[function.__name__] = (self.generated.get(function.__name__)
-                                          or inspect.getsource(function))
+                                          or elementwise.source(function))
             digest.update(sources[function.__name__].encode())
         object.__setattr__(self, "sources", sources)
         for layout in (self.scalars, self.prepare_scalars, self.flags):

@@ -3,6 +3,7 @@
 import math
 from typing import NamedTuple
 
+from ..elementwise import element_span
 from ..rule import Rule, positions
 
 
@@ -23,7 +24,7 @@ class Columns(NamedTuple):
     step: int
 
 
-S, F, C = positions(Scalars), positions(Flags), positions(Columns)
+C = positions(Columns)
 
 
 def adadelta_rule(p, g, v, u, neg_lr, rho, one_minus_rho, eps, weight_decay,
@@ -50,18 +51,7 @@ def adadelta_rule(p, g, v, u, neg_lr, rho, one_minus_rho, eps, weight_decay,
     return p, v, u
 
 
-def adadelta_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, v, u = arrays
-    neg_lr = scalars[S.neg_lr]
-    rho = scalars[S.rho]
-    one_minus_rho = scalars[S.one_minus_rho]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    has_weight_decay = flags[F.has_weight_decay]
-    maximize = flags[F.maximize]
-    for i in range(start, stop, stride):
-        p[i], v[i], u[i] = adadelta_rule(p[i], g[i], v[i], u[i], neg_lr, rho, one_minus_rho,
-                                         eps, weight_decay, has_weight_decay, maximize)
+adadelta_span = element_span("adadelta_span", adadelta_rule, 2, Scalars, Columns, Flags)
 
 
 def adadelta_prepare(present, columns, scalars, flags, start, stop, stride):

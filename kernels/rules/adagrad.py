@@ -3,6 +3,7 @@
 import math
 from typing import NamedTuple
 
+from ..elementwise import element_span
 from ..rule import Rule, positions
 
 
@@ -26,8 +27,7 @@ class Columns(NamedTuple):
     neg_clr: float
 
 
-S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
-              positions(Columns))
+P, C = positions(PrepareScalars), positions(Columns)
 
 
 def adagrad_rule(p, g, state_sum, neg_clr, eps, weight_decay, has_weight_decay, maximize):
@@ -50,16 +50,7 @@ def adagrad_rule(p, g, state_sum, neg_clr, eps, weight_decay, has_weight_decay, 
     return p, state_sum
 
 
-def adagrad_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, state_sum = arrays
-    neg_clr = columns[C.neg_clr][k]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    has_weight_decay = flags[F.has_weight_decay]
-    maximize = flags[F.maximize]
-    for i in range(start, stop, stride):
-        p[i], state_sum[i] = adagrad_rule(p[i], g[i], state_sum[i], neg_clr, eps, weight_decay,
-                                          has_weight_decay, maximize)
+adagrad_span = element_span("adagrad_span", adagrad_rule, 1, Scalars, Columns, Flags)
 
 
 def adagrad_prepare(present, columns, scalars, flags, start, stop, stride):

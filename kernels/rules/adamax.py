@@ -3,6 +3,7 @@
 from typing import NamedTuple
 
 from ..arithmetic import fma
+from ..elementwise import element_span
 from ..rule import Rule, positions
 
 
@@ -29,8 +30,7 @@ class Columns(NamedTuple):
     neg_step_size: float
 
 
-S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
-              positions(Columns))
+P, C = positions(PrepareScalars), positions(Columns)
 
 
 def adamax_rule(p, g, m, u, neg_step_size, lerp_coefficient, beta2, eps, weight_decay,
@@ -64,20 +64,7 @@ def adamax_rule(p, g, m, u, neg_step_size, lerp_coefficient, beta2, eps, weight_
     return p, m, u
 
 
-def adamax_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, m, u = arrays
-    step_size = columns[C.neg_step_size][k]
-    lerp_coefficient = scalars[S.lerp_coefficient]
-    beta2 = scalars[S.beta2]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    has_weight_decay = flags[F.has_weight_decay]
-    maximize = flags[F.maximize]
-    lerp_from_end = flags[F.lerp_from_end]
-    for i in range(start, stop, stride):
-        p[i], m[i], u[i] = adamax_rule(p[i], g[i], m[i], u[i], step_size, lerp_coefficient,
-                                       beta2, eps, weight_decay, has_weight_decay, maximize,
-                                       lerp_from_end)
+adamax_span = element_span("adamax_span", adamax_rule, 2, Scalars, Columns, Flags)
 
 
 def adamax_prepare(present, columns, scalars, flags, start, stop, stride):

@@ -5,6 +5,7 @@ import math
 from typing import NamedTuple
 
 from ..arithmetic import fma
+from ..elementwise import element_span
 from ..rule import Rule, positions
 
 
@@ -27,7 +28,7 @@ class Columns(NamedTuple):
     initialized: int
 
 
-S, C = positions(Scalars), positions(Columns)
+C = positions(Columns)
 
 
 def ademamix_rule(p, g, m1, m2, nu, beta1, one_minus_beta1, beta2, one_minus_beta2, beta3,
@@ -45,24 +46,7 @@ def ademamix_rule(p, g, m1, m2, nu, beta1, one_minus_beta1, beta2, one_minus_bet
     return p + neg_lr * update, m1, m2, nu
 
 
-def ademamix_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, m1, m2, nu = arrays
-    beta1 = scalars[S.beta1]
-    one_minus_beta1 = scalars[S.one_minus_beta1]
-    beta2 = scalars[S.beta2]
-    one_minus_beta2 = scalars[S.one_minus_beta2]
-    beta3 = scalars[S.beta3]
-    one_minus_beta3 = scalars[S.one_minus_beta3]
-    bc1 = scalars[S.bias_correction1]
-    bc2_sqrt = scalars[S.bias_correction2_sqrt]
-    eps = scalars[S.eps]
-    alpha = scalars[S.alpha]
-    weight_decay = scalars[S.weight_decay]
-    neg_lr = scalars[S.neg_lr]
-    for i in range(start, stop, stride):
-        p[i], m1[i], m2[i], nu[i] = ademamix_rule(
-            p[i], g[i], m1[i], m2[i], nu[i], beta1, one_minus_beta1, beta2, one_minus_beta2,
-            beta3, one_minus_beta3, bc1, bc2_sqrt, eps, alpha, weight_decay, neg_lr)
+ademamix_span = element_span("ademamix_span", ademamix_rule, 3, Scalars)
 
 
 def ademamix_prepare(present, columns, scalars, flags, start, stop, stride):

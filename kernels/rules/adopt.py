@@ -6,6 +6,7 @@ import math
 from typing import NamedTuple
 
 from ..arithmetic import fma
+from ..elementwise import element_span
 from ..rule import Rule, positions
 from .caution import REDUCTIONS, caution_finalize
 
@@ -105,30 +106,7 @@ def adopt_rule(p, g, m, v, first, clip_value, neg_lr, lerp_coefficient, beta2,
     return p, m, v
 
 
-def adopt_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, m, v = arrays
-    first = columns[C.first][k] != 0
-    clip_value = columns[C.clip_value][k]
-    caution_scale = columns[C.caution_scale][k]
-    neg_lr = scalars[S.neg_lr]
-    lerp_coefficient = scalars[S.lerp_coefficient]
-    beta2 = scalars[S.beta2]
-    one_minus_beta2 = scalars[S.one_minus_beta2]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    neg_lr_weight_decay = scalars[S.neg_lr_weight_decay]
-    has_weight_decay = flags[F.has_weight_decay]
-    decoupled = flags[F.decoupled]
-    clip = flags[F.clip]
-    maximize = flags[F.maximize]
-    lerp_from_end = flags[F.lerp_from_end]
-    caution = flags[F.caution]
-    for i in range(start, stop, stride):
-        p[i], m[i], v[i] = adopt_rule(p[i], g[i], m[i], v[i], first, clip_value, neg_lr,
-                                      lerp_coefficient, beta2, one_minus_beta2, eps,
-                                      weight_decay, neg_lr_weight_decay, has_weight_decay,
-                                      decoupled, clip, maximize, lerp_from_end, caution,
-                                      caution_scale)
+adopt_span = element_span("adopt_span", adopt_rule, 2, Scalars, Columns, Flags)
 
 
 def adopt_reduce(arrays, scalars, columns, flags, k, start, stop, stride):

@@ -3,6 +3,7 @@
 import math
 from typing import NamedTuple
 
+from ..elementwise import element_span
 from ..rule import Rule, positions
 
 
@@ -37,8 +38,7 @@ class Columns(NamedTuple):
     exp_avg_coefficient: float
 
 
-S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
-              positions(Columns))
+P, C = positions(PrepareScalars), positions(Columns)
 
 
 def nadam_rule(p, g, m, v, bias_correction2, grad_coefficient, exp_avg_coefficient,
@@ -78,26 +78,7 @@ def nadam_rule(p, g, m, v, bias_correction2, grad_coefficient, exp_avg_coefficie
     return p, m, v
 
 
-def nadam_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, m, v = arrays
-    bias_correction2 = columns[C.bias_correction2][k]
-    grad_coefficient = columns[C.grad_coefficient][k]
-    exp_avg_coefficient = columns[C.exp_avg_coefficient][k]
-    lerp_coefficient = scalars[S.lerp_coefficient]
-    beta2 = scalars[S.beta2]
-    one_minus_beta2 = scalars[S.one_minus_beta2]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    decay_factor = scalars[S.decoupled_decay_factor]
-    has_weight_decay = flags[F.has_weight_decay]
-    decoupled = flags[F.decoupled]
-    maximize = flags[F.maximize]
-    lerp_from_end = flags[F.lerp_from_end]
-    for i in range(start, stop, stride):
-        p[i], m[i], v[i] = nadam_rule(
-            p[i], g[i], m[i], v[i], bias_correction2, grad_coefficient, exp_avg_coefficient,
-            lerp_coefficient, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
-            has_weight_decay, decoupled, maximize, lerp_from_end)
+nadam_span = element_span("nadam_span", nadam_rule, 2, Scalars, Columns, Flags)
 
 
 def nadam_prepare(present, columns, scalars, flags, start, stop, stride):

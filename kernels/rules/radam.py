@@ -3,6 +3,7 @@
 import math
 from typing import NamedTuple
 
+from ..elementwise import element_span
 from ..rule import Rule, positions
 
 
@@ -38,8 +39,7 @@ class Columns(NamedTuple):
     rect: float
 
 
-S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
-              positions(Columns))
+P, C = positions(PrepareScalars), positions(Columns)
 
 
 def radam_rule(p, g, m, v, rectified, bias_correction1, bias_correction2_sqrt, rect, lr, one,
@@ -82,29 +82,7 @@ def radam_rule(p, g, m, v, rectified, bias_correction1, bias_correction2_sqrt, r
     return p, m, v
 
 
-def radam_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, m, v = arrays
-    rectified = columns[C.rectified][k] != 0
-    bias_correction1 = columns[C.bias_correction1][k]
-    bias_correction2_sqrt = columns[C.bias_correction2_sqrt][k]
-    rect = columns[C.rect][k]
-    lr = scalars[S.lr]
-    one = scalars[S.one]
-    lerp_coefficient = scalars[S.lerp_coefficient]
-    beta2 = scalars[S.beta2]
-    one_minus_beta2 = scalars[S.one_minus_beta2]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    decay_factor = scalars[S.decoupled_decay_factor]
-    has_weight_decay = flags[F.has_weight_decay]
-    decoupled = flags[F.decoupled]
-    maximize = flags[F.maximize]
-    lerp_from_end = flags[F.lerp_from_end]
-    for i in range(start, stop, stride):
-        p[i], m[i], v[i] = radam_rule(
-            p[i], g[i], m[i], v[i], rectified, bias_correction1, bias_correction2_sqrt, rect,
-            lr, one, lerp_coefficient, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
-            has_weight_decay, decoupled, maximize, lerp_from_end)
+radam_span = element_span("radam_span", radam_rule, 2, Scalars, Columns, Flags)
 
 
 def radam_prepare(present, columns, scalars, flags, start, stop, stride):

@@ -1,0 +1,126 @@
+"""Spans written from an element body: the one generator behind the built-in rules' spans and
+a user's rule (``flatopt/_rule_source.py``).
+
+A span reads each value its element body takes into a local once, before the loop, then calls
+the body on every element of its segment and stores what it returns::
+
+    def nadam_span(arrays, scalars, columns, flags, k, start, stop, stride):
+        _p, _g, _s0, _s1, = arrays
+        bias_correction2 = columns[2][k]        # a per-parameter column, at parameter k
+        lerp_coefficient = scalars[0]           # a scalar in the buffer's dtype
+        maximize = flags[2]                     # a switch
+        for i in range(start, stop, stride):
+            _p[i], _s0[i], _s1[i] = nadam_rule(_p[i], _g[i], _s0[i], _s1[i], ...)
+
+A built-in body names its values as the fields of its rule's layouts (:func:`element_span`
+finds each by name); a user's body takes them packed in flat tuples (``pack``), since CPython
+calls a function of more than :data:`CALL_LIMIT` arguments with ``*args``, which Numba cannot
+inline. The source is compiled with ``exec`` and registered with ``linecache``;
+:func:`source` gives it to the rule's fingerprint (and so to the kernels' cache keys).
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+from typing import Callable, Sequence
+
+CALL_LIMIT = 30
+"""CPython's STACK_USE_GUIDELINE: a call with more arguments is compiled as ``f(*args)``."""
+
+TUPLE_SIZE = 25
+"""Values per flat tuple of a packed call."""
+
+SPAN_ARGUMENTS = "arrays, scalars, columns, flags, k, start, stop, stride"
+"""A span's parameters (``kernels/rule.py`` has the contract)."""
+
+_GENERATED: dict[tuple[str, str], str] = {}
+"""The source of each function this module made, by (module, qualname)."""
+
+
+def tuples(count: int) -> list[range]:
+    """The positions of ``count`` packed values, a range per flat tuple."""
+    return [range(n, min(n + TUPLE_SIZE, count)) for n in range(0, count, TUPLE_SIZE)]
+
+
+def element_head(header: str, slots: int, values: Sequence[tuple[str, str]],
+                 pack: bool) -> tuple[list[str], str]:
+    """The start of a walk over one parameter's elements: ``header``, the arrays unpacked,
+    each ``(local, expression)`` of ``values`` read once (a local named twice is read once);
+    and the element call's arguments (each element ``[i]``, then the locals, or with ``pack``
+    the flat tuples holding them). Raises ``TypeError`` for a call of more than
+    :data:`CALL_LIMIT` arguments."""
+    arrays = ["_p", "_g", *[f"_s{j}" for j in range(slots)]]
+    lines = [header, f"    {', '.join(arrays)}, = arrays"]
+    read: dict[str, str] = {}
+    for local, expression in values:
+        if local not in read:
+            read[local] = expression
+            lines.append(f"    {local} = {expression}")
+    names = [local for local, _ in values]
+    if pack:
+        groups = tuples(len(names))
+        for t, group in enumerate(groups):
+            lines.append(f"    _t{t} = ({''.join(f'{names[n]}, ' for n in group)})")
+        names = [f"_t{t}" for t in range(len(groups))]
+    arguments = [*[f"{a}[i]" for a in arrays], *names]
+    if len(arguments) > CALL_LIMIT:
+        raise TypeError(f"the element call takes {len(arguments)} arguments, more than "
+                        f"{CALL_LIMIT}")
+    return lines, ", ".join(arguments)
+
+
+def stored(slots: int) -> str:
+    """The element targets a body's results are stored in: the parameter, then each slot."""
+    return ", ".join(f"{a}[i]" for a in ["_p", *[f"_s{j}" for j in range(slots)]])
+
+
+def element_span(name: str, body: Callable, slots: int, scalars: type,
+                 columns: type | None = None, flags: type | None = None) -> Callable:
+    """A built-in rule's span ``name`` calling ``body(param, grad, *slots, <values>)`` on
+    every element and storing ``(param, *slots)`` it returns. Each value is found by the
+    body's parameter name among the fields of the rule's layouts: a scalar, a column (read
+    at the span's parameter ``k``) or a flag. Compiled over the body's module, where the
+    backends bind the body's compiled version."""
+    parameters = tuple(inspect.signature(body).parameters)[2 + slots:]
+    values = []
+    for value in parameters:
+        found = [f"{kind}[{layout._fields.index(value)}]{index}"
+                 for layout, kind, index in ((scalars, "scalars", ""),
+                                             (columns, "columns", "[k]"), (flags, "flags", ""))
+                 if layout is not None and value in layout._fields]
+        if len(found) != 1:
+            raise TypeError(f"{body.__name__}(): its parameter {value!r} is in "
+                            f"{'no' if not found else 'more than one'} of the rule's "
+                            "layouts (scalars, columns, flags)")
+        values.append((value, found[0]))
+    lines, arguments = element_head(f"def {name}({SPAN_ARGUMENTS}):", slots, values,
+                                    pack=False)
+    lines += ["    for i in range(start, stop, stride):",
+              f"        {stored(slots)} = {body.__name__}({arguments})", ""]
+    return compile_function("\n".join(lines), name, body.__globals__, body.__module__)
+
+
+def register_source(filename: str, source: str) -> None:
+    """Make ``source`` readable by ``inspect.getsource`` (and Numba's error messages) under
+    ``filename``: ``linecache`` keeps entries whose modification time is None."""
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+
+
+def compile_function(text: str, name: str, namespace: dict, module: str) -> Callable:
+    """The function ``text`` defines, compiled over ``namespace`` (a copy is taken when it is
+    not a module's own globals), filed under ``module``; its source registered."""
+    filename = f"<flatopt generated {module}.{name}>"
+    register_source(filename, text)
+    exec(compile(text, filename, "exec"), namespace)
+    function = namespace[name]
+    function.__module__ = module
+    _GENERATED[(module, function.__qualname__)] = text
+    return function
+
+
+def source(function: Callable) -> str:
+    """A function's source: what this module generated for it, else its file's."""
+    made = _GENERATED.get((function.__module__, function.__qualname__))
+    return made if made is not None else inspect.getsource(function)
