@@ -27,8 +27,9 @@ from numba.core import types as numba_types
 
 from .errors import RuleDefinitionError
 from .kernels._bind import bind_functions
-from .kernels.elementwise import (CALL_LIMIT, SPAN_ARGUMENTS, compile_function, element_head,
-                                  stored, tuples)
+from .kernels.elementwise import (CALL_LIMIT, PREPARE_ARGUMENTS, SPAN_ARGUMENTS,
+                                  compile_function, element_head, parameter_lines, stored,
+                                  tuples)
 from .kernels.rule import Rule
 from .schema import Hyperparameter
 
@@ -243,7 +244,8 @@ def _element_head(d: Definition, header: str, reads: Sequence[str], scalars: Seq
              **{v: f"columns[{j}][k]" for j, v in enumerate(columns) if j > 0},
              **{v: f"flags[{j}]" for j, v in enumerate(flags)}}
     try:
-        return element_head(header, len(d.slots), [(v, where[v]) for v in reads], pack=True)
+        return element_head(header, len(d.slots), [(f"_v_{v}", where[v]) for v in reads],
+                            pack=True)
     except TypeError:
         raise fail(d.name, f"{len(d.slots)} state slots are more than a call can take") \
             from None
@@ -278,61 +280,41 @@ def reduce_source(d: Definition, key: str, scalars: Sequence[str], columns: Sequ
     return "\n".join(lines)
 
 
+def _parameter_values(reads: Sequence[str], known: Mapping[str, str], prepare_scalars,
+                      columns, flags) -> list[tuple[str, str]]:
+    """The ``(local, expression)`` of each value a per-parameter function reads: a prepare
+    scalar or a flag (read once), a column at parameter ``k`` (``known``: more by name)."""
+    where = {**{v: f"columns[{j}][k]" for j, v in enumerate(columns) if j > 0},
+             **{v: f"scalars[{j}]" for j, v in enumerate(prepare_scalars)},
+             **{v: f"flags[{j}]" for j, v in enumerate(flags)}, **known}
+    return [(f"_v_{v}", where[v]) for v in reads]  # (a user's names may be k, i, sums...)
+
+
 def finalize_source(d: Definition, key: str, prepare_scalars: Sequence[str],
                     columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
     """The finalize: ``per_tensor`` of each present parameter's totals (``sums[k, j]``),
     stored in its columns for the update to read."""
-    lines = [f"def {key}_finalize(present, columns, scalars, flags, start, stop, stride, "
-             "sums):"]
-    local = {value: f"sums[k, {j}]" for j, value in enumerate(d.reduce_values)}
-    for j, value in enumerate(columns[1:], start=1):
-        lines.append(f"    _c{j} = columns[{j}]")
-        local[value] = f"_c{j}[k]"
-    for j, value in enumerate(prepare_scalars):
-        local[value] = f"_h{j}"
-        lines.append(f"    _h{j} = scalars[{j}]")
-    for j, value in enumerate(flags):
-        local[value] = f"_f{j}"
-        lines.append(f"    _f{j} = flags[{j}]")
     if len(d.per_tensor_reads) > CALL_LIMIT:
         raise fail(d.name, f"per_tensor reads {len(d.per_tensor_reads)} values, more than a "
                            f"call can take ({CALL_LIMIT})")
-    targets = "".join(local[v] + ", " for v in d.per_tensor_values)
-    targets = targets if returns_tuple else targets[:-2]
-    arguments = ", ".join(local[v] for v in d.per_tensor_reads)
-    lines += ["    for k in range(start, stop, stride):",
-              "        if present[k] != 0:",
-              f"            {targets} = {key}_per_tensor({arguments})", ""]
-    return "\n".join(lines)
+    values = _parameter_values(d.per_tensor_reads,
+                               {v: f"sums[k, {j}]" for j, v in enumerate(d.reduce_values)},
+                               prepare_scalars, columns, flags)
+    return "\n".join(parameter_lines(
+        f"def {key}_finalize({PREPARE_ARGUMENTS}, sums):", f"{key}_per_tensor",
+        [columns.index(v) for v in d.per_tensor_values], values, returns_tuple))
 
 
 def prepare_source(d: Definition, key: str, prepare_scalars: Sequence[str],
                    columns: Sequence[str], flags: Sequence[str], returns_tuple: bool) -> str:
     """The prepare: each present parameter's step count, then its ``per_step`` values (which
-    may read the parameter's ``per_parameter`` constants)."""
-    lines = [f"def {key}_prepare(present, columns, scalars, flags, start, stop, stride):",
-             "    _steps = columns[0]"]
-    local = {}
-    for j, value in enumerate(columns[1:], start=1):
-        lines.append(f"    _c{j} = columns[{j}]")
-        if value in d.per_parameter:
-            local[value] = f"_c{j}[k]"
-    for j, value in enumerate(prepare_scalars):
-        local[value] = f"_h{j}"
-        lines.append(f"    _h{j} = scalars[{j}]")
-    for j, value in enumerate(flags):
-        local[value] = f"_f{j}"
-        lines.append(f"    _f{j} = flags[{j}]")
-    lines += ["    for k in range(start, stop, stride):",
-              "        if present[k] != 0:",
-              "            _steps[k] += 1"]
-    if d.per_step is not None:
-        targets = "".join(f"_c{j + 1}[k], " for j in range(len(d.per_step_values)))
-        targets = targets if returns_tuple else targets[:-2]
-        arguments = ", ".join(["_steps[k]", *[local[v] for v in d.per_step_reads]])
-        lines.append(f"            {targets} = {key}_per_step({arguments})")
-    lines.append("")
-    return "\n".join(lines)
+    may read the parameter's ``per_parameter`` constants: then per parameter, else once per
+    distinct step count)."""
+    values = _parameter_values(d.per_step_reads, {}, prepare_scalars, columns, flags)
+    return "\n".join(parameter_lines(
+        f"def {key}_prepare({PREPARE_ARGUMENTS}):",
+        f"{key}_per_step" if d.per_step is not None else None,
+        [columns.index(v) for v in d.per_step_values], values, returns_tuple, step="_last"))
 
 
 def _unique(names) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import sys
 from typing import Callable, Sequence
 
 CALL_LIMIT = 30
@@ -99,6 +100,79 @@ def element_span(name: str, body: Callable, slots: int, scalars: type,
     lines += ["    for i in range(start, stop, stride):",
               f"        {stored(slots)} = {body.__name__}({arguments})", ""]
     return compile_function("\n".join(lines), name, body.__globals__, body.__module__)
+
+
+PREPARE_ARGUMENTS = "present, columns, scalars, flags, start, stop, stride"
+"""A prepare's parameters (``kernels/rule.py`` has the contract)."""
+
+
+def parameter_lines(header: str, function: str | None, outputs: Sequence[int],
+                    values: Sequence[tuple[str, str]], returns_tuple: bool,
+                    step: str | None = None) -> list[str]:
+    """The source of a walk over the present parameters (a prepare, a finalize):
+    ``function(<step>, <values>)``'s results stored in the columns ``outputs`` at each
+    present parameter ``k``. With ``step`` (a prepare), each step count (column 0) is
+    advanced first and ``step`` is the expression of the count ``function`` gets
+    (``_last``, or ``float(_last)``). A value whose expression reads parameter ``k``
+    (``columns[j][k]``, ``sums[k, j]``) is read per parameter; without one, the results are
+    computed once per distinct step count in a run (parameters usually share it: the same
+    values, computed once)."""
+    lines = [header]
+    if step is not None:
+        lines.append("    _steps = columns[0]")
+    lines += [f"    _o{j} = columns[{column}]" for j, column in enumerate(outputs)]
+    per_parameter = step is None or any("[k" in expression for _, expression in values)
+    lines += [f"    {local} = {expression}" for local, expression in dict(values).items()
+              if "[k" not in expression]
+    lines += ["    _last = -1",
+              "    for k in range(start, stop, stride):",
+              "        if present[k] != 0:"]
+    if step is not None:
+        lines.append("            _steps[k] += 1")
+    if function is None:
+        return lines + [""]
+    results = [f"_r{j}" for j in range(len(outputs))]
+    arguments = ", ".join([*([step] if step is not None else []),
+                           *[expression if "[k" in expression else local
+                             for local, expression in values]])
+    call = f"{', '.join(results)}{',' if returns_tuple else ''} = {function}({arguments})"
+    if per_parameter:
+        lines += ["            _last = _steps[k]"] if step is not None else []
+        lines.append(f"            {call}")
+    else:
+        lines += ["            if _steps[k] != _last:",
+                  "                _last = _steps[k]", f"                {call}"]
+    lines += [f"            _o{j}[k] = _r{j}" for j in range(len(outputs))]
+    return lines + [""]
+
+
+def element_prepare(name: str, per_step: Callable | None, outputs: Sequence[str],
+                    prepare_scalars: type | None, columns: type,
+                    flags: type | None = None) -> Callable:
+    """A built-in rule's prepare ``name``: each present parameter's ``step`` column advanced;
+    with ``per_step(t, <values>)``, its results (a tuple, in float64 as torch forms such
+    scalars in Python, ``t`` the step count as a float) stored, in the buffer's dtype, in the
+    columns ``outputs`` names. Its values are found by name among the prepare scalars and
+    the flags."""
+    if columns._fields[0] != "step":
+        raise TypeError(f"{name}: the step count must be the first column")
+    values = []
+    for value in (tuple(inspect.signature(per_step).parameters)[1:] if per_step else ()):
+        found = [f"{kind}[{layout._fields.index(value)}]"
+                 for layout, kind in ((prepare_scalars, "scalars"), (flags, "flags"))
+                 if layout is not None and value in layout._fields]
+        if len(found) != 1:
+            raise TypeError(f"{per_step.__name__}(): its parameter {value!r} is in "
+                            f"{'no' if not found else 'more than one'} of the rule's "
+                            "layouts (prepare scalars, flags)")
+        values.append((value, found[0]))
+    lines = parameter_lines(f"def {name}({PREPARE_ARGUMENTS}):",
+                            per_step.__name__ if per_step else None,
+                            [columns._fields.index(o) for o in outputs], values, True,
+                            step="float(_last)")
+    module = per_step.__module__ if per_step else columns.__module__
+    namespace = per_step.__globals__ if per_step else vars(sys.modules[module])
+    return compile_function("\n".join(lines), name, namespace, module)
 
 
 def register_source(filename: str, source: str) -> None:

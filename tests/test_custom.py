@@ -676,3 +676,41 @@ def test_per_tensor_totals_in_reduced_precision_and_the_cuda_simulator(cautious)
 
 def test_per_tensor_totals_round_trip_through_checkpoints(cautious, tmp_path):
     check_round_trip("CautiousTest", tmp_path)
+
+
+def shadowing(p, g, m, k, i, stride, start, present, scale):
+    m = k * m + i * g
+    return p - stride * scale * (m + start * present), m
+
+
+def shadowing_terms(p, g, m, k, i):
+    return g * g, k + i
+
+
+def shadowing_scale(sums, columns, stop, flags):
+    return sums / (columns + stop * flags)
+
+
+def test_values_named_like_the_generated_walks_own_names_are_not_shadowed():
+    """Found in review: values named as the generated walks' parameters and loop variables
+    (k, i, stride, start, present, stop, flags, sums, columns) must not be read into locals
+    of those names."""
+    settings = dict(k=0.5, i=0.25, stride=0.1, start=4.0, present=3.0, stop=6.0, flags=7.0)
+    try:
+        cls = define_optimizer("ShadowTest", shadowing, state=("m",),
+                               hyperparameters=settings, reduce=shadowing_terms,
+                               reduce_values=("sums", "columns"), per_tensor=shadowing_scale,
+                               per_tensor_values=("scale",))
+        rng = np.random.default_rng(2)
+        p = rng.standard_normal(10)
+        grads = [rng.standard_normal(10) for _ in range(3)]
+        opt = cls({"w": p.copy()})
+        m = np.zeros(10)
+        for g in grads:
+            opt.step({"w": g})
+            scale = (g @ g) / (10 * (0.5 + 0.25) + 6.0 * 7.0)
+            m = 0.5 * m + 0.25 * g
+            p = p - 0.1 * scale * (m + 4.0 * 3.0)
+        np.testing.assert_allclose(opt.params["w"], p, rtol=1e-12)
+    finally:
+        registry.unregister("ShadowTest")

@@ -3,7 +3,7 @@
 import math
 from typing import NamedTuple
 
-from ..elementwise import element_span
+from ..elementwise import element_prepare, element_span
 from ..rule import Rule, positions
 
 
@@ -54,12 +54,8 @@ def adadelta_rule(p, g, v, u, neg_lr, rho, one_minus_rho, eps, weight_decay,
 adadelta_span = element_span("adadelta_span", adadelta_rule, 2, Scalars, Columns, Flags)
 
 
-def adadelta_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count."""
-    steps = columns[C.step]
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
+adadelta_prepare = element_prepare("adadelta_prepare", None, (), None, Columns)
+"""Advances each present parameter's own step count (the update does not read it)."""
 
 
 RULE = Rule(name="adadelta", span=adadelta_span, prepare=adadelta_prepare,

@@ -3,7 +3,7 @@
 import math
 from typing import NamedTuple
 
-from ..elementwise import element_span
+from ..elementwise import element_prepare, element_span
 from ..rule import Rule, positions
 
 
@@ -53,26 +53,16 @@ def adagrad_rule(p, g, state_sum, neg_clr, eps, weight_decay, has_weight_decay, 
 adagrad_span = element_span("adagrad_span", adagrad_rule, 1, Scalars, Columns, Flags)
 
 
-def adagrad_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count ``t`` and form its step size in
-    float64 as torch does in Python, ``neg_clr = -(lr / (1 + (t - 1) * lr_decay))``, stored
-    in the buffer's dtype (once per distinct step count in a run)."""
-    steps = columns[C.step]
-    neg_clr = columns[C.neg_clr]
-    lr = scalars[P.lr]
-    lr_decay = scalars[P.lr_decay]
-    last_step = -1
-    value = 0.0
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
-            if steps[k] != last_step:
-                # float64 on purpose (the literals too): torch forms this scalar in Python
-                last_step = steps[k]
-                value = -(lr / (1.0 + (float(last_step) - 1.0) * lr_decay))
-            neg_clr[k] = value
+def adagrad_per_step(t, lr, lr_decay):
+    """``neg_clr = -(lr / (1 + (t - 1) * lr_decay))``, formed in float64 as torch does in
+    Python."""
+    return (-(lr / (1.0 + (t - 1.0) * lr_decay)),)
 
 
-RULE = Rule(name="adagrad", span=adagrad_span, prepare=adagrad_prepare, helpers=(adagrad_rule,),
+adagrad_prepare = element_prepare("adagrad_prepare", adagrad_per_step, ("neg_clr",),
+                                  PrepareScalars, Columns)
+
+
+RULE = Rule(name="adagrad", span=adagrad_span, prepare=adagrad_prepare, helpers=(adagrad_per_step, adagrad_rule),
             slots=("sum",), columns={"step": "int64", "neg_clr": "param"},
             scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)

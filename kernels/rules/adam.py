@@ -4,6 +4,7 @@ import math
 from typing import NamedTuple
 
 from ..arithmetic import fma
+from ..elementwise import element_prepare
 from ..rule import Rule, positions
 from .caution import REDUCTIONS, caution_finalize
 
@@ -192,33 +193,20 @@ def adam_finalize(present, columns, scalars, flags, start, stop, stride, sums):
     caution_finalize(present, columns[C.caution_scale], sums, start, stop, stride)
 
 
-def adam_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count; its bias corrections, formed in
-    float64 as torch does in Python, then stored in the buffer's dtype:
-    ``neg_step_size = -lr / (1 - beta1**t)``, ``bias_correction2_sqrt = sqrt(1 - beta2**t)``.
-    Parameters usually share a step count, so the powers are computed once per distinct
-    count in a run (the same value, not an approximation)."""
-    steps = columns[C.step]
-    neg_step_size = columns[C.neg_step_size]
-    bias_correction2_sqrt = columns[C.bias_correction2_sqrt]
-    last_step = -1
-    step_size = 0.0
-    correction = 0.0
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
-            if steps[k] != last_step:
-                # float64 on purpose (the literals too): torch forms these scalars in Python
-                last_step = steps[k]
-                t = float(last_step)
-                step_size = -(scalars[P.lr] / (1.0 - scalars[P.beta1] ** t))
-                correction = (1.0 - scalars[P.beta2] ** t) ** 0.5
-            neg_step_size[k] = step_size
-            bias_correction2_sqrt[k] = correction
+def adam_per_step(t, lr, beta1, beta2):
+    """A parameter's bias corrections at its step ``t``, formed in float64 as torch does in
+    Python (the literals too), then stored in the buffer's dtype: ``neg_step_size =
+    -lr / (1 - beta1**t)``, ``bias_correction2_sqrt = sqrt(1 - beta2**t)``."""
+    return -(lr / (1.0 - beta1 ** t)), (1.0 - beta2 ** t) ** 0.5
+
+
+adam_prepare = element_prepare("adam_prepare", adam_per_step,
+                               ("neg_step_size", "bias_correction2_sqrt"), PrepareScalars,
+                               Columns, Flags)
 
 
 RULE = Rule(name="adam", span=adam_span, prepare=adam_prepare,
-            helpers=(adam_moment, adam_rule, adam_elements, adam_amsgrad_elements,
+            helpers=(adam_per_step, adam_moment, adam_rule, adam_elements, adam_amsgrad_elements,
                      caution_finalize),
             slots=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
             columns={"step": "int64", "neg_step_size": "param",

@@ -3,7 +3,7 @@
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..elementwise import element_span
+from ..elementwise import element_prepare, element_span
 from ..rule import Rule, positions
 
 
@@ -67,25 +67,16 @@ def adamax_rule(p, g, m, u, neg_step_size, lerp_coefficient, beta2, eps, weight_
 adamax_span = element_span("adamax_span", adamax_rule, 2, Scalars, Columns, Flags)
 
 
-def adamax_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count and form, in float64 as torch does in
-    Python, ``neg_step_size = -lr / (1 - beta1**t)``, stored in the buffer's dtype (once per
-    distinct step count in a run)."""
-    steps = columns[C.step]
-    neg_step_size = columns[C.neg_step_size]
-    last_step = -1
-    step_size = 0.0
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
-            if steps[k] != last_step:
-                # float64 on purpose (the literal too): torch forms this scalar in Python
-                last_step = steps[k]
-                step_size = -(scalars[P.lr] / (1.0 - scalars[P.beta1] ** float(last_step)))
-            neg_step_size[k] = step_size
+def adamax_per_step(t, lr, beta1):
+    """``neg_step_size = -lr / (1 - beta1**t)``, formed in float64 as torch does in Python."""
+    return (-(lr / (1.0 - beta1 ** t)),)
 
 
-RULE = Rule(name="adamax", span=adamax_span, prepare=adamax_prepare, helpers=(adamax_rule,),
+adamax_prepare = element_prepare("adamax_prepare", adamax_per_step, ("neg_step_size",),
+                                 PrepareScalars, Columns)
+
+
+RULE = Rule(name="adamax", span=adamax_span, prepare=adamax_prepare, helpers=(adamax_per_step, adamax_rule),
             slots=("exp_avg", "exp_inf"),
             columns={"step": "int64", "neg_step_size": "param"},
             scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)

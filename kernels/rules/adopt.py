@@ -6,7 +6,7 @@ import math
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..elementwise import element_span
+from ..elementwise import element_prepare, element_span
 from ..rule import Rule, positions
 from .caution import REDUCTIONS, caution_finalize
 
@@ -140,24 +140,19 @@ def adopt_finalize(present, columns, scalars, flags, start, stop, stride, sums):
     caution_finalize(present, columns[C.caution_scale], sums, start, stop, stride)
 
 
-def adopt_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count ``t``; ``first`` marks ``t == 1`` and
-    ``clip_value`` is ``(t - 1) ** clip_exp``, formed in float64 as timm does in Python and
-    stored in the buffer's dtype (torch rounds a clamp bound to the tensor's dtype)."""
-    steps = columns[C.step]
-    first = columns[C.first]
-    clip_value = columns[C.clip_value]
-    clip = flags[F.clip]
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
-            first[k] = steps[k] == 1
-            if clip:
-                clip_value[k] = float(steps[k] - 1) ** scalars[P.clip_exp]
+def adopt_per_step(t, clip_exp, clip):
+    """Whether this is the parameter's first step (which only seeds ``v``), and the clamp
+    bound ``(t - 1) ** clip_exp``, formed in float64 as timm does in Python (torch rounds a
+    clamp bound to the tensor's dtype)."""
+    return t == 1.0, (t - 1.0) ** clip_exp if clip else 0.0
+
+
+adopt_prepare = element_prepare("adopt_prepare", adopt_per_step, ("first", "clip_value"),
+                                PrepareScalars, Columns, Flags)
 
 
 RULE = Rule(name="adopt", span=adopt_span, prepare=adopt_prepare,
-            helpers=(adopt_gradient, adopt_moment, adopt_rule, caution_finalize),
+            helpers=(adopt_per_step, adopt_gradient, adopt_moment, adopt_rule, caution_finalize),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "first": "uint8", "clip_value": "param",
                      "caution_scale": "param"},

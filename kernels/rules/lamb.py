@@ -4,6 +4,7 @@ Adam's moments, then a per-parameter trust ratio ||p|| / ||update||."""
 import math
 from typing import NamedTuple
 
+from ..elementwise import element_prepare
 from ..rule import Rule, positions
 
 
@@ -107,24 +108,20 @@ def lamb_span(arrays, scalars, columns, flags, k, start, stop, stride):
         p[i] = p[i] + step_size * lamb_direction(p[i], mi, vi, bc1, bc2, eps, weight_decay)
 
 
-def lamb_prepare(present, columns, scalars, flags, start, stop, stride):
-    """The parameter's own step count and its bias corrections ``1 - beta**t`` (1 without
-    bias correction), in float64, stored in the buffer's dtype."""
-    steps = columns[C.step]
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
-            t = float(steps[k])
-            if flags[F.bias_correction]:  # float64 on purpose, literals too
-                columns[C.bias_correction1][k] = 1.0 - scalars[P.beta1] ** t
-                columns[C.bias_correction2][k] = 1.0 - scalars[P.beta2] ** t
-            else:
-                columns[C.bias_correction1][k] = 1.0
-                columns[C.bias_correction2][k] = 1.0
+def lamb_per_step(t, beta1, beta2, bias_correction):
+    """The bias corrections ``1 - beta**t`` (1 without bias correction), in float64."""
+    if bias_correction:
+        return 1.0 - beta1 ** t, 1.0 - beta2 ** t
+    return 1.0, 1.0
+
+
+lamb_prepare = element_prepare("lamb_prepare", lamb_per_step,
+                               ("bias_correction1", "bias_correction2"), PrepareScalars,
+                               Columns, Flags)
 
 
 RULE = Rule(name="lamb", span=lamb_span, prepare=lamb_prepare,
-            helpers=(lamb_moments, lamb_direction),
+            helpers=(lamb_per_step, lamb_moments, lamb_direction),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "bias_correction1": "param",
                      "bias_correction2": "param", "neg_step_size": "param"},

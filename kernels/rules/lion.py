@@ -3,6 +3,7 @@
 from typing import NamedTuple
 
 from ..arithmetic import fma
+from ..elementwise import element_prepare
 from ..rule import Rule, positions
 from .caution import REDUCTIONS, caution_finalize
 
@@ -123,13 +124,8 @@ def lion_finalize(present, columns, scalars, flags, start, stop, stride, sums):
     caution_finalize(present, columns[C.caution_scale], sums, start, stop, stride)
 
 
-def lion_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count (the state marker; Lion's update
-    does not depend on it)."""
-    steps = columns[C.step]
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
+lion_prepare = element_prepare("lion_prepare", None, (), None, Columns)
+"""Advances each present parameter's own step count (the update does not read it)."""
 
 
 RULE = Rule(name="lion", span=lion_span, prepare=lion_prepare,

@@ -3,7 +3,7 @@
 import math
 from typing import NamedTuple
 
-from ..elementwise import element_span
+from ..elementwise import element_prepare, element_span
 from ..rule import Rule, positions
 
 
@@ -85,9 +85,8 @@ def radam_rule(p, g, m, v, rectified, bias_correction1, bias_correction2_sqrt, r
 radam_span = element_span("radam_span", radam_rule, 2, Scalars, Columns, Flags)
 
 
-def radam_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count ``t`` and form, in float64 as torch
-    does in Python::
+def radam_per_step(t, beta1, beta2, rho_inf):
+    """A parameter's values at its step ``t``, formed in float64 as torch does in Python::
 
         bias_correction1 = 1 - beta1**t
         bias_correction2 = 1 - beta2**t
@@ -97,47 +96,24 @@ def radam_prepare(present, columns, scalars, flags, start, stop, stride):
                 / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
 
     with ``rho_inf = 2 / (1 - beta2) - 1``; the switch is per parameter, from its own ``t``.
-    The values are stored in the buffer's dtype (once per distinct step count in a run).
-    """
-    steps = columns[C.step]
-    rectified = columns[C.rectified]
-    bias_correction1 = columns[C.bias_correction1]
-    bias_correction2_sqrt = columns[C.bias_correction2_sqrt]
-    rect = columns[C.rect]
-    beta1 = scalars[P.beta1]
-    beta2 = scalars[P.beta2]
-    rho_inf = scalars[P.rho_inf]
-    last_step = -1
-    correction1 = 0.0
-    correction2_sqrt = 0.0
-    rectification = 0.0
-    is_rectified = 0
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
-            if steps[k] != last_step:
-                # float64 on purpose (the literals too): torch forms these scalars in Python
-                last_step = steps[k]
-                t = float(last_step)
-                correction1 = 1.0 - beta1 ** t
-                correction2 = 1.0 - beta2 ** t
-                rho_t = rho_inf - 2.0 * t * (beta2 ** t) / correction2
-                if rho_t > 5.0:
-                    is_rectified = 1
-                    correction2_sqrt = correction2 ** 0.5
-                    rectification = ((rho_t - 4.0) * (rho_t - 2.0) * rho_inf
-                                     / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)) ** 0.5
-                else:
-                    is_rectified = 0
-                    correction2_sqrt = 0.0
-                    rectification = 0.0
-            rectified[k] = is_rectified
-            bias_correction1[k] = correction1
-            bias_correction2_sqrt[k] = correction2_sqrt
-            rect[k] = rectification
+    Returns ``(rectified, bias_correction1, sqrt(bias_correction2), rect)``, the last two 0
+    when not rectified."""
+    correction1 = 1.0 - beta1 ** t
+    correction2 = 1.0 - beta2 ** t
+    rho_t = rho_inf - 2.0 * t * (beta2 ** t) / correction2
+    if rho_t > 5.0:
+        return 1, correction1, correction2 ** 0.5, ((rho_t - 4.0) * (rho_t - 2.0) * rho_inf
+                                                    / ((rho_inf - 4.0) * (rho_inf - 2.0)
+                                                       * rho_t)) ** 0.5
+    return 0, correction1, 0.0, 0.0
 
 
-RULE = Rule(name="radam", span=radam_span, prepare=radam_prepare, helpers=(radam_rule,),
+radam_prepare = element_prepare("radam_prepare", radam_per_step,
+                                ("rectified", "bias_correction1", "bias_correction2_sqrt",
+                                 "rect"), PrepareScalars, Columns)
+
+
+RULE = Rule(name="radam", span=radam_span, prepare=radam_prepare, helpers=(radam_per_step, radam_rule),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "rectified": "uint8", "bias_correction1": "param",
                      "bias_correction2_sqrt": "param", "rect": "param"},

@@ -3,6 +3,7 @@
 import math
 from typing import NamedTuple
 
+from ..elementwise import element_prepare
 from ..rule import Rule, positions
 
 
@@ -111,12 +112,8 @@ def rmsprop_span(arrays, scalars, columns, flags, k, start, stop, stride):
                     False, maximize, lerp_from_end)
 
 
-def rmsprop_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count."""
-    steps = columns[C.step]
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
+rmsprop_prepare = element_prepare("rmsprop_prepare", None, (), None, Columns)
+"""Advances each present parameter's own step count (the update does not read it)."""
 
 
 RULE = Rule(name="rmsprop", span=rmsprop_span, prepare=rmsprop_prepare,

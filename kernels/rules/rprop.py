@@ -2,6 +2,7 @@
 
 from typing import NamedTuple
 
+from ..elementwise import element_prepare
 from ..rule import Rule, positions
 
 
@@ -81,12 +82,8 @@ def rprop_span(arrays, scalars, columns, flags, k, start, stop, stride):
                                                      maximize)
 
 
-def rprop_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count (1 tells the span to seed the state)."""
-    steps = columns[C.step]
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
+rprop_prepare = element_prepare("rprop_prepare", None, (), None, Columns)
+"""Advances each present parameter's own step count (the update does not read it)."""
 
 
 RULE = Rule(name="rprop", span=rprop_span, prepare=rprop_prepare, helpers=(rprop_rule,),
