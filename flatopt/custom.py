@@ -45,8 +45,8 @@ import numpy as np
 from . import registry
 from .errors import HyperparameterError, RuleDefinitionError
 from .optimizer import Optimizer
-from .schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, describe_group,
-                     flag, non_negative, real, step_count)
+from .schema import (STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, describe_group, flag,
+                     non_negative, real, step_count, switch)
 from .kernels.rule import Rule
 from ._rule_source import (GROUP_STEP, Definition, call_derived, derived_problem, fail,
                            fresh_source, identifier, layouts, make_rule, trial_run)
@@ -129,7 +129,7 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
                         [("step", int), *[(slot, np.ndarray) for slot in definition.slots]])
     try:
         schema = Schema(name=name, rule=rule, hyperparameters=definition.hyperparameters,
-                        columns={"step": Column("int64", MAX_STEP, marker=True)},
+                        columns={"step": STEP_COUNT},
                         slots=slots, record=record, version=version, int8_state=int8_state)
     except TypeError as exc:
         raise RuleDefinitionError(f"rule {name!r}: {exc}") from None
@@ -177,7 +177,7 @@ def _hyperparameter(name: str, key: Any, value: Any) -> Hyperparameter:
     if isinstance(value, Hyperparameter):
         hyper = value
     elif isinstance(value, (bool, np.bool_)):
-        hyper = Hyperparameter(bool(value), flag, (bool(value), not value))
+        hyper = switch(value)
     elif isinstance(value, numbers.Real):
         check = non_negative if key in NON_NEGATIVE else finite
         hyper = Hyperparameter(float(value), check, (float(value),))

@@ -236,6 +236,22 @@ class Slot:
         return tuple(param_shape) if self.shape is None else self.shape(tuple(param_shape))
 
 
+# ----------------------------------------------------------------------------- the vocabulary
+# what many rules declare alike (the built-in rules and flatopt.define_optimizer's)
+def switch(default: bool = False, *, since: int = 1) -> Hyperparameter:
+    """A boolean hyperparameter (``maximize``, ``amsgrad``, ...), both values among the test
+    configurations' examples."""
+    return Hyperparameter(bool(default), flag, (bool(default), not default), since=since)
+
+
+STEP_COUNT = Column("int64", MAX_STEP, marker=True)
+"""A parameter's own step count (torch's ``state["step"]``), the marker of which parameters
+have state."""
+
+ADAM_MOMENTS = {"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True)}
+"""Adam's two moment estimates, as torch names them (the second one >= 0)."""
+
+
 def _no_cross_check(values: Mapping[str, Any]) -> list[str]:
     return []
 

@@ -9,8 +9,7 @@ import numpy as np
 from ..kernels.rules import adadelta as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import (MAX_STEP, Column, Hyperparameter, Schema, Slot, flag, non_negative,
-                      unit_fraction)
+from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, non_negative, switch, unit_fraction
 
 
 class AdadeltaParamState(NamedTuple):
@@ -28,9 +27,9 @@ SCHEMA = Schema(
         "rho": Hyperparameter(0.9, unit_fraction, (0.9, 0.5, 0.0, 1.0)),
         "eps": Hyperparameter(1e-6, non_negative, (1e-6, 1e-3)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "maximize": switch(),
     },
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
+    columns={"step": STEP_COUNT},
     slots={"square_avg": Slot(nonnegative=True), "acc_delta": Slot(nonnegative=True)},
 )
 

@@ -10,8 +10,7 @@ import numpy as np
 from ..kernels.rules import adafactor as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, flag,
-                      non_negative, real)
+from ..schema import STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, non_negative, real, switch
 
 
 class AdafactorParamState(NamedTuple):
@@ -58,9 +57,9 @@ SCHEMA = Schema(
                                                         (1e-3, 1e-2))),
         "d": Hyperparameter(1.0, _clipping_threshold, (1.0, 2.0)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "maximize": switch(),
     },
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
+    columns={"step": STEP_COUNT},
     slots={"row_var": Slot(nonnegative=True, shape=rule.row_shape),
            "col_var": Slot(nonnegative=True, shape=rule.column_shape),
            "variance": Slot(nonnegative=True, shape=rule.vector_shape)},

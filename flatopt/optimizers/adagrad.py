@@ -9,7 +9,7 @@ import numpy as np
 from ..kernels.rules import adagrad as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, flag, non_negative
+from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, non_negative, switch
 
 
 class AdagradParamState(NamedTuple):
@@ -29,7 +29,7 @@ SCHEMA = Schema(
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.05)),
         "initial_accumulator_value": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
         "eps": Hyperparameter(1e-10, non_negative, (1e-10, 1e-6)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "maximize": switch(),
     },
     # Every parameter has state from construction (step 0): no marker column.
     columns={"step": Column("int64", MAX_STEP)},

@@ -10,7 +10,7 @@ import numpy as np
 from ..kernels.rules import adam as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, betas, flag, non_negative
+from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, betas, non_negative, switch
 
 
 class AdamParamState(NamedTuple):
@@ -32,12 +32,12 @@ SCHEMA = Schema(
                                  (0.0, 0.999))),
         "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-6)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
-        "amsgrad": Hyperparameter(False, flag, (False, True)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
-        "caution": Hyperparameter(False, flag, (False, True), since=2),
+        "amsgrad": switch(),
+        "maximize": switch(),
+        "caution": switch(since=2),
     },
     version=2,
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
+    columns={"step": STEP_COUNT},
     slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True),
            "max_exp_avg_sq": Slot(when=lambda s: s["amsgrad"], nonnegative=True)},
 )

@@ -9,7 +9,7 @@ import numpy as np
 from ..kernels.rules import adamax as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, betas, flag, non_negative
+from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, betas, non_negative, switch
 from .adam import lerp_from_end
 
 
@@ -31,9 +31,9 @@ SCHEMA = Schema(
                                  (0.0, 0.999))),
         "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-3)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "maximize": switch(),
     },
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
+    columns={"step": STEP_COUNT},
     slots={"exp_avg": Slot(), "exp_inf": Slot(nonnegative=True)},
 )
 

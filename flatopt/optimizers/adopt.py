@@ -10,8 +10,8 @@ import numpy as np
 from ..kernels.rules import adopt as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, betas, flag,
-                      non_negative)
+from ..schema import (ADAM_MOMENTS, STEP_COUNT, Hyperparameter, Invalid, Schema, betas, flag,
+                      non_negative, switch)
 from .adam import lerp_from_end
 
 
@@ -44,13 +44,13 @@ SCHEMA = Schema(
         "eps": Hyperparameter(1e-6, non_negative, (1e-6, 1e-3)),
         "clip_exp": Hyperparameter(0.333, optional_non_negative, (0.333, None, 0.25)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
-        "decoupled": Hyperparameter(False, flag, (False, True)),
+        "decoupled": switch(),
         "corrected_weight_decay": Hyperparameter(False, not_yet, (False,)),
-        "caution": Hyperparameter(False, flag, (False, True)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "caution": switch(),
+        "maximize": switch(),
     },
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
-    slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True)},
+    columns={"step": STEP_COUNT},
+    slots=ADAM_MOMENTS,
 )
 
 

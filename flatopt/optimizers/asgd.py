@@ -10,7 +10,7 @@ import numpy as np
 from ..kernels.rules import asgd as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, flag, non_negative
+from ..schema import STEP_COUNT, Column, Hyperparameter, Schema, Slot, non_negative, switch
 
 
 class ASGDParamState(NamedTuple):
@@ -33,11 +33,11 @@ SCHEMA = Schema(
         # t0 = 0 averages from the second step on, 3.5 from the fifth (mu = 1 / (t - t0)).
         "t0": Hyperparameter(1e6, non_negative, (1e6, 0.0, 3.5)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.05)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "maximize": switch(),
     },
     # eta: the step size for the parameter's next step (the group's lr at its first);
     # mu: the weight of that step's parameter in the average ax (1: ax = p).
-    columns={"step": Column("int64", MAX_STEP, marker=True),
+    columns={"step": STEP_COUNT,
              "eta": Column("float64", sys.float_info.max),
              "mu": Column("float64", 1.0)},
     slots={"ax": Slot()},

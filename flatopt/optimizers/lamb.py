@@ -9,7 +9,7 @@ import numpy as np
 from ..kernels.rules import lamb as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, betas, flag, non_negative
+from ..schema import ADAM_MOMENTS, STEP_COUNT, Hyperparameter, Schema, betas, non_negative, switch
 
 
 class LAMBParamState(NamedTuple):
@@ -28,12 +28,12 @@ SCHEMA = Schema(
         "betas": Hyperparameter((0.9, 0.999), betas, ((0.9, 0.999), (0.8, 0.99), (0.0, 0.9))),
         "eps": Hyperparameter(1e-6, non_negative, (1e-6, 1e-8)),
         "weight_decay": Hyperparameter(0.01, non_negative, (0.0, 0.01, 0.1)),
-        "bias_correction": Hyperparameter(True, flag, (True, False)),
-        "always_adapt": Hyperparameter(False, flag, (False, True)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "bias_correction": switch(True),
+        "always_adapt": switch(),
+        "maximize": switch(),
     },
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
-    slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True)},
+    columns={"step": STEP_COUNT},
+    slots=ADAM_MOMENTS,
 )
 
 

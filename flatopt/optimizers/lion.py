@@ -9,7 +9,7 @@ import numpy as np
 from ..kernels.rules import lion as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, betas, flag, non_negative
+from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, betas, non_negative, switch
 
 
 class LionParamState(NamedTuple):
@@ -28,11 +28,11 @@ SCHEMA = Schema(
                                 ((0.9, 0.99), (0.95, 0.98), (0.5, 0.9), (0.0, 0.99),
                                  (0.9, 0.0))),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1, 1.0)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
-        "caution": Hyperparameter(False, flag, (False, True), since=2),
+        "maximize": switch(),
+        "caution": switch(since=2),
     },
     version=2,
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
+    columns={"step": STEP_COUNT},
     slots={"exp_avg": Slot()},
 )
 

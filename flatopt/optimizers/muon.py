@@ -10,7 +10,7 @@ import numpy as np
 from ..kernels.rules import muon as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import Column, Hyperparameter, Invalid, Schema, Slot, flag, non_negative
+from ..schema import Column, Hyperparameter, Invalid, Schema, Slot, non_negative, switch
 
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -55,7 +55,7 @@ SCHEMA = Schema(
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 2e-2)),
         "weight_decay": Hyperparameter(0.1, non_negative, (0.0, 0.1)),
         "momentum": Hyperparameter(0.95, non_negative, (0.0, 0.9, 0.95)),
-        "nesterov": Hyperparameter(True, flag, (True, False)),
+        "nesterov": switch(True),
         "ns_coefficients": Hyperparameter(DEFAULT_COEFFICIENTS, _coefficients,
                                           (DEFAULT_COEFFICIENTS, (2.0, -1.5, 0.5))),
         "eps": Hyperparameter(1e-7, non_negative, (1e-7,)),

@@ -9,7 +9,8 @@ import numpy as np
 from ..kernels.rules import nadam as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, betas, flag, non_negative
+from ..schema import (ADAM_MOMENTS, STEP_COUNT, Column, Hyperparameter, Schema, betas,
+                      non_negative, switch)
 from .adam import lerp_from_end
 
 
@@ -34,13 +35,13 @@ SCHEMA = Schema(
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
         # 0 keeps mu at beta1 / 2; 0.5 moves it towards beta1 within a short run
         "momentum_decay": Hyperparameter(4e-3, non_negative, (4e-3, 0.0, 0.5)),
-        "decoupled_weight_decay": Hyperparameter(False, flag, (False, True)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "decoupled_weight_decay": switch(),
+        "maximize": switch(),
     },
     # mu_product is a product of factors mu_t in [0, beta1), from 1 at the first step.
-    columns={"step": Column("int64", MAX_STEP, marker=True),
+    columns={"step": STEP_COUNT,
              "mu_product": Column("float64", 1.0)},
-    slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True)},
+    slots=ADAM_MOMENTS,
 )
 
 

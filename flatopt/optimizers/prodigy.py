@@ -12,7 +12,7 @@ from ..kernels.rules import prodigy as rule
 from ..optimizer import Optimizer
 from ..registry import register
 from ..schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, betas, flag,
-                      non_negative, real)
+                      non_negative, real, switch)
 
 
 class ProdigyParamState(NamedTuple):
@@ -96,9 +96,9 @@ SCHEMA = Schema(
         "beta3": Hyperparameter(None, optional_beta, (None, 0.9)),
         "eps": Hyperparameter(1e-8, positive, (1e-8, 1e-6)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.01, 0.1)),
-        "decouple": Hyperparameter(True, flag, (True, False)),
-        "use_bias_correction": Hyperparameter(False, flag, (False, True)),
-        "safeguard_warmup": Hyperparameter(False, flag, (False, True)),
+        "decouple": switch(True),
+        "use_bias_correction": switch(),
+        "safeguard_warmup": switch(),
         "d0": Hyperparameter(1e-6, positive, (1e-6, 1e-3)),
         "d_coef": Hyperparameter(1.0, positive, (1.0, 0.5, 2.0)),
         "growth_rate": Hyperparameter(math.inf, rate, (math.inf, 1.02)),

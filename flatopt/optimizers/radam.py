@@ -9,7 +9,7 @@ import numpy as np
 from ..kernels.rules import radam as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, betas, flag, non_negative
+from ..schema import ADAM_MOMENTS, STEP_COUNT, Hyperparameter, Schema, betas, non_negative, switch
 from .adam import lerp_from_end
 
 
@@ -33,11 +33,11 @@ SCHEMA = Schema(
                                  (0.0, 0.999), (0.9, 0.5))),
         "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-6)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
-        "decoupled_weight_decay": Hyperparameter(False, flag, (False, True)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "decoupled_weight_decay": switch(),
+        "maximize": switch(),
     },
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
-    slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True)},
+    columns={"step": STEP_COUNT},
+    slots=ADAM_MOMENTS,
 )
 
 

@@ -9,8 +9,7 @@ import numpy as np
 from ..kernels.rules import rmsprop as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import (MAX_STEP, Column, Hyperparameter, Schema, Slot, flag, non_negative,
-                      unit_fraction)
+from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, non_negative, switch, unit_fraction
 
 
 class RMSpropParamState(NamedTuple):
@@ -33,10 +32,10 @@ SCHEMA = Schema(
         "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-6)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
         "momentum": Hyperparameter(0.0, non_negative, (0.0, 0.5, 0.9)),
-        "centered": Hyperparameter(False, flag, (False, True)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "centered": switch(),
+        "maximize": switch(),
     },
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
+    columns={"step": STEP_COUNT},
     slots={"square_avg": Slot(nonnegative=True),
            "momentum_buffer": Slot(when=lambda s: s["momentum"] > 0),
            "grad_avg": Slot(when=lambda s: s["centered"])},

@@ -9,7 +9,7 @@ import numpy as np
 from ..kernels.rules import rprop as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, flag, non_negative
+from ..schema import STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, non_negative, switch
 
 
 class RpropParamState(NamedTuple):
@@ -56,9 +56,9 @@ SCHEMA = Schema(
         # (1e-3, 0.05) makes both clamps bite within a short run; lr 0.1 starts above it.
         "step_sizes": Hyperparameter((1e-6, 50), step_sizes,
                                      ((1e-6, 50), (1e-3, 0.05), (0.0, 1.0))),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "maximize": switch(),
     },
-    columns={"step": Column("int64", MAX_STEP, marker=True)},
+    columns={"step": STEP_COUNT},
     slots={"prev": Slot(), "step_size": Slot(nonnegative=True)},
 )
 

@@ -22,7 +22,7 @@ from ..kernels.rules import schedulefree as rule
 from ..optimizer import Optimizer
 from ..registry import register
 from ..schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, betas,
-                      describe_group, flag, non_negative, real)
+                      describe_group, flag, non_negative, real, switch)
 
 
 class ScheduleFreeAdamWParamState(NamedTuple):
@@ -323,7 +323,7 @@ RADAM_SCHEMA = Schema(
         "betas": Hyperparameter((0.9, 0.999), averaging_betas,
                                 ((0.9, 0.999), (0.9, 0.9), (0.5, 0.6))),
         **_AVERAGING,
-        "silent_sgd_phase": Hyperparameter(True, flag, (True, False)),
+        "silent_sgd_phase": switch(True),
         **_COUNTERS},
     columns=_MARKER, slots={"z": Slot(), "exp_avg_sq": Slot(nonnegative=True)})
 

@@ -9,7 +9,7 @@ import numpy as np
 from ..kernels.rules import sgd as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import Column, Hyperparameter, Schema, Slot, flag, non_negative, unit_fraction
+from ..schema import Column, Hyperparameter, Schema, Slot, non_negative, switch, unit_fraction
 
 
 class SGDParamState(NamedTuple):
@@ -34,8 +34,8 @@ SCHEMA = Schema(
         "momentum": Hyperparameter(0.0, non_negative, (0.0, 0.5, 0.9)),
         "dampening": Hyperparameter(0.0, unit_fraction, (0.0, 0.3)),
         "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.05)),
-        "nesterov": Hyperparameter(False, flag, (False, True)),
-        "maximize": Hyperparameter(False, flag, (False, True)),
+        "nesterov": switch(),
+        "maximize": switch(),
     },
     cross_check=_nesterov_needs_momentum,
     # A state-dict entry holds only the buffer; its presence says the buffer was seeded.

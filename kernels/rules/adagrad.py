@@ -63,6 +63,7 @@ adagrad_prepare = element_prepare("adagrad_prepare", adagrad_per_step, ("neg_clr
                                   PrepareScalars, Columns)
 
 
-RULE = Rule(name="adagrad", span=adagrad_span, prepare=adagrad_prepare, helpers=(adagrad_per_step, adagrad_rule),
+RULE = Rule(name="adagrad", span=adagrad_span, prepare=adagrad_prepare,
+            helpers=(adagrad_per_step, adagrad_rule),
             slots=("sum",), columns={"step": "int64", "neg_clr": "param"},
             scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)

@@ -76,7 +76,8 @@ adamax_prepare = element_prepare("adamax_prepare", adamax_per_step, ("neg_step_s
                                  PrepareScalars, Columns)
 
 
-RULE = Rule(name="adamax", span=adamax_span, prepare=adamax_prepare, helpers=(adamax_per_step, adamax_rule),
+RULE = Rule(name="adamax", span=adamax_span, prepare=adamax_prepare,
+            helpers=(adamax_per_step, adamax_rule),
             slots=("exp_avg", "exp_inf"),
             columns={"step": "int64", "neg_step_size": "param"},
             scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)

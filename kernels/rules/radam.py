@@ -113,7 +113,8 @@ radam_prepare = element_prepare("radam_prepare", radam_per_step,
                                  "rect"), PrepareScalars, Columns)
 
 
-RULE = Rule(name="radam", span=radam_span, prepare=radam_prepare, helpers=(radam_per_step, radam_rule),
+RULE = Rule(name="radam", span=radam_span, prepare=radam_prepare,
+            helpers=(radam_per_step, radam_rule),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "rectified": "uint8", "bias_correction1": "param",
                      "bias_correction2_sqrt": "param", "rect": "param"},
