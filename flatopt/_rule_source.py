@@ -71,6 +71,13 @@ class Definition(NamedTuple):
     from its totals, after the reduce pass and before the update."""
     per_tensor_values: tuple[str, ...] = ()
     per_tensor_reads: tuple[str, ...] = ()
+    per_group: Callable | None = None
+    """``per_group(<totals and values>)``: each group's ``per_group_values`` from its totals
+    (over every parameter of the group with a gradient), once per group and step; those
+    named as ``group_state`` are its new values."""
+    per_group_values: tuple[str, ...] = ()
+    per_group_reads: tuple[str, ...] = ()
+    group_state: tuple[str, ...] = ()
 
 
 
@@ -364,6 +371,7 @@ class Shapes(NamedTuple):
     per_step: bool = True
     reduce: bool = True
     per_tensor: bool = True
+    per_group: bool = True
 
 
 def _renamed(function: Callable, name: str) -> Callable:
@@ -380,20 +388,22 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
     scalars, prepare, flags = layouts(d)
     columns = ("step", *rule_columns(d))
     elementwise = [d.update, *filter(None, [d.reduce])]
-    found = helpers(d.name, [*elementwise, *filter(None, [d.per_step, d.per_tensor])])
-    namespace: dict = {}  # per_step and per_tensor under their generated names
+    scalar_functions = [f for f in (d.per_step, d.per_tensor, d.per_group) if f is not None]
+    found = helpers(d.name, [*elementwise, *scalar_functions])
+    namespace: dict = {}  # per_step, per_tensor and per_group under their generated names
     generated = dict(sources)
-    for role, function in (("per_step", d.per_step), ("per_tensor", d.per_tensor)):
+    for role, function in (("per_step", d.per_step), ("per_tensor", d.per_tensor),
+                           ("per_group", d.per_group)):
         if function is not None:
             renamed = namespace[f"{key}_{role}"] = _renamed(function, f"{key}_{role}")
             if function.__name__ in sources:
                 generated[renamed.__name__] = sources[function.__name__]
-    fresh_source([*elementwise, *filter(None, [d.per_step, d.per_tensor]), *found])
+    fresh_source([*elementwise, *scalar_functions, *found])
 
     def source_of(function: Callable) -> str:
         return sources.get(function.__name__) or inspect.getsource(function)
 
-    frozen = frozen_globals([*elementwise, *filter(None, [d.per_step, d.per_tensor]), *found])
+    frozen = frozen_globals([*elementwise, *scalar_functions, *found])
     texts = {f"{key}_span": span_source(d, key, scalars, columns, flags, shapes.update),
              f"{key}_prepare": prepare_source(d, key, prepare, columns, flags,
                                               shapes.per_step),
@@ -401,8 +411,9 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
                                                     2 + len(d.slots), d.update_reads)}
     if d.reduce is not None:
         texts[f"{key}_reduce"] = reduce_source(d, key, scalars, columns, flags, shapes.reduce)
-        texts[f"{key}_finalize"] = finalize_source(d, key, prepare, columns, flags,
-                                                   shapes.per_tensor)
+        if d.per_tensor is not None:  # (per_group's totals go to the optimizer's combine)
+            texts[f"{key}_finalize"] = finalize_source(d, key, prepare, columns, flags,
+                                                       shapes.per_tensor)
         texts[f"{key}_reduce_terms"] = bound_source(source_of(d.reduce), f"{key}_reduce_terms",
                                                     2 + len(d.slots), d.reduce_reads)
     user_side = (f"{key}_update", f"{key}_reduce_terms")  # compiled over the user's globals
@@ -426,19 +437,29 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
                     prepare_scalars=_layout(f"{key}_PrepareScalars", prepare, float),
                     flags=_layout(f"{key}_Flags", flags, bool),
                     reduce=made.get(f"{key}_reduce"), finalize=made.get(f"{key}_finalize"),
-                    reductions=d.reduce_values, generated=generated,
-                    origin=d.update.__module__)
+                    reductions=d.reduce_values, global_reductions=d.per_group is not None,
+                    generated=generated, origin=d.update.__module__)
     except TypeError as exc:
         raise fail(d.name, str(exc)) from None
+
+
+def compiled_per_group(d: Definition) -> Callable:
+    """``per_group`` and its helpers compiled by Numba with NumPy's error model (a division
+    by zero gives an infinity, never an exception halfway through a step), called from
+    Python once per group and step."""
+    return bind_functions(f"rule {d.name!r}", (d.per_group, *helpers(d.name, [d.per_group])),
+                          njit(error_model="numpy"))[d.per_group.__name__]
 
 
 def trial_run(d: Definition) -> Shapes:
     """Compile the rule's functions with Numba (float64, uncached) and run them for
     :data:`TRIAL_STEPS` steps on sample elements with the default hyperparameters, in the
-    order of a step (per_step, reduce over the elements, per_tensor, update): a typing error,
+    order of a step (per_step, reduce over the elements, per_tensor or per_group, update;
+    per_group's group state carried to the next step): a typing error,
     a wrong number of results or a non-finite result from finite inputs fails here, naming
     the function, before any optimizer exists. Returns which of them return tuples."""
-    functions = [f for f in (d.update, d.per_step, d.reduce, d.per_tensor) if f is not None]
+    functions = [f for f in (d.update, d.per_step, d.reduce, d.per_tensor, d.per_group)
+                 if f is not None]
     try:
         compiled = bind_functions(f"rule {d.name!r}", (*functions, *helpers(d.name, functions)),
                                   njit(error_model="numpy"))
@@ -492,9 +513,13 @@ def trial_run(d: Definition) -> Shapes:
                                   [*before, *[values[v] for v in d.reduce_reads]],
                                   d.reduce_values, str(dict(zip(elements, before))))
             values.update(zip(d.reduce_values, totals))
-            values.update(zip(d.per_tensor_values, results(
-                "per_tensor", d.per_tensor, [values[v] for v in d.per_tensor_reads],
-                d.per_tensor_values, str(dict(zip(d.reduce_values, totals))))))
+            role, function, names, reads = (
+                ("per_tensor", d.per_tensor, d.per_tensor_values, d.per_tensor_reads)
+                if d.per_tensor is not None else
+                ("per_group", d.per_group, d.per_group_values, d.per_group_reads))
+            values.update(zip(names, map(float, results(
+                role, function, [values[v] for v in reads], names,
+                str(dict(zip(d.reduce_values, totals)))))))
         for i in range(params.size):
             before = (params[i], grads[i], *state[:, i])
             result = results("update", d.update,

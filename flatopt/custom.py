@@ -48,8 +48,9 @@ from .optimizer import Optimizer
 from .schema import (STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, describe_group, flag,
                      non_negative, real, step_count, switch)
 from .kernels.rule import Rule
-from ._rule_source import (GROUP_STEP, Definition, call_derived, derived_problem, fail,
-                           fresh_source, identifier, layouts, make_rule, trial_run)
+from ._rule_source import (GROUP_STEP, Definition, call_derived, compiled_per_group,
+                           derived_problem, fail, fresh_source, identifier, layouts, make_rule,
+                           trial_run)
 
 RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream",
                       "bit_exact", "master_weights", "rounding", "state_dtype", "grad_dtype",
@@ -82,7 +83,9 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
                      per_parameter: Mapping[str, Callable[[str, tuple], float]] | None = None,
                      reduce: Callable | None = None, reduce_values: Sequence[str] = (),
                      per_tensor: Callable | None = None,
-                     per_tensor_values: Sequence[str] = (), version: int = 1,
+                     per_tensor_values: Sequence[str] = (), per_group: Callable | None = None,
+                     per_group_values: Sequence[str] = (),
+                     group_state: Mapping[str, float] | None = None, version: int = 1,
                      int8_state: bool = False, doc: str | None = None,
                      sources: Mapping[str, str] | None = None) -> type[Optimizer]:
     """An optimizer class stepping every element with ``update`` (see the module docstring),
@@ -108,6 +111,15 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     values ``per_tensor_values`` names, computed in float64 and rounded to the buffer's
     dtype, which ``update`` reads by name. The two come together.
 
+    Per-group totals (AdaGrad-Norm's accumulated squared gradient norm, D-Adaptation's and
+    Prodigy's estimates): ``reduce`` as above, then ``per_group(<totals and values by
+    name>)`` instead of ``per_tensor``, once per group and step with the totals over every
+    parameter of the group that has a gradient (over all its buffers, and all ranks under
+    ZeRO-1), compiled by Numba (float64, NumPy's error model). It returns the values
+    ``per_group_values`` names, which ``update`` reads; those named as ``group_state``
+    (name -> initial number: values kept in the group, saved and restored with it) are that
+    state's new values.
+
     Raises :class:`RuleDefinitionError` for every mistake it can see before an optimizer
     exists: it checks the names and signatures, compiles the functions with Numba and runs
     ``update`` for a few steps on sample values with the default hyperparameters (a body
@@ -117,11 +129,12 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31:
         raise RuleDefinitionError(f"rule {name!r}: version must be a whole number >= 1, got "
                                   f"{version!r}")
-    fresh_source([f for f in (update, derived, per_step, reduce, per_tensor)
+    fresh_source([f for f in (update, derived, per_step, reduce, per_tensor, per_group)
                   if isinstance(f, types.FunctionType)])
     definition = _checked(name, update, hyperparameters, state, derived, per_step,
                           per_step_values, per_parameter, sources or {},
-                          (reduce, reduce_values, per_tensor, per_tensor_values))
+                          (reduce, reduce_values, per_tensor, per_tensor_values, per_group,
+                           per_group_values), group_state)
     slots = _slots(name, state)
     shapes = trial_run(definition)
     rule = make_rule(definition, sources or {}, shapes)
@@ -249,7 +262,7 @@ def _slots(name: str, state: Sequence[str] | Mapping[str, Slot]) -> dict[str, Sl
 
 
 def _checked(name, update, hyperparameters, state, derived, per_step, per_step_values,
-             per_parameter, sources, totals) -> Definition:
+             per_parameter, sources, totals, group_state) -> Definition:
     if not isinstance(name, str) or not name or "\x00" in name or name != name.strip():
         raise RuleDefinitionError(f"a rule's name must be a non-empty string without NUL or "
                                   f"surrounding spaces, got {name!r}")
@@ -262,23 +275,27 @@ def _checked(name, update, hyperparameters, state, derived, per_step, per_step_v
     if not isinstance(hyperparameters, Mapping):
         raise fail(name, "hyperparameters must be a mapping of name -> default")
     hypers = {key: _hyperparameter(name, key, value) for key, value in hyperparameters.items()}
+    state_names = _group_state(name, group_state, hypers)
     constants = _per_parameter(name, per_parameter, hypers)
     derived_names, derived_reads = _derived(name, derived, hypers, constants, sources)
     per_step_values, per_step_reads = _per_step(name, per_step, per_step_values, hypers,
                                                 derived_names, constants, sources)
     before_update = (derived_names, per_step_values, constants)
-    reduce, reduce_values, reduce_reads, per_tensor, per_tensor_values, per_tensor_reads = \
-        _totals(name, totals, slots, hypers, before_update, sources)
+    found = _totals(name, totals, slots, hypers, state_names, before_update, sources)
     update_reads = _element_reads(name, "update", update, slots, hypers,
-                                  (*before_update, per_tensor_values))
-    read = {*update_reads, *per_step_reads, *derived_reads, *reduce_reads, *per_tensor_reads}
+                                  (*before_update, found.per_tensor_values,
+                                   found.per_group_values))
+    read = {*update_reads, *per_step_reads, *derived_reads, *found.reduce_reads,
+            *found.per_tensor_reads, *found.per_group_reads}
     unread = [key for key in hypers if key not in read]
     if unread:
         raise fail(name, f"hyperparameter(s) {unread} are read by no function (update, "
-                         "per_step, derived, reduce or per_tensor): a setting that changes "
-                         "nothing")
-    unused = [key for key in (*derived_names, *per_step_values, *constants, *reduce_values,
-                              *per_tensor_values) if key not in read]
+                         "per_step, derived, reduce, per_tensor or per_group): a setting "
+                         "that changes nothing")
+    unused = [key for key in (*derived_names, *per_step_values, *constants,
+                              *found.reduce_values, *found.per_tensor_values,
+                              *found.per_group_values)
+              if key not in read and key not in state_names]
     if unused:
         raise fail(name, f"value(s) {unused} are computed but no function reads them")
     _check_writes(name, update, _parameters(update), slots, sources)
@@ -286,8 +303,7 @@ def _checked(name, update, hyperparameters, state, derived, per_step, per_step_v
         hypers[GROUP_STEP] = Hyperparameter(0, step_count, (0,), state=True)
     return Definition(name, update, slots, hypers, derived, derived_names, per_step,
                       per_step_values, update_reads, per_step_reads, derived_reads, constants,
-                      reduce, reduce_values, reduce_reads, per_tensor, per_tensor_values,
-                      per_tensor_reads)
+                      *found, group_state=state_names)
 
 
 def _element_reads(name: str, what: str, function: Callable, slots: Sequence[str],
@@ -311,34 +327,89 @@ def _element_reads(name: str, what: str, function: Callable, slots: Sequence[str
     return reads
 
 
+class _Totals(NamedTuple):
+    """``reduce`` and what turns its totals into values (``per_tensor`` or ``per_group``),
+    with their value names and the names they read (:class:`Definition`'s fields)."""
+
+    reduce: Callable | None = None
+    reduce_values: tuple[str, ...] = ()
+    reduce_reads: tuple[str, ...] = ()
+    per_tensor: Callable | None = None
+    per_tensor_values: tuple[str, ...] = ()
+    per_tensor_reads: tuple[str, ...] = ()
+    per_group: Callable | None = None
+    per_group_values: tuple[str, ...] = ()
+    per_group_reads: tuple[str, ...] = ()
+
+
 def _totals(name: str, totals: tuple, slots: Sequence[str], hypers: Mapping,
-            before: Sequence[Sequence[str]], sources) -> tuple:
-    """``reduce`` and ``per_tensor`` with their value names and the names they read."""
-    reduce, reduce_values, per_tensor, per_tensor_values = totals
+            state_names: Sequence[str], before: Sequence[Sequence[str]], sources) -> _Totals:
+    reduce, reduce_values, per_tensor, per_tensor_values, per_group, per_group_values = totals
     for what, function, values in (("reduce", reduce, reduce_values),
-                                   ("per_tensor", per_tensor, per_tensor_values)):
+                                   ("per_tensor", per_tensor, per_tensor_values),
+                                   ("per_group", per_group, per_group_values)):
         if isinstance(values, str) or (function is None) != (not values):
             raise fail(name, f"{what} and {what}_values go together (the function and a "
                              "sequence of the names of the values it returns)")
-    if (reduce is None) != (per_tensor is None):
-        raise fail(name, "reduce and per_tensor go together: per_tensor turns reduce's "
-                         "totals into the values update reads")
+    if (reduce is None) != (per_tensor is None and per_group is None) \
+            or (per_tensor is not None and per_group is not None):
+        raise fail(name, "reduce goes with one of per_tensor and per_group, which turn its "
+                         "totals (per tensor, per group) into the values update reads")
     if reduce is None:
-        return None, (), (), None, (), ()
-    reduce_values, per_tensor_values = tuple(reduce_values), tuple(per_tensor_values)
+        if state_names:
+            raise fail(name, "group_state is per_group's to update: give reduce and "
+                             "per_group")
+        return _Totals()
+    reduce_values = tuple(reduce_values)
     _plain_function(name, reduce, "reduce", sources)
-    _plain_function(name, per_tensor, "per_tensor", sources)
     taken = [*hypers, *[v for values in before for v in values]]
     for position, key in enumerate(reduce_values):
         _value_name(name, "reduce", key, [*taken, *reduce_values[:position]])
-    for position, key in enumerate(per_tensor_values):
-        _value_name(name, "per_tensor", key,
-                    [*taken, *reduce_values, *per_tensor_values[:position]])
     reduce_reads = _element_reads(name, "reduce", reduce, slots, hypers, before)
-    per_tensor_reads = _parameters(per_tensor)
-    _known(name, "per_tensor", per_tensor_reads, hypers, *before, reduce_values)
-    return (reduce, reduce_values, reduce_reads, per_tensor, per_tensor_values,
-            per_tensor_reads)
+    if per_tensor is not None:
+        _plain_function(name, per_tensor, "per_tensor", sources)
+        values = tuple(per_tensor_values)
+        for position, key in enumerate(values):
+            _value_name(name, "per_tensor", key, [*taken, *reduce_values, *values[:position]])
+        reads = _parameters(per_tensor)
+        _known(name, "per_tensor", reads, hypers, *before, reduce_values)
+        return _Totals(reduce, reduce_values, reduce_reads, per_tensor, values, reads)
+    if state_names and not set(state_names) <= set(per_group_values):
+        raise fail(name, f"group_state {sorted(set(state_names) - set(per_group_values))} "
+                         "must be among per_group_values (per_group gives its new values)")
+    _plain_function(name, per_group, "per_group", sources)
+    values = tuple(per_group_values)
+    for position, key in enumerate(values):  # (a group state's name is its new value's)
+        if key not in state_names:
+            _value_name(name, "per_group", key, [*taken, *reduce_values, *values[:position]])
+    reads = _parameters(per_group)
+    per_parameter = [key for key in reads if any(key in values for values in before[1:])]
+    if per_parameter:
+        raise fail(name, f"per_group reads {per_parameter}, values of each parameter: it "
+                         "sees the group's totals and values")
+    _known(name, "per_group", reads, hypers, before[0], reduce_values)
+    return _Totals(reduce, reduce_values, reduce_reads, per_group=per_group,
+                   per_group_values=values, per_group_reads=reads)
+
+
+def _group_state(name: str, group_state: Mapping[str, float] | None,
+                 hypers: dict) -> tuple[str, ...]:
+    """The group state's names, each added to ``hypers`` as state at its initial value."""
+    if group_state is None:
+        return ()
+    if not isinstance(group_state, Mapping):
+        raise fail(name, "group_state must be a mapping of name -> initial number")
+    for key, value in group_state.items():
+        if not isinstance(key, str) or not key.isidentifier() or keyword.iskeyword(key) \
+                or _reserved(key) or key in hypers:
+            raise fail(name, f"group_state name {key!r} clashes with a hyperparameter or a "
+                             "reserved name, or is not an identifier")
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
+                or not math.isfinite(value):
+            raise fail(name, f"group_state {key!r}: the initial value must be a finite "
+                             f"number, got {value!r}")
+        hypers[key] = Hyperparameter(float(value), finite, (float(value),), state=True)
+    return tuple(group_state)
 
 
 def _value_name(name: str, what: str, key: Any, taken: Sequence[str]) -> None:
@@ -476,6 +547,27 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
     def kernel_flags(self, settings):
         return rule.flags(*[settings[v] for v in flags])
 
+    per_group = []  # compiled at the first step (Numba, uncached: a small function)
+
+    def combine(self, settings, totals):
+        """``per_group`` of each group's totals: the step pass's scalars and the new group
+        state (before the reduce pass, ``totals`` None: the scalars the reduce reads)."""
+        if totals is not None and not per_group:
+            per_group.append(compiled_per_group(d))
+        scalars_per_group, changes = [], []
+        for number, group in enumerate(settings):
+            known = values(group)
+            if totals is not None:
+                result = per_group[0](*[totals[number, d.reduce_values.index(v)]
+                                        if v in d.reduce_values else known[v]
+                                        for v in d.per_group_reads])
+                new = dict(zip(d.per_group_values,
+                               map(float, result if isinstance(result, tuple) else (result,))))
+                known = {**known, **new}
+                changes.append({k: new[k] for k in d.group_state} or None)
+            scalars_per_group.append(rule.scalars(*[known.get(v, 0.0) for v in scalars]))
+        return scalars_per_group, changes if totals is not None else None
+
     def before_step(self, settings):
         if GROUP_STEP not in d.hyperparameters:
             return None
@@ -488,6 +580,7 @@ def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
         "schema": schema, "user_defined": True, "kernel_scalars": kernel_scalars,
         "prepare_scalars": prepare_scalars, "kernel_flags": kernel_flags,
         "before_step": before_step, "check_step": check_step,
+        **({"combine": combine} if d.per_group is not None else {}),
         "path_columns": dict(d.per_parameter),
         "__doc__": doc or (f"{d.name}: a user-defined rule stepping every element with "
                            f"{d.update.__name__}()."),

@@ -377,6 +377,58 @@ def infinite_scale(agreeing, elements):
     return agreeing / (elements - elements)
 
 
+# per-group totals: AdaGrad-Norm (examples/adagrad_norm.py is the same rule)
+def group_squares(p, g):
+    return g * g
+
+
+def group_accumulate(grad_norm_sq, b_sq):
+    b_sq = b_sq + grad_norm_sq
+    return b_sq, 1.0 / math.sqrt(b_sq)
+
+
+def group_update(p, g, lr, inv_b):
+    return p - (lr * inv_b) * g
+
+
+NORM = dict(hyperparameters={"lr": 1.0}, group_state={"b_sq": 1e-4}, reduce=group_squares,
+            reduce_values=("grad_norm_sq",), per_group=group_accumulate,
+            per_group_values=("b_sq", "inv_b"))
+
+
+def norm_reference(params, grads, settings):
+    """AdaGrad-Norm in float64 NumPy over groups (``params``: per group a dict of arrays;
+    ``grads``: per step a dict, a path missing its gradient absent): per group, b^2 adds the
+    squared norm of the group's present gradients at every step."""
+    params = [{k: v.astype(np.float64) for k, v in group.items()} for group in params]
+    b_sq = [1e-4] * len(params)
+    for g in grads:
+        for number, group in enumerate(params):
+            present = [k for k in group if k in g]
+            if not present:
+                continue
+            b_sq[number] += sum(float((g[k].astype(np.float64) ** 2).sum()) for k in present)
+            for k in present:
+                group[k] = group[k] - settings[number]["lr"] / math.sqrt(b_sq[number]) * g[k]
+    return params, b_sq
+
+
+def reads_a_step_value(grad_norm_sq, b_sq, bias):
+    return b_sq + grad_norm_sq * bias, 1.0
+
+
+def step_bias(step):
+    return 1.0
+
+
+def group_update_bias(p, g, lr, inv_b):
+    return p - (lr * inv_b) * g
+
+
+def negative_sqrt(grad_norm_sq, b_sq):
+    return b_sq, math.sqrt(-1.0 - grad_norm_sq)
+
+
 MISTAKES = [
     ("a name clashing with a built-in optimizer", "Adam", plain, {"hyperparameters": {"lr": 0.1}},
      "built-in"),
@@ -427,7 +479,7 @@ MISTAKES = [
      {"hyperparameters": {"lr": Hyperparameter(0.1, non_negative, since=0)}}, "since"),
     # per-tensor totals
     ("reduce without per_tensor", "Mistake", cautious_update,
-     {**CAUTIOUS, "per_tensor": None, "per_tensor_values": ()}, "go together"),
+     {**CAUTIOUS, "per_tensor": None, "per_tensor_values": ()}, "goes with one of"),
     ("reduce without its names", "Mistake", cautious_update,
      {**CAUTIOUS, "reduce_values": ()}, "reduce and reduce_values go together"),
     ("a per_tensor value named as a hyperparameter", "Mistake", cautious_update,
@@ -440,6 +492,22 @@ MISTAKES = [
       "per_tensor": reads_only_agreeing}, r"reduce two_terms\(\) returned 2 value"),
     ("per_tensor giving an infinity", "Mistake", cautious_update,
      {**CAUTIOUS, "per_tensor": infinite_scale}, "per_tensor infinite_scale.*non-finite"),
+    # per-group totals and group state
+    ("per_group and per_tensor both", "Mistake", group_update,
+     {**NORM, "per_tensor": kept_scale, "per_tensor_values": ("scale",)}, "one of"),
+    ("group_state without per_group", "Mistake", plain,
+     {"hyperparameters": {"lr": 0.1}, "group_state": {"b_sq": 1.0}}, "per_group's to update"),
+    ("group_state per_group does not give", "Mistake", group_update,
+     {**NORM, "group_state": {"b_sq": 1e-4, "other": 0.0}}, r"\['other'\] must be among"),
+    ("a group_state named as a hyperparameter", "Mistake", group_update,
+     {**NORM, "group_state": {"lr": 1.0}}, "clashes"),
+    ("a group_state that is not a number", "Mistake", group_update,
+     {**NORM, "group_state": {"b_sq": "1"}}, "finite number"),
+    ("per_group reading a per-parameter value", "Mistake", group_update_bias,
+     {**NORM, "per_group": reads_a_step_value, "per_step": step_bias,
+      "per_step_values": ("bias",)}, r"per_group reads \['bias'\]"),
+    ("per_group giving NaN", "Mistake", group_update,
+     {**NORM, "per_group": negative_sqrt}, "per_group negative_sqrt.*non-finite"),
     ("a reduce that is a lambda", "Mistake", cautious_update,
      {**CAUTIOUS, "reduce": lambda p, g, m, beta, one_minus_beta: (1.0, 1.0)}, "def"),
 ]
@@ -714,3 +782,97 @@ def test_values_named_like_the_generated_walks_own_names_are_not_shadowed():
         np.testing.assert_allclose(opt.params["w"], p, rtol=1e-12)
     finally:
         registry.unregister("ShadowTest")
+
+
+# ----------------------------------------------------------------------------- per-group totals
+@pytest.fixture
+def norm():
+    cls = define_optimizer("NormTest", group_update, **NORM)
+    yield cls
+    registry.unregister("NormTest")
+
+
+@pytest.mark.filterwarnings("ignore:.*no gradient is marked present")
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(lrs=st.tuples(st.floats(0, 2), st.floats(0, 2)), steps=st.integers(1, 4),
+       data=st.data())
+def test_per_group_totals_match_their_reference_for_generated_groups(lrs, steps, data):
+    """AdaGrad-Norm over two groups (their own b^2), tensors across chunks, float32 and
+    float64 buffers in one group, missing gradients: totals over every buffer of a group."""
+    cls = registry.lookup("NormTest") or define_optimizer("NormTest", group_update, **NORM)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    sizes = [data.draw(st.lists(st.sampled_from([1, 7, 40_000]), min_size=1, max_size=3))
+             for _ in range(2)]
+    params = [{f"g{n}.t{i}": rng.standard_normal(size).astype(
+        np.float32 if i % 2 else np.float64) for i, size in enumerate(group)}
+        for n, group in enumerate(sizes)]
+    grads = [{k: rng.standard_normal(v.size).astype(v.dtype) for group in params
+              for k, v in group.items() if data.draw(st.booleans(), label=f"{k} present")}
+             for _ in range(steps)]
+    groups = [dict(lr=lr) for lr in lrs]
+    opt = cls([{"params": {k: v.copy() for k, v in group.items()}, **s}
+               for group, s in zip(params, groups)])
+    for g in grads:
+        opt.step(g)
+    expected, b_sq = norm_reference(params, grads, groups)
+    for number, group in enumerate(expected):
+        np.testing.assert_allclose(opt.param_groups[number]["b_sq"], b_sq[number], rtol=1e-6)
+        for k, v in group.items():
+            rtol = 1e-5 if opt.params[k].dtype == np.float32 else 1e-9
+            np.testing.assert_allclose(opt.params[k], v, rtol=rtol, atol=1e-6, err_msg=k)
+
+
+def test_group_state_round_trips_through_state_dicts_and_checkpoints(norm, tmp_path):
+    """b^2 is saved with its group: a resumed optimizer steps as the one that went on."""
+    rng = np.random.default_rng(5)
+    params = {"w": rng.standard_normal((4, 3)), "b": rng.standard_normal(3)}
+    grads = [{k: rng.standard_normal(v.shape) for k, v in params.items()} for _ in range(4)]
+    opt = norm({k: v.copy() for k, v in params.items()}, lr=0.3)
+    for g in grads[:2]:
+        opt.step(g)
+    flatopt.save(tmp_path / "norm.h5", opt)
+    state = opt.state_dict()
+    by_file = norm({k: np.zeros_like(v) for k, v in params.items()}, lr=0.3)
+    flatopt.load(tmp_path / "norm.h5", by_file)
+    by_dict = norm({k: opt.params[k].copy() for k in params}, lr=0.3)
+    by_dict.load_state_dict(state)
+    assert by_file.param_groups[0]["b_sq"] == opt.param_groups[0]["b_sq"] > 1e-4
+    for g in grads[2:]:
+        for o in (opt, by_file, by_dict):
+            o.step(g)
+    for k in params:
+        assert by_file.params[k].tobytes() == opt.params[k].tobytes()
+        assert by_dict.params[k].tobytes() == opt.params[k].tobytes()
+
+
+def test_per_group_totals_are_the_same_bits_serial_and_parallel(norm, monkeypatch):
+    parallel_equals_serial(norm, monkeypatch, lr=0.5)
+
+
+def test_per_group_totals_in_reduced_precision_and_the_cuda_simulator(norm):
+    """bf16 parameters with stochastic rounding (the reduce pass over decoded views) and the
+    CUDA backend (its reduce kernels, the totals read back per group) step as float32 does."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(6)
+    p = rng.standard_normal((6, 40)).astype(np.float32)
+    host = norm({"w": p.copy()}, lr=0.1)
+    coded = norm({"w": p.astype(ml_dtypes.bfloat16)}, lr=0.1, rounding="stochastic", seed=3)
+    runs = {"bf16": (coded, 1e-2)}
+    try:
+        import numba_cuda  # noqa: F401 (the simulator's backend)
+    except ImportError:
+        pass
+    else:
+        runs["cuda"] = (norm({"w": p.copy()}, lr=0.1, device="cuda"), 1e-5)
+    for _ in range(3):
+        g = rng.standard_normal((6, 40)).astype(np.float32)
+        host.step({"w": g})
+        for opt, _ in runs.values():
+            opt.step({"w": g.astype(opt.grads["w"].dtype) if opt is coded else g})
+    for what, (opt, tolerance) in runs.items():
+        out = opt.params["w"]
+        out = out if isinstance(out, np.ndarray) else out.copy_to_host()
+        np.testing.assert_allclose(out.astype(np.float32), host.params["w"], rtol=tolerance,
+                                   atol=tolerance, err_msg=what)
+        assert opt.param_groups[0]["b_sq"] == pytest.approx(host.param_groups[0]["b_sq"],
+                                                            rel=tolerance), what

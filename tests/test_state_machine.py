@@ -92,7 +92,9 @@ def configurations() -> list:
                                  ("AdaBelief", "bf16_master", [pytest.mark.slow]),
                                  ("Adan", "bf16_state", [pytest.mark.slow]),
                                  ("Lamb", "float32", []),
-                                 ("Lamb", "bf16_stochastic", [pytest.mark.slow])):
+                                 ("Lamb", "bf16_stochastic", [pytest.mark.slow]),
+                                 ("AdaGradNorm", "float32", []),
+                                 ("AdaGradNorm", "bf16_master", [pytest.mark.slow])):
         result.append(pytest.param(name, storage, marks=marks, id=f"{name}-{storage}"))
     return result
 
@@ -419,8 +421,10 @@ class Machine(RuleBasedStateMachine):
 
     def refused_as_nonfinite(self, error, target: str) -> None:
         """A save refused because a NaN or infinite gradient reached the state (which load
-        would refuse): allowed only then, and nothing may be written."""
-        assert issubclass(error, flatopt.CheckpointError), error
+        would refuse): allowed only then, and nothing may be written. (Group state a
+        non-finite gradient reached, AdaGradNorm's b^2, is refused as the group's value:
+        HyperparameterError, as the next step is.)"""
+        assert issubclass(error, (flatopt.CheckpointError, flatopt.HyperparameterError)), error
         assert self.nonfinite(), f"save refused {error.__name__} with finite state"
         assert not os.path.exists(target)
 
