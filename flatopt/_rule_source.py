@@ -455,9 +455,9 @@ def trial_run(d: Definition) -> Shapes:
     """Compile the rule's functions with Numba (float64, uncached) and run them for
     :data:`TRIAL_STEPS` steps on sample elements with the default hyperparameters, in the
     order of a step (per_step, reduce over the elements, per_tensor or per_group, update;
-    per_group's group state carried to the next step): a typing error,
-    a wrong number of results or a non-finite result from finite inputs fails here, naming
-    the function, before any optimizer exists. Returns which of them return tuples."""
+    per_group's group state carried to the next step): a typing error, a wrong number of
+    results or a non-finite result from finite inputs fails here, naming the function,
+    before any optimizer exists. Returns which of them return tuples."""
     functions = [f for f in (d.update, d.per_step, d.reduce, d.per_tensor, d.per_group)
                  if f is not None]
     try:
@@ -465,69 +465,78 @@ def trial_run(d: Definition) -> Shapes:
                                   njit(error_model="numpy"))
     except TypeError as exc:
         raise fail(d.name, str(exc)) from None
-    defaults = {k: h.default for k, h in d.hyperparameters.items()}
-    values = dict(defaults)
-    if d.derived is not None:
-        values.update(call_derived(d.name, d.derived, d.derived_reads, defaults))
-    for key, function in d.per_parameter.items():
-        try:
-            values[key] = float(function("trial.weight", (8,)))
-        except Exception as exc:  # a user's function: report it, typed
-            raise fail(d.name, f"per_parameter {key!r} raised {type(exc).__name__} for path "
-                               f"'trial.weight', shape (8,): {exc}") from None
+    values = _trial_values(d)
     rng = np.random.default_rng(0)
     params = np.concatenate([rng.standard_normal(6), [0.0, 1.0]])
     grads = np.concatenate([rng.standard_normal(6), [0.0, 0.0]])
     state = np.zeros((len(d.slots), params.size))
-    shapes = {}
+    shapes: dict[str, bool] = {}
     elements = ("param", "grad", *d.slots)
 
-    def results(role: str, function: Callable, arguments: list, names: Sequence[str],
-                inputs: str) -> tuple:
-        result = _run(d, compiled, function, arguments)
+    def results(role: str, function: Callable, reads: Sequence[str], names: Sequence[str],
+                inputs: dict, before: tuple = ()) -> tuple:
+        """``function``'s results for ``before`` and the values ``reads`` names, checked."""
+        result = _run(d, compiled, function, [*before, *[values[v] for v in reads]])
         shapes[role] = isinstance(result, tuple)
-        result = result if shapes[role] else (result,)
-        if len(result) != len(names):
-            raise fail(d.name, f"{role} {function.__name__}() returned {len(result)} "
-                               f"value(s), not the {len(names)} of {tuple(names)}")
-        if not all(isinstance(r, (float, int, np.floating, np.integer)) for r in result):
-            raise fail(d.name, f"{role} {function.__name__}() must return numbers, got "
-                               f"{result!r}")
-        if not all(math.isfinite(r) for r in result):
-            raise fail(d.name, f"{role} {function.__name__}() gives a non-finite "
-                               f"{dict(zip(names, result))} from finite inputs {inputs} at "
-                               f"step {step} with the default hyperparameters")
-        return result
+        return _checked_results(d, role, function, result if shapes[role] else (result,),
+                                names, f"{inputs} at step {values[GROUP_STEP]}")
 
     for step in range(1, TRIAL_STEPS + 1):
-        values[GROUP_STEP] = step
+        values[GROUP_STEP] = values["step"] = step
         if d.per_step is not None:
             values.update(zip(d.per_step_values, results(
-                "per_step", d.per_step, [np.int64(step), *[values[v] for v in d.per_step_reads]],
-                d.per_step_values, f"(step={step})")))
+                "per_step", d.per_step, ("step", *d.per_step_reads), d.per_step_values, {})))
         if d.reduce is not None:
             totals = np.zeros(len(d.reduce_values))
             for i in range(params.size):
                 before = (params[i], grads[i], *state[:, i])
-                totals += results("reduce", d.reduce,
-                                  [*before, *[values[v] for v in d.reduce_reads]],
-                                  d.reduce_values, str(dict(zip(elements, before))))
+                totals += results("reduce", d.reduce, d.reduce_reads, d.reduce_values,
+                                  dict(zip(elements, before)), before)
             values.update(zip(d.reduce_values, totals))
             role, function, names, reads = (
                 ("per_tensor", d.per_tensor, d.per_tensor_values, d.per_tensor_reads)
                 if d.per_tensor is not None else
                 ("per_group", d.per_group, d.per_group_values, d.per_group_reads))
             values.update(zip(names, map(float, results(
-                role, function, [values[v] for v in reads], names,
-                str(dict(zip(d.reduce_values, totals)))))))
+                role, function, reads, names, dict(zip(d.reduce_values, totals))))))
         for i in range(params.size):
             before = (params[i], grads[i], *state[:, i])
-            result = results("update", d.update,
-                             [*before, *[values[v] for v in d.update_reads]],
-                             ("param", *d.slots), str(dict(zip(elements, before))))
+            result = results("update", d.update, d.update_reads, ("param", *d.slots),
+                             dict(zip(elements, before)), before)
             params[i], state[:, i] = result[0], result[1:]
     _stays_float32(d, compiled, values)
     return Shapes(**shapes)
+
+
+def _trial_values(d: Definition) -> dict[str, Any]:
+    """The values of the trial run: the defaults, derived's, the per-parameter values of a
+    parameter 'trial.weight' of shape (8,)."""
+    values: dict[str, Any] = {k: h.default for k, h in d.hyperparameters.items()}
+    if d.derived is not None:
+        values.update(call_derived(d.name, d.derived, d.derived_reads, dict(values)))
+    for key, function in d.per_parameter.items():
+        try:
+            values[key] = float(function("trial.weight", (8,)))
+        except Exception as exc:  # a user's function: report it, typed
+            raise fail(d.name, f"per_parameter {key!r} raised {type(exc).__name__} for path "
+                               f"'trial.weight', shape (8,): {exc}") from None
+    return values
+
+
+def _checked_results(d: Definition, role: str, function: Callable, result: tuple,
+                     names: Sequence[str], inputs: str) -> tuple:
+    """``result`` of ``function``: as many numbers as ``names``, all finite."""
+    if len(result) != len(names):
+        raise fail(d.name, f"{role} {function.__name__}() returned {len(result)} value(s), "
+                           f"not the {len(names)} of {tuple(names)}")
+    if not all(isinstance(r, (float, int, np.floating, np.integer)) for r in result):
+        raise fail(d.name, f"{role} {function.__name__}() must return numbers, got "
+                           f"{result!r}")
+    if not all(math.isfinite(r) for r in result):
+        raise fail(d.name, f"{role} {function.__name__}() gives a non-finite "
+                           f"{dict(zip(names, result))} from finite inputs {inputs} with the "
+                           "default hyperparameters")
+    return result
 
 
 def _stays_float32(d: Definition, compiled: Mapping[str, Callable], values: Mapping) -> None:

@@ -20,12 +20,27 @@ The contract (``docs/guide/custom-rules.md`` has the whole guide):
   of each parameter's own step count (bias corrections), computed in float64 once per
   parameter and step, then rounded to the buffer's dtype. ``step`` counts the parameter's
   steps with a gradient (1 at its first), as torch's per-parameter ``state["step"]``.
+- Per-tensor totals (LAMB's trust ratio, a cautious update's kept fraction):
+  ``reduce(param, grad, *state, <values>)`` gives one term per name of ``reduce_values``
+  for each element, from the values before this step's update; the terms are added up per
+  parameter in float64 (the same totals at any thread count or world size), then
+  ``per_tensor(<totals and values by name>)`` turns each parameter's totals into the
+  values ``per_tensor_values`` names, computed in float64 and rounded to the buffer's
+  dtype, which ``update`` reads by name. The two come together.
+- Per-group totals (AdaGrad-Norm's accumulated squared gradient norm, D-Adaptation's and
+  Prodigy's estimates): ``reduce`` as above, then ``per_group(<totals and values by
+  name>)`` instead of ``per_tensor``, once per group and step with the totals over every
+  parameter of the group that has a gradient (over all its buffers, and all ranks under
+  ZeRO-1), compiled by Numba (float64, NumPy's error model). It returns the values
+  ``per_group_values`` names, which ``update`` reads; those named as ``group_state``
+  (name -> initial number: values kept in the group, saved and restored with it) are that
+  state's new values.
 
 What is made is an ordinary :class:`flatopt.Optimizer` subclass with a :class:`Schema` and a
 :class:`kernels.rule.Rule`, registered under ``name``: the CPU serial and parallel walks, CUDA,
 reduced-precision storage, ZeRO-1, checkpoints, state dicts, schedulers, clipping, EMA and
 Lookahead all take it as they take a built-in rule. The span and prepare functions the walks
-call are generated as source (:func:`_span_source`), so that the rule's fingerprint, and with it
+call are generated as source (``flatopt/_rule_source.py``), so that the rule's fingerprint, and with it
 Numba's on-disk cache key, covers them and the user's functions.
 """
 
@@ -43,14 +58,13 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from . import registry
-from .errors import HyperparameterError, RuleDefinitionError
+from .errors import RuleDefinitionError
 from .optimizer import Optimizer
-from .schema import (STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, describe_group, flag,
-                     non_negative, real, step_count, switch)
-from .kernels.rule import Rule
-from ._rule_source import (GROUP_STEP, Definition, call_derived, compiled_per_group,
-                           derived_problem, fail, fresh_source, identifier, layouts, make_rule,
-                           trial_run)
+from .schema import (STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, flag, non_negative,
+                     real, step_count, switch)
+from ._rule_class import optimizer_class
+from ._rule_source import (GROUP_STEP, Definition, call_derived, fail, fresh_source,
+                           identifier, make_rule, trial_run)
 
 RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream",
                       "bit_exact", "master_weights", "rounding", "state_dtype", "grad_dtype",
@@ -60,8 +74,6 @@ RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream
 per-parameter count ``per_step`` receives), ``group_step``, and ``betas`` (a tuple in torch's
 groups, which schedulers cycle as one). Names starting with ``_`` or ``flatopt_`` are the
 generated code's."""
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 NON_NEGATIVE = ("lr", "eps", "weight_decay")
 """Hyperparameters declared by a number that must also be >= 0, as torch checks them in every
@@ -103,22 +115,8 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     before anything changes. ``sources``: the source of functions made at run time
     (:func:`flatopt.chain`).
 
-    Per-tensor totals (LAMB's trust ratio, a cautious update's kept fraction):
-    ``reduce(param, grad, *state, <values>)`` gives one term per name of ``reduce_values``
-    for each element, from the values before this step's update; the terms are added up per
-    parameter in float64 (the same totals at any thread count or world size), then
-    ``per_tensor(<totals and values by name>)`` turns each parameter's totals into the
-    values ``per_tensor_values`` names, computed in float64 and rounded to the buffer's
-    dtype, which ``update`` reads by name. The two come together.
-
-    Per-group totals (AdaGrad-Norm's accumulated squared gradient norm, D-Adaptation's and
-    Prodigy's estimates): ``reduce`` as above, then ``per_group(<totals and values by
-    name>)`` instead of ``per_tensor``, once per group and step with the totals over every
-    parameter of the group that has a gradient (over all its buffers, and all ranks under
-    ZeRO-1), compiled by Numba (float64, NumPy's error model). It returns the values
-    ``per_group_values`` names, which ``update`` reads; those named as ``group_state``
-    (name -> initial number: values kept in the group, saved and restored with it) are that
-    state's new values.
+    ``reduce``, ``per_tensor``, ``per_group``, ``group_state``: totals over a tensor's or a
+    group's elements (the module docstring).
 
     Raises :class:`RuleDefinitionError` for every mistake it can see before an optimizer
     exists: it checks the names and signatures, compiles the functions with Numba and runs
@@ -146,7 +144,7 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
                         slots=slots, record=record, version=version, int8_state=int8_state)
     except TypeError as exc:
         raise RuleDefinitionError(f"rule {name!r}: {exc}") from None
-    cls = _optimizer_class(definition, schema, rule, doc)
+    cls = optimizer_class(definition, schema, rule, doc)
     registry.unregister(name)
     registry.register(cls)
     return cls
@@ -501,97 +499,6 @@ def _check_writes(name: str, update: Callable, parameters: Sequence[str],
     if never:
         raise fail(name, f"update {update.__name__}() never assigns {never} (the parameter "
                           "and every state slot must get a new value)")
-
-
-# ----------------------------------------------------------------------------- the class
-def _optimizer_class(d: Definition, schema: Schema, rule: Rule,
-                     doc: str | None) -> type[Optimizer]:
-    scalars, prepare, flags = layouts(d)
-
-    def values(settings: Mapping[str, Any]) -> dict[str, Any]:
-        if d.derived is None:
-            return settings
-        derived, _ = derived_problem(d.derived, d.derived_reads, settings)
-        return {**settings, **derived}
-
-    def check_step(self, settings):
-        """derived's values for every group, before anything changes (a group value it
-        cannot take is the group's problem: HyperparameterError)."""
-        checked = self.__dict__.get("_derived_checked")
-        if d.derived is None or (checked is not None and len(checked) == len(settings)
-                                 and all(a is b for a, b in zip(checked, settings))):
-            return  # the same validated group values as at the last step: checked then
-        problems = []
-        narrow = {buf.group for buf in self.buffers if buf.dtype == np.float32}
-        for number, group in enumerate(settings):
-            derived, problem = derived_problem(d.derived, d.derived_reads, group,
-                                               d.derived_names)
-            if problem is None and number in narrow:
-                wide = {k: v for k, v in derived.items() if abs(v) > FLOAT32_MAX}
-                problem = f"derived values {wide} overflow float32" if wide else None
-            if problem:
-                problems.append(f"{describe_group(number, group)}: {problem}")
-        if problems:
-            raise HyperparameterError(f"{d.name}: cannot step with these hyperparameters: "
-                                      + "; ".join(problems))
-        self._derived_checked = list(settings)
-
-    def kernel_scalars(self, settings, dtype):
-        known = values(settings)
-        return rule.scalars(*[known[v] for v in scalars])
-
-    def prepare_scalars(self, settings):
-        known = values(settings)
-        return rule.prepare_scalars(*[known[v] for v in prepare])
-
-    def kernel_flags(self, settings):
-        return rule.flags(*[settings[v] for v in flags])
-
-    per_group = []  # compiled at the first step (Numba, uncached: a small function)
-
-    def combine(self, settings, totals):
-        """``per_group`` of each group's totals: the step pass's scalars and the new group
-        state (before the reduce pass, ``totals`` None: the scalars the reduce reads)."""
-        if totals is not None and not per_group:
-            per_group.append(compiled_per_group(d))
-        scalars_per_group, changes = [], []
-        for number, group in enumerate(settings):
-            known = values(group)
-            if totals is not None:
-                result = per_group[0](*[totals[number, d.reduce_values.index(v)]
-                                        if v in d.reduce_values else known[v]
-                                        for v in d.per_group_reads])
-                new = dict(zip(d.per_group_values,
-                               map(float, result if isinstance(result, tuple) else (result,))))
-                known = {**known, **new}
-                changes.append({k: new[k] for k in d.group_state} or None)
-            scalars_per_group.append(rule.scalars(*[known.get(v, 0.0) for v in scalars]))
-        return scalars_per_group, changes if totals is not None else None
-
-    def before_step(self, settings):
-        if GROUP_STEP not in d.hyperparameters:
-            return None
-        return [{GROUP_STEP: s[GROUP_STEP] + 1} for s in settings]
-
-    parameters = [inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
-        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=h.default)
-        for k, h in d.hyperparameters.items() if not h.state]
-    namespace = {
-        "schema": schema, "user_defined": True, "kernel_scalars": kernel_scalars,
-        "prepare_scalars": prepare_scalars, "kernel_flags": kernel_flags,
-        "before_step": before_step, "check_step": check_step,
-        **({"combine": combine} if d.per_group is not None else {}),
-        "path_columns": dict(d.per_parameter),
-        "__doc__": doc or (f"{d.name}: a user-defined rule stepping every element with "
-                           f"{d.update.__name__}()."),
-        "__module__": d.update.__module__,
-    }
-
-    def __init__(self, params, **hyperparameters):
-        Optimizer.__init__(self, params, **hyperparameters)
-    __init__.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
-    namespace["__init__"] = __init__
-    return type(identifier(d.name), (Optimizer,), namespace)
 
 
 __all__ = ["define_optimizer", "finite", "RuleDefinitionError"]
