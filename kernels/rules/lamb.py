@@ -4,7 +4,7 @@ Adam's moments, then a per-parameter trust ratio ||p|| / ||update||."""
 import math
 from typing import NamedTuple
 
-from ..elementwise import element_prepare
+from ..elementwise import element_prepare, element_span
 from ..rule import Rule, positions
 
 
@@ -87,25 +87,17 @@ def lamb_finalize(present, columns, scalars, flags, start, stop, stride, sums):
             neg_step_size[k] = -(scalars[P.lr] * ratio)
 
 
-def lamb_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    """The moments, stored, and the move along the direction by the finalized step size."""
-    p, g, m, v = arrays
-    beta1 = scalars[S.beta1]
-    one_minus_beta1 = scalars[S.one_minus_beta1]
-    beta2 = scalars[S.beta2]
-    one_minus_beta2 = scalars[S.one_minus_beta2]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    bc1 = columns[C.bias_correction1][k]
-    bc2 = columns[C.bias_correction2][k]
-    step_size = columns[C.neg_step_size][k]
-    maximize = flags[F.maximize]
-    for i in range(start, stop, stride):
-        gi = -g[i] if maximize else g[i]
-        mi, vi = lamb_moments(m[i], v[i], gi, beta1, one_minus_beta1, beta2, one_minus_beta2)
-        m[i] = mi
-        v[i] = vi
-        p[i] = p[i] + step_size * lamb_direction(p[i], mi, vi, bc1, bc2, eps, weight_decay)
+def lamb_rule(p, g, m, v, bias_correction1, bias_correction2, neg_step_size, beta1,
+              one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, maximize):
+    """One element: the moments, and the move along the direction by the finalized step
+    size; returns ``(p, m, v)``."""
+    g = -g if maximize else g
+    m, v = lamb_moments(m, v, g, beta1, one_minus_beta1, beta2, one_minus_beta2)
+    return (p + neg_step_size * lamb_direction(p, m, v, bias_correction1, bias_correction2,
+                                               eps, weight_decay), m, v)
+
+
+lamb_span = element_span("lamb_span", lamb_rule, 2, Scalars, Columns, Flags)
 
 
 def lamb_per_step(t, beta1, beta2, bias_correction):
@@ -121,7 +113,7 @@ lamb_prepare = element_prepare("lamb_prepare", lamb_per_step,
 
 
 RULE = Rule(name="lamb", span=lamb_span, prepare=lamb_prepare,
-            helpers=(lamb_per_step, lamb_moments, lamb_direction),
+            helpers=(lamb_per_step, lamb_moments, lamb_direction, lamb_rule),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "bias_correction1": "param",
                      "bias_correction2": "param", "neg_step_size": "param"},
