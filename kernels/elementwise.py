@@ -83,18 +83,8 @@ def element_span(name: str, body: Callable, slots: int, scalars: type,
     body's parameter name among the fields of the rule's layouts: a scalar, a column (read
     at the span's parameter ``k``) or a flag. Compiled over the body's module, where the
     backends bind the body's compiled version."""
-    parameters = tuple(inspect.signature(body).parameters)[2 + slots:]
-    values = []
-    for value in parameters:
-        found = [f"{kind}[{layout._fields.index(value)}]{index}"
-                 for layout, kind, index in ((scalars, "scalars", ""),
-                                             (columns, "columns", "[k]"), (flags, "flags", ""))
-                 if layout is not None and value in layout._fields]
-        if len(found) != 1:
-            raise TypeError(f"{body.__name__}(): its parameter {value!r} is in "
-                            f"{'no' if not found else 'more than one'} of the rule's "
-                            "layouts (scalars, columns, flags)")
-        values.append((value, found[0]))
+    values = _found(body, 2 + slots, ((scalars, "scalars", ""), (columns, "columns", "[k]"),
+                                      (flags, "flags", "")))
     lines, arguments = element_head(f"def {name}({SPAN_ARGUMENTS}):", slots, values,
                                     pack=False)
     lines += ["    for i in range(start, stop, stride):",
@@ -156,16 +146,8 @@ def element_prepare(name: str, per_step: Callable | None, outputs: Sequence[str]
     the flags."""
     if columns._fields[0] != "step":
         raise TypeError(f"{name}: the step count must be the first column")
-    values = []
-    for value in (tuple(inspect.signature(per_step).parameters)[1:] if per_step else ()):
-        found = [f"{kind}[{layout._fields.index(value)}]"
-                 for layout, kind in ((prepare_scalars, "scalars"), (flags, "flags"))
-                 if layout is not None and value in layout._fields]
-        if len(found) != 1:
-            raise TypeError(f"{per_step.__name__}(): its parameter {value!r} is in "
-                            f"{'no' if not found else 'more than one'} of the rule's "
-                            "layouts (prepare scalars, flags)")
-        values.append((value, found[0]))
+    values = _found(per_step, 1, ((prepare_scalars, "scalars", ""), (flags, "flags", ""))) \
+        if per_step else []
     lines = parameter_lines(f"def {name}({PREPARE_ARGUMENTS}):",
                             per_step.__name__ if per_step else None,
                             [columns._fields.index(o) for o in outputs], values, True,
@@ -173,6 +155,23 @@ def element_prepare(name: str, per_step: Callable | None, outputs: Sequence[str]
     module = per_step.__module__ if per_step else columns.__module__
     namespace = per_step.__globals__ if per_step else vars(sys.modules[module])
     return compile_function("\n".join(lines), name, namespace, module)
+
+
+def _found(function: Callable, fixed: int, layouts) -> list[tuple[str, str]]:
+    """``(name, expression)`` of each parameter of ``function`` after the first ``fixed``:
+    where the one of ``layouts`` (``(layout or None, array, index)``) with a field of that
+    name holds it (``scalars[2]``, ``columns[1][k]``)."""
+    values = []
+    for value in tuple(inspect.signature(function).parameters)[fixed:]:
+        found = [f"{kind}[{layout._fields.index(value)}]{index}"
+                 for layout, kind, index in layouts
+                 if layout is not None and value in layout._fields]
+        if len(found) != 1:
+            raise TypeError(f"{function.__name__}(): its parameter {value!r} is in "
+                            f"{'no' if not found else 'more than one'} of the rule's layouts "
+                            f"({', '.join(kind for _, kind, _ in layouts)})")
+        values.append((value, found[0]))
+    return values
 
 
 def register_source(filename: str, source: str) -> None:

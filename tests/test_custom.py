@@ -5,6 +5,7 @@ clipping, reduced precision, state dicts, checkpoints, versions, CUDA)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
@@ -683,11 +684,16 @@ def scaled_by(p, g, lr, scale):
 
 
 # ----------------------------------------------------------------------------- per-tensor totals
+def defined(name: str, update, options: dict):
+    """A rule defined for one test, then removed (a fixture's body)."""
+    cls = define_optimizer(name, update, **options)
+    yield cls
+    registry.unregister(name)
+
+
 @pytest.fixture
 def cautious():
-    cls = define_optimizer("CautiousTest", cautious_update, **CAUTIOUS)
-    yield cls
-    registry.unregister("CautiousTest")
+    yield from defined("CautiousTest", cautious_update, CAUTIOUS)
 
 
 @pytest.mark.filterwarnings("ignore:.*no gradient is marked present")
@@ -725,11 +731,7 @@ def test_per_tensor_totals_in_reduced_precision_and_the_cuda_simulator(cautious)
     host = cautious({"w": p.copy()}, lr=0.1)
     coded = cautious({"w": p.copy()}, lr=0.1, state_dtype="bfloat16")
     runs = [host, coded]
-    try:
-        import numba_cuda  # noqa: F401 (the simulator's backend)
-    except ImportError:
-        pass
-    else:
+    if importlib.util.find_spec("numba_cuda"):  # the simulator's backend
         runs.append(cautious({"w": p.copy()}, lr=0.1, device="cuda"))
     for _ in range(3):
         g = rng.standard_normal((6, 40)).astype(np.float32)
@@ -787,9 +789,7 @@ def test_values_named_like_the_generated_walks_own_names_are_not_shadowed():
 # ----------------------------------------------------------------------------- per-group totals
 @pytest.fixture
 def norm():
-    cls = define_optimizer("NormTest", group_update, **NORM)
-    yield cls
-    registry.unregister("NormTest")
+    yield from defined("NormTest", group_update, NORM)
 
 
 @pytest.mark.filterwarnings("ignore:.*no gradient is marked present")
@@ -858,11 +858,7 @@ def test_per_group_totals_in_reduced_precision_and_the_cuda_simulator(norm):
     host = norm({"w": p.copy()}, lr=0.1)
     coded = norm({"w": p.astype(ml_dtypes.bfloat16)}, lr=0.1, rounding="stochastic", seed=3)
     runs = {"bf16": (coded, 1e-2)}
-    try:
-        import numba_cuda  # noqa: F401 (the simulator's backend)
-    except ImportError:
-        pass
-    else:
+    if importlib.util.find_spec("numba_cuda"):  # the simulator's backend
         runs["cuda"] = (norm({"w": p.copy()}, lr=0.1, device="cuda"), 1e-5)
     for _ in range(3):
         g = rng.standard_normal((6, 40)).astype(np.float32)
