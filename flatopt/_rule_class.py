@@ -9,12 +9,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .errors import HyperparameterError
+from .errors import HyperparameterError, ModeError, raise_problems
 from .kernels.rule import Rule
 from .optimizer import Optimizer
 from .schema import Schema, describe_group
-from ._rule_source import (GROUP_STEP, Definition, compiled_per_group, derived_problem,
-                           identifier, layouts)
+from ._rule_source import (GROUP_STEP, TRAIN_MODE, Definition, compiled_per_group,
+                           derived_problem, identifier, layouts)
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -31,8 +31,14 @@ def _values(d: Definition) -> Callable[[Mapping[str, Any]], Mapping[str, Any]]:
 
 def _check_step(d: Definition) -> Callable:
     def check_step(self, settings):
-        """derived's values for every group, before anything changes (a group value it
-        cannot take is the group's problem: HyperparameterError)."""
+        """Every group in train mode (a rule with mode passes), and derived's values for
+        every group, before anything changes (a group value it cannot take is the group's
+        problem: HyperparameterError)."""
+        if TRAIN_MODE in d.hyperparameters:
+            raise_problems([
+                f"{describe_group(number, s)} is in eval mode (its parameters hold the point "
+                "to_eval moved them to); call opt.train() before stepping"
+                for number, s in enumerate(settings) if not s[TRAIN_MODE]], ModeError)
         checked = self.__dict__.get("_derived_checked")
         if d.derived is None or (checked is not None and len(checked) == len(settings)
                                  and all(a is b for a, b in zip(checked, settings))):
@@ -78,8 +84,31 @@ def _combine(d: Definition, rule: Rule, scalars: Sequence[str], values: Callable
     return combine
 
 
-def optimizer_class(d: Definition, schema: Schema, rule: Rule,
-                     doc: str | None) -> type[Optimizer]:
+def _switch(d: Definition, modes: tuple[Rule, Rule], values: Callable) -> Callable:
+    def switch(self, train: bool) -> None:
+        """Run ``to_train`` (``to_eval``) over the parameters with state of every group not
+        in that mode yet, then record the mode in those groups."""
+        with self.lock:
+            settings = self.settings()
+            switching = [s[TRAIN_MODE] != train for s in settings]
+            rule = modes[1] if train else modes[0]
+
+            def arguments(buf):
+                if not switching[buf.group]:
+                    return None
+                known = values(settings[buf.group])
+                return (np.array([known[v] for v in rule.scalars._fields], buf.dtype),
+                        tuple(bool(known[v]) for v in rule.flags._fields))
+
+            self._map_state(rule, d.slots, arguments)
+            for group, flip in zip(self.param_groups, switching):
+                if flip:
+                    group[TRAIN_MODE] = train
+    return switch
+
+
+def optimizer_class(d: Definition, schema: Schema, rule: Rule, doc: str | None,
+                    modes: tuple[Rule, Rule] | None = None) -> type[Optimizer]:
     scalars, prepare, flags = layouts(d)
     values = _values(d)
 
@@ -107,6 +136,7 @@ def optimizer_class(d: Definition, schema: Schema, rule: Rule,
         "prepare_scalars": prepare_scalars, "kernel_flags": kernel_flags,
         "before_step": before_step, "check_step": _check_step(d),
         **({"combine": _combine(d, rule, scalars, values)} if d.per_group is not None else {}),
+        **(_mode_methods(d, modes, values) if modes is not None else {}),
         "path_columns": dict(d.per_parameter),
         "__doc__": doc or (f"{d.name}: a user-defined rule stepping every element with "
                            f"{d.update.__name__}()."),
@@ -118,3 +148,20 @@ def optimizer_class(d: Definition, schema: Schema, rule: Rule,
     __init__.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
     namespace["__init__"] = __init__
     return type(identifier(d.name), (Optimizer,), namespace)
+
+
+def _mode_methods(d: Definition, modes: tuple[Rule, Rule], values: Callable) -> dict:
+    switch = _switch(d, modes, values)
+
+    def train(self) -> None:
+        """Move the parameters of every group in eval mode back with the rule's
+        ``to_train`` (one pass per buffer); then step."""
+        switch(self, True)
+
+    def eval(self) -> None:
+        """Move the parameters of every group in train mode with the rule's ``to_eval`` (one
+        pass per buffer): call before evaluating the model or saving it for inference. A
+        checkpoint records the mode and resumes in it; a step in eval mode is refused."""
+        switch(self, False)
+    return {"train": train, "eval": eval}
+

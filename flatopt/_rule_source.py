@@ -1,11 +1,13 @@
-"""A user rule's kernel functions, generated as source, and its trial run
-(:func:`flatopt.define_optimizer`'s machinery; ``flatopt/custom.py`` has the contract).
+"""A user rule's kernel functions, generated as source (:func:`flatopt.define_optimizer`'s
+machinery; ``flatopt/custom.py`` has the contract, ``flatopt/_rule_trial.py`` the trial run,
+``flatopt/_rule_class.py`` the optimizer class).
 
-The span and prepare functions the backends' walks call are written as Python source from the
-rule's :class:`Definition` (:func:`span_source`, :func:`prepare_source`), compiled with
-``exec`` and their source registered with ``linecache``, so that ``inspect.getsource`` (the
-rule's fingerprint, and with it Numba's on-disk cache key) and Numba's error messages read
-them. Every value is read into a local once before the element loop, as the built-in spans do.
+The span, prepare, reduce and finalize functions the backends' walks call, and the mode
+passes' spans, are written as Python source from the rule's :class:`Definition` by
+``kernels/elementwise.py``'s generator (the built-in rules' too), compiled with ``exec`` and
+their source registered with ``linecache``, so that the rule's fingerprint (and with it
+Numba's on-disk cache key) and Numba's error messages read them. Every value is read into a
+local once before the element loop, as the built-in spans do.
 """
 
 from __future__ import annotations
@@ -16,14 +18,12 @@ import inspect
 import linecache
 import math
 import numbers
-import re
 import textwrap
 import types
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from numba import njit
-from numba.core import types as numba_types
 
 from .errors import RuleDefinitionError
 from .kernels._bind import bind_functions
@@ -38,10 +38,9 @@ GROUP_STEP = "group_step"
 not a parameter has a gradient (pytorch-optimizer's and timm's ``group["step"]``; AdEMAMix's).
 Read, it becomes group state of that name (saved with the hyperparameters)."""
 
-TRIAL_STEPS = 3
-"""Steps of the trial run :func:`define_optimizer` makes with the default hyperparameters."""
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Numba colours its messages
+TRAIN_MODE = "train_mode"
+"""The group value of a rule with mode passes: True while its parameters hold the training
+point (``opt.train()``), False after ``opt.eval()`` (schedule-free's name)."""
 
 
 class Definition(NamedTuple):
@@ -78,6 +77,15 @@ class Definition(NamedTuple):
     per_group_values: tuple[str, ...] = ()
     per_group_reads: tuple[str, ...] = ()
     group_state: tuple[str, ...] = ()
+    to_eval: Callable | None = None
+    """``to_eval(param, *state, <values>)``: an element's move to the point a model is
+    evaluated at (schedule-free's average x), by ``opt.eval()``; ``to_train`` moves it
+    back. Their values: hyperparameters and derived values."""
+    to_eval_reads: tuple[str, ...] = ()
+    to_train: Callable | None = None
+    to_train_reads: tuple[str, ...] = ()
+    from_param: tuple[str, ...] = ()
+    """Slots that start at the parameter's value (schedule-free's z), not at zero."""
 
 
 
@@ -225,17 +233,22 @@ VALUES = "flatopt_values"
 :func:`kernels.elementwise.element_head` packs them)."""
 
 
-def bound_source(source: str, name: str, fixed: int, reads: Sequence[str]) -> str:
-    """An element function's source (``update`` or ``reduce``) as ``name(<elements>,
-    flatopt_values0, ...)``: its named values read from flat tuples at the top of the same
-    body, so that the walk's call has a few arguments however many values the rule reads."""
+def bound_source(source: str, name: str, fixed: int, reads: Sequence[str],
+                 takes_grad: bool = True) -> str:
+    """An element function's source (``update``, ``reduce``, ``to_eval``) as
+    ``name(<elements>, flatopt_values0, ...)``: its named values read from flat tuples at the
+    top of the same body, so that the walk's call has a few arguments however many values
+    the rule reads. A function without the gradient (``takes_grad=False``: the mode passes)
+    gets an unused ``flatopt_grad`` after the parameter, as the walks pass every element."""
     tree = ast.parse(textwrap.dedent(source))
     function = tree.body[0]
     function.name = name
     function.decorator_list = []
     groups = tuples(len(reads))
-    function.args.args = [*function.args.args[:fixed],
-                          *[ast.arg(f"{VALUES}{t}") for t in range(len(groups))]]
+    elements = function.args.args[:fixed]
+    if not takes_grad:
+        elements = [elements[0], ast.arg("flatopt_grad"), *elements[1:]]
+    function.args.args = [*elements, *[ast.arg(f"{VALUES}{t}") for t in range(len(groups))]]
     unpack = [ast.parse(f"{reads[n]} = {VALUES}{t}[{n - group.start}]").body[0]
               for t, group in enumerate(groups) for n in group]
     function.body = [*unpack, *function.body]
@@ -252,7 +265,8 @@ def _element_head(d: Definition, header: str, reads: Sequence[str], scalars: Seq
              **{v: f"flags[{j}]" for j, v in enumerate(flags)}}
     try:
         return element_head(header, len(d.slots), [(f"_v_{v}", where[v]) for v in reads],
-                            pack=True)
+                            pack=True, from_param=[d.slots.index(s) for s in d.from_param
+                                                   if columns])
     except TypeError:
         raise fail(d.name, f"{len(d.slots)} state slots are more than a call can take") \
             from None
@@ -372,6 +386,8 @@ class Shapes(NamedTuple):
     reduce: bool = True
     per_tensor: bool = True
     per_group: bool = True
+    to_eval: bool = True
+    to_train: bool = True
 
 
 def _renamed(function: Callable, name: str) -> Callable:
@@ -443,131 +459,42 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
         raise fail(d.name, str(exc)) from None
 
 
+def mode_rule(d: Definition, which: str, sources: Mapping[str, str],
+              returns_tuple: bool) -> Rule:
+    """The tool rule of ``opt.eval()`` (``which`` "to_eval") or ``opt.train()``
+    ("to_train"): a span calling the user's function on every element of a parameter with
+    state (``Optimizer._map_state``), its scalars and flags the values it reads."""
+    function, reads = ((d.to_eval, d.to_eval_reads) if which == "to_eval"
+                       else (d.to_train, d.to_train_reads))
+    key = f"user_{identifier(d.name)[:KEY_LENGTH]}_{which}"
+    flags = tuple(v for v in reads if d.hyperparameters.get(v) is not None
+                  and d.hyperparameters[v].is_flag)
+    scalars = tuple(v for v in reads if v not in flags)
+    found = helpers(d.name, [function])
+    lines, arguments = _element_head(d, f"def {key}_span({SPAN_ARGUMENTS}):", reads, scalars,
+                                     (), flags)
+    targets = stored(len(d.slots)) + ("," if returns_tuple else "")
+    lines += ["    for i in range(start, stop, stride):",
+              f"        {targets} = {key}_body({arguments})", ""]
+    texts = {f"{key}_span": "\n".join(lines),
+             f"{key}_prepare": f"def {key}_prepare({PREPARE_ARGUMENTS}):\n    pass\n",
+             f"{key}_body": frozen_globals([function, *found]) + bound_source(
+                 sources.get(function.__name__) or inspect.getsource(function),
+                 f"{key}_body", 1 + len(d.slots), reads, takes_grad=False)}
+    made = {name: compile_function(text, name, dict(function.__globals__ if
+                                                    name.endswith("_body") else {}),
+                                   f"flatopt.custom.{name}")
+            for name, text in texts.items()}
+    return Rule(name=key, span=made[f"{key}_span"], prepare=made[f"{key}_prepare"],
+                helpers=(made[f"{key}_body"], *found), slots=d.slots, columns={},
+                scalars=_layout(f"{key}_Scalars", scalars, float),
+                flags=_layout(f"{key}_Flags", flags, bool), generated={**sources, **texts},
+                origin=d.update.__module__)
+
+
 def compiled_per_group(d: Definition) -> Callable:
     """``per_group`` and its helpers compiled by Numba with NumPy's error model (a division
     by zero gives an infinity, never an exception halfway through a step), called from
     Python once per group and step."""
     return bind_functions(f"rule {d.name!r}", (d.per_group, *helpers(d.name, [d.per_group])),
                           njit(error_model="numpy"))[d.per_group.__name__]
-
-
-def trial_run(d: Definition) -> Shapes:
-    """Compile the rule's functions with Numba (float64, uncached) and run them for
-    :data:`TRIAL_STEPS` steps on sample elements with the default hyperparameters, in the
-    order of a step (per_step, reduce over the elements, per_tensor or per_group, update;
-    per_group's group state carried to the next step): a typing error, a wrong number of
-    results or a non-finite result from finite inputs fails here, naming the function,
-    before any optimizer exists. Returns which of them return tuples."""
-    functions = [f for f in (d.update, d.per_step, d.reduce, d.per_tensor, d.per_group)
-                 if f is not None]
-    try:
-        compiled = bind_functions(f"rule {d.name!r}", (*functions, *helpers(d.name, functions)),
-                                  njit(error_model="numpy"))
-    except TypeError as exc:
-        raise fail(d.name, str(exc)) from None
-    values = _trial_values(d)
-    rng = np.random.default_rng(0)
-    params = np.concatenate([rng.standard_normal(6), [0.0, 1.0]])
-    grads = np.concatenate([rng.standard_normal(6), [0.0, 0.0]])
-    state = np.zeros((len(d.slots), params.size))
-    shapes: dict[str, bool] = {}
-    elements = ("param", "grad", *d.slots)
-
-    def results(role: str, function: Callable, reads: Sequence[str], names: Sequence[str],
-                inputs: dict, before: tuple = ()) -> tuple:
-        """``function``'s results for ``before`` and the values ``reads`` names, checked."""
-        result = _run(d, compiled, function, [*before, *[values[v] for v in reads]])
-        shapes[role] = isinstance(result, tuple)
-        return _checked_results(d, role, function, result if shapes[role] else (result,),
-                                names, f"{inputs} at step {values[GROUP_STEP]}")
-
-    for step in range(1, TRIAL_STEPS + 1):
-        values[GROUP_STEP] = values["step"] = step
-        if d.per_step is not None:
-            values.update(zip(d.per_step_values, results(
-                "per_step", d.per_step, ("step", *d.per_step_reads), d.per_step_values, {})))
-        if d.reduce is not None:
-            totals = np.zeros(len(d.reduce_values))
-            for i in range(params.size):
-                before = (params[i], grads[i], *state[:, i])
-                totals += results("reduce", d.reduce, d.reduce_reads, d.reduce_values,
-                                  dict(zip(elements, before)), before)
-            values.update(zip(d.reduce_values, totals))
-            role, function, names, reads = (
-                ("per_tensor", d.per_tensor, d.per_tensor_values, d.per_tensor_reads)
-                if d.per_tensor is not None else
-                ("per_group", d.per_group, d.per_group_values, d.per_group_reads))
-            values.update(zip(names, map(float, results(
-                role, function, reads, names, dict(zip(d.reduce_values, totals))))))
-        for i in range(params.size):
-            before = (params[i], grads[i], *state[:, i])
-            result = results("update", d.update, d.update_reads, ("param", *d.slots),
-                             dict(zip(elements, before)), before)
-            params[i], state[:, i] = result[0], result[1:]
-    _stays_float32(d, compiled, values)
-    return Shapes(**shapes)
-
-
-def _trial_values(d: Definition) -> dict[str, Any]:
-    """The values of the trial run: the defaults, derived's, the per-parameter values of a
-    parameter 'trial.weight' of shape (8,)."""
-    values: dict[str, Any] = {k: h.default for k, h in d.hyperparameters.items()}
-    if d.derived is not None:
-        values.update(call_derived(d.name, d.derived, d.derived_reads, dict(values)))
-    for key, function in d.per_parameter.items():
-        try:
-            values[key] = float(function("trial.weight", (8,)))
-        except Exception as exc:  # a user's function: report it, typed
-            raise fail(d.name, f"per_parameter {key!r} raised {type(exc).__name__} for path "
-                               f"'trial.weight', shape (8,): {exc}") from None
-    return values
-
-
-def _checked_results(d: Definition, role: str, function: Callable, result: tuple,
-                     names: Sequence[str], inputs: str) -> tuple:
-    """``result`` of ``function``: as many numbers as ``names``, all finite."""
-    if len(result) != len(names):
-        raise fail(d.name, f"{role} {function.__name__}() returned {len(result)} value(s), "
-                           f"not the {len(names)} of {tuple(names)}")
-    if not all(isinstance(r, (float, int, np.floating, np.integer)) for r in result):
-        raise fail(d.name, f"{role} {function.__name__}() must return numbers, got "
-                           f"{result!r}")
-    if not all(math.isfinite(r) for r in result):
-        raise fail(d.name, f"{role} {function.__name__}() gives a non-finite "
-                           f"{dict(zip(names, result))} from finite inputs {inputs} with the "
-                           "default hyperparameters")
-    return result
-
-
-def _stays_float32(d: Definition, compiled: Mapping[str, Callable], values: Mapping) -> None:
-    """``update`` compiled for float32 elements and values (as a float32 buffer's kernels
-    call it) must give float32 results: a float64 one means its arithmetic was promoted (a
-    Python literal, an integer), which the float32 walks would pay for and the 16-bit
-    storage modes' views refuse to store."""
-    flags = {k for k, h in d.hyperparameters.items() if h.is_flag}
-    with np.errstate(over="ignore"):  # a value float32 cannot hold: check_step refuses it
-        arguments = [np.float32(0.5)] * (2 + len(d.slots)) + [
-            bool(values[v]) if v in flags else np.float32(values[v]) for v in d.update_reads]
-    dispatcher = compiled[d.update.__name__]
-    _run(d, compiled, d.update, arguments)
-    result = dispatcher.overloads[dispatcher.signatures[-1]].signature.return_type
-    members = list(result) if isinstance(result, numba_types.BaseTuple) else [result]
-    names = ("param", *d.slots)
-    wide = [n for n, t in zip(names, members) if t != numba_types.float32]
-    if wide:
-        raise fail(d.name, f"update {d.update.__name__}() gives {wide} as "
-                           f"{[str(t) for n, t in zip(names, members) if n in wide]} from "
-                           "float32 inputs: a Python literal or an integer in its "
-                           "arithmetic promotes float32 to float64; give constants as "
-                           "derived values (rounded to the buffer's dtype)")
-
-
-def _run(d: Definition, compiled: Mapping[str, Callable], function: Callable,
-         arguments: list) -> Any:
-    try:
-        return compiled[function.__name__](*arguments)
-    except Exception as exc:  # Numba's typing errors and whatever the body raises
-        first = _ANSI.sub("", str(exc)).strip().splitlines()
-        detail = " ".join(line.strip() for line in first[:6])
-        raise fail(d.name, f"{function.__name__}() does not compile or run with Numba: "
-                            f"{type(exc).__name__}: {detail}") from None

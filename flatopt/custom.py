@@ -63,13 +63,14 @@ from .optimizer import Optimizer
 from .schema import (STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, flag, non_negative,
                      real, step_count, switch)
 from ._rule_class import optimizer_class
-from ._rule_source import (GROUP_STEP, Definition, call_derived, fail, fresh_source,
-                           identifier, make_rule, trial_run)
+from ._rule_source import (GROUP_STEP, TRAIN_MODE, Definition, call_derived, fail,
+                           fresh_source, identifier, make_rule, mode_rule)
+from ._rule_trial import trial_run
 
 RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream",
                       "bit_exact", "master_weights", "rounding", "state_dtype", "grad_dtype",
                       "seed", "step", "group_step", "foreach", "fused", "differentiable",
-                      "capturable", "betas", "momentum_decay"})
+                      "capturable", "betas", "momentum_decay", "train_mode"})
 """Names a hyperparameter or value cannot take: group keys, constructor options, ``step`` (the
 per-parameter count ``per_step`` receives), ``group_step``, and ``betas`` (a tuple in torch's
 groups, which schedulers cycle as one). Names starting with ``_`` or ``flatopt_`` are the
@@ -97,7 +98,9 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
                      per_tensor: Callable | None = None,
                      per_tensor_values: Sequence[str] = (), per_group: Callable | None = None,
                      per_group_values: Sequence[str] = (),
-                     group_state: Mapping[str, float] | None = None, version: int = 1,
+                     group_state: Mapping[str, float] | None = None,
+                     to_eval: Callable | None = None, to_train: Callable | None = None,
+                     from_param: Sequence[str] = (), version: int = 1,
                      int8_state: bool = False, doc: str | None = None,
                      sources: Mapping[str, str] | None = None) -> type[Optimizer]:
     """An optimizer class stepping every element with ``update`` (see the module docstring),
@@ -107,6 +110,8 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     ``state``: the slot names, or name -> :class:`flatopt.Slot` (``Slot(nonnegative=True)``
     for a second moment, which 8-bit storage then keeps unsigned). ``int8_state=True`` allows
     ``state_dtype="int8"`` (bitsandbytes' blockwise format: only for moment-like slots).
+    ``from_param``: slots that start at the parameter's value at its first step
+    (schedule-free's ``z``, Prodigy's ``p0``) instead of zero.
     ``version``: the schema version saved in checkpoints; a hyperparameter added later says
     ``Hyperparameter(default, check, since=2)`` and older files load with its default.
     ``per_parameter``: name -> ``function(path, shape)``, a number per parameter computed
@@ -116,7 +121,8 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     (:func:`flatopt.chain`).
 
     ``reduce``, ``per_tensor``, ``per_group``, ``group_state``: totals over a tensor's or a
-    group's elements (the module docstring).
+    group's elements; ``to_eval`` and ``to_train``: ``opt.eval()`` and ``opt.train()`` (the
+    module docstring).
 
     Raises :class:`RuleDefinitionError` for every mistake it can see before an optimizer
     exists: it checks the names and signatures, compiles the functions with Numba and runs
@@ -127,24 +133,29 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31:
         raise RuleDefinitionError(f"rule {name!r}: version must be a whole number >= 1, got "
                                   f"{version!r}")
-    fresh_source([f for f in (update, derived, per_step, reduce, per_tensor, per_group)
-                  if isinstance(f, types.FunctionType)])
+    fresh_source([f for f in (update, derived, per_step, reduce, per_tensor, per_group,
+                              to_eval, to_train) if isinstance(f, types.FunctionType)])
     definition = _checked(name, update, hyperparameters, state, derived, per_step,
                           per_step_values, per_parameter, sources or {},
                           (reduce, reduce_values, per_tensor, per_tensor_values, per_group,
-                           per_group_values), group_state)
+                           per_group_values), group_state, (to_eval, to_train))
+    definition = definition._replace(from_param=_from_param(name, from_param, definition.slots))
     slots = _slots(name, state)
     shapes = trial_run(definition)
     rule = make_rule(definition, sources or {}, shapes)
+    modes = None if to_eval is None else (
+        mode_rule(definition, "to_eval", sources or {}, shapes.to_eval),
+        mode_rule(definition, "to_train", sources or {}, shapes.to_train))
     record = NamedTuple(f"{identifier(name)}ParamState",
                         [("step", int), *[(slot, np.ndarray) for slot in definition.slots]])
     try:
         schema = Schema(name=name, rule=rule, hyperparameters=definition.hyperparameters,
                         columns={"step": STEP_COUNT},
-                        slots=slots, record=record, version=version, int8_state=int8_state)
+                        slots=slots, record=record, version=version, int8_state=int8_state,
+                        reduced_precision=modes is None)  # (the mode passes: plain buffers)
     except TypeError as exc:
         raise RuleDefinitionError(f"rule {name!r}: {exc}") from None
-    cls = optimizer_class(definition, schema, rule, doc)
+    cls = optimizer_class(definition, schema, rule, doc, modes)
     registry.unregister(name)
     registry.register(cls)
     return cls
@@ -260,7 +271,7 @@ def _slots(name: str, state: Sequence[str] | Mapping[str, Slot]) -> dict[str, Sl
 
 
 def _checked(name, update, hyperparameters, state, derived, per_step, per_step_values,
-             per_parameter, sources, totals, group_state) -> Definition:
+             per_parameter, sources, totals, group_state, modes) -> Definition:
     if not isinstance(name, str) or not name or "\x00" in name or name != name.strip():
         raise RuleDefinitionError(f"a rule's name must be a non-empty string without NUL or "
                                   f"surrounding spaces, got {name!r}")
@@ -283,8 +294,9 @@ def _checked(name, update, hyperparameters, state, derived, per_step, per_step_v
     update_reads = _element_reads(name, "update", update, slots, hypers,
                                   (*before_update, found.per_tensor_values,
                                    found.per_group_values))
+    mode_reads = _modes(name, modes, slots, hypers, derived_names, sources)
     read = {*update_reads, *per_step_reads, *derived_reads, *found.reduce_reads,
-            *found.per_tensor_reads, *found.per_group_reads}
+            *found.per_tensor_reads, *found.per_group_reads, *mode_reads[0], *mode_reads[1]}
     unread = [key for key in hypers if key not in read]
     if unread:
         raise fail(name, f"hyperparameter(s) {unread} are read by no function (update, "
@@ -299,9 +311,45 @@ def _checked(name, update, hyperparameters, state, derived, per_step, per_step_v
     _check_writes(name, update, _parameters(update), slots, sources)
     if GROUP_STEP in read:
         hypers[GROUP_STEP] = Hyperparameter(0, step_count, (0,), state=True)
+    if modes[0] is not None:  # which point the parameters hold: y (training) or x
+        hypers[TRAIN_MODE] = Hyperparameter(True, flag, (True,), state=True)
     return Definition(name, update, slots, hypers, derived, derived_names, per_step,
                       per_step_values, update_reads, per_step_reads, derived_reads, constants,
-                      *found, group_state=state_names)
+                      *found, group_state=state_names, to_eval=modes[0],
+                      to_eval_reads=mode_reads[0], to_train=modes[1],
+                      to_train_reads=mode_reads[1])
+
+
+def _from_param(name: str, from_param: Sequence[str], slots: Sequence[str]) -> tuple:
+    if isinstance(from_param, str) or not all(s in slots for s in from_param) \
+            or len(set(from_param)) != len(from_param):
+        raise fail(name, f"from_param must name state slots {tuple(slots)}, each once; got "
+                         f"{from_param!r}")
+    return tuple(from_param)
+
+
+def _modes(name: str, modes: tuple, slots: Sequence[str], hypers: Mapping,
+           derived_names: Sequence[str], sources) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The names ``to_eval`` and ``to_train`` read (hyperparameters and derived values),
+    each function checked."""
+    if (modes[0] is None) != (modes[1] is None):
+        raise fail(name, "to_eval and to_train go together (opt.eval() moves the parameters, "
+                         "opt.train() moves them back)")
+    if modes[0] is None:
+        return (), ()
+    reads = []
+    for what, function in zip(("to_eval", "to_train"), modes):
+        _plain_function(name, function, what, sources)
+        parameters = _parameters(function)
+        if len(parameters) < 1 + len(slots):
+            raise fail(name, f"{what} {function.__name__}{inspect.signature(function)} must "
+                             f"take the parameter and its {len(slots)} state slot(s) "
+                             f"{tuple(slots)} first (no gradient)")
+        _known(name, what, parameters[1 + len(slots):], hypers, derived_names)
+        _check_writes(name, function, (parameters[0], None, *parameters[1:]), slots[:0],
+                      sources)
+        reads.append(parameters[1 + len(slots):])
+    return reads[0], reads[1]
 
 
 def _element_reads(name: str, what: str, function: Callable, slots: Sequence[str],

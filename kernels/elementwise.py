@@ -45,14 +45,18 @@ def tuples(count: int) -> list[range]:
 
 
 def element_head(header: str, slots: int, values: Sequence[tuple[str, str]],
-                 pack: bool) -> tuple[list[str], str]:
+                 pack: bool, from_param: Sequence[int] = ()) -> tuple[list[str], str]:
     """The start of a walk over one parameter's elements: ``header``, the arrays unpacked,
     each ``(local, expression)`` of ``values`` read once (a local named twice is read once);
     and the element call's arguments (each element ``[i]``, then the locals, or with ``pack``
-    the flat tuples holding them). Raises ``TypeError`` for a call of more than
+    the flat tuples holding them). The slots ``from_param`` (positions) are read as the
+    parameter's element at the parameter's first step (its step count, column 0, is 1): state
+    that starts at the parameter's value. Raises ``TypeError`` for a call of more than
     :data:`CALL_LIMIT` arguments."""
     arrays = ["_p", "_g", *[f"_s{j}" for j in range(slots)]]
     lines = [header, f"    {', '.join(arrays)}, = arrays"]
+    if from_param:
+        lines.append("    _first = columns[0][k] == 1")
     read: dict[str, str] = {}
     for local, expression in values:
         if local not in read:
@@ -64,7 +68,10 @@ def element_head(header: str, slots: int, values: Sequence[tuple[str, str]],
         for t, group in enumerate(groups):
             lines.append(f"    _t{t} = ({''.join(f'{names[n]}, ' for n in group)})")
         names = [f"_t{t}" for t in range(len(groups))]
-    arguments = [*[f"{a}[i]" for a in arrays], *names]
+    elements = [f"{a}[i]" for a in arrays]
+    for j in from_param:
+        elements[2 + j] = f"(_p[i] if _first else _s{j}[i])"
+    arguments = [*elements, *names]
     if len(arguments) > CALL_LIMIT:
         raise TypeError(f"the element call takes {len(arguments)} arguments, more than "
                         f"{CALL_LIMIT}")

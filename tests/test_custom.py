@@ -430,6 +430,27 @@ def negative_sqrt(grad_norm_sq, b_sq):
     return b_sq, math.sqrt(-1.0 - grad_norm_sq)
 
 
+# mode passes (opt.eval() / opt.train()) and state from the parameter
+def mode_update(p, g, z, lr):
+    return p - lr * g, z - lr * g
+
+
+def mode_eval(p, z, lr):
+    return p + lr * (z - p), z
+
+
+def mode_eval_step(p, z, lr, bias):
+    return p + bias * (z - p), z
+
+
+def mode_keeps_p(p, z, lr):
+    return p, z + lr
+
+
+MODES = dict(state=("z",), hyperparameters={"lr": 0.1}, to_eval=mode_eval, to_train=mode_eval,
+             from_param=("z",))
+
+
 MISTAKES = [
     ("a name clashing with a built-in optimizer", "Adam", plain, {"hyperparameters": {"lr": 0.1}},
      "built-in"),
@@ -509,6 +530,17 @@ MISTAKES = [
       "per_step_values": ("bias",)}, r"per_group reads \['bias'\]"),
     ("per_group giving NaN", "Mistake", group_update,
      {**NORM, "per_group": negative_sqrt}, "per_group negative_sqrt.*non-finite"),
+    ("to_eval without to_train", "Mistake", mode_update, {**MODES, "to_train": None},
+     "to_eval and to_train go together"),
+    ("to_eval reading a per-step value", "Mistake", mode_update,
+     {**MODES, "to_eval": mode_eval_step, "per_step": step_bias, "per_step_values": ("bias",)},
+     r"to_eval reads \['bias'\]"),
+    ("to_eval never moving the parameter", "Mistake", mode_update,
+     {**MODES, "to_eval": mode_keeps_p}, r"mode_keeps_p\(\) never assigns \['p'\]"),
+    ("from_param naming no slot", "Mistake", mode_update, {**MODES, "from_param": ("m",)},
+     "from_param must name state slots"),
+    ("a hyperparameter named train_mode", "Mistake", plain,
+     {"hyperparameters": {"lr": 0.1, "train_mode": 1.0}}, "reserved"),
     ("a reduce that is a lambda", "Mistake", cautious_update,
      {**CAUTIOUS, "reduce": lambda p, g, m, beta, one_minus_beta: (1.0, 1.0)}, "def"),
 ]
@@ -872,3 +904,39 @@ def test_per_group_totals_in_reduced_precision_and_the_cuda_simulator(norm):
                                    atol=tolerance, err_msg=what)
         assert opt.param_groups[0]["b_sq"] == pytest.approx(host.param_groups[0]["b_sq"],
                                                             rel=tolerance), what
+
+
+# ----------------------------------------------------------------------------- mode passes
+def test_mode_passes_and_state_from_the_parameter_on_every_backend(monkeypatch):
+    """z starts at the parameter (from_param); opt.eval() runs to_eval over the parameters
+    with state, opt.train() to_train: on the host serially and in parallel, and in the CUDA
+    simulator, the same values; a parameter never stepped is not moved."""
+    try:
+        cls = define_optimizer("ModesTest", mode_update, **MODES)
+        rng = np.random.default_rng(8)
+        p = {"w": rng.standard_normal((5, 40)).astype(np.float32),
+             "frozen": rng.standard_normal(3).astype(np.float32)}
+        g = {"w": rng.standard_normal((5, 40)).astype(np.float32)}
+        runs = [cls({k: v.copy() for k, v in p.items()}, lr=0.1)]
+        if importlib.util.find_spec("numba_cuda"):  # the simulator's backend
+            runs.append(cls({k: v.copy() for k, v in p.items()}, lr=0.1, device="cuda"))
+        for opt in runs:
+            opt.step(g)  # z = p - lr g (from p), p = p - lr g
+            opt.eval()   # p + lr (z - p) = p: z and p agree after one step
+        host = runs[0]
+        expected = p["w"] - np.float32(0.1) * g["w"]
+        np.testing.assert_allclose(host.params["w"], expected, rtol=1e-6)
+        np.testing.assert_allclose(host.state_of("w").z, expected, rtol=1e-6)
+        assert host.params["frozen"].tobytes() == p["frozen"].tobytes()
+        for opt in runs[1:]:
+            out = opt.params["w"]
+            out = out if isinstance(out, np.ndarray) else out.copy_to_host()
+            np.testing.assert_allclose(out, host.params["w"], rtol=1e-6)
+        with pytest.raises(flatopt.ModeError):
+            host.step(g)
+        host.train()
+        assert host.param_groups[0]["train_mode"] is True
+        with pytest.raises(flatopt.HyperparameterError, match=r"train\(\)/eval\(\)"):
+            cls({"w": p["w"].copy()}, state_dtype="bfloat16")  # the passes: plain buffers
+    finally:
+        registry.unregister("ModesTest")

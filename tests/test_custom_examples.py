@@ -3,13 +3,15 @@ their oracles: pytorch-optimizer's AdaBelief, Adan and Lamb (float64 within 1e-1
 within 2e-5, several groups, missing gradients), and with everything a built-in rule gets:
 exact resume in a fresh process, ZeRO-1 bit-identical at 2 and 3 ranks, the CUDA simulator.
 Lamb is the example of per-tensor totals (reduce and per_tensor: its trust ratio), AdaGradNorm
-of per-group totals and group state (reduce and per_group)."""
+of per-group totals and group state (reduce and per_group), SFSGD of mode passes (to_eval,
+to_train) and state that starts at the parameter (from_param)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import flatopt
 import examples_plugin
 from checkpoint_helpers import check_round_trip
 from test_custom import parallel_equals_serial
@@ -39,7 +41,8 @@ def group_settings(name: str) -> list[dict]:
 
 def settings_of(name: str) -> dict:
     """A setting off its default (weight decay where the rule has it)."""
-    return {"lr": 0.5} if name == "AdaGradNorm" else {"weight_decay": 0.1}
+    hypers = examples_plugin.optimizer(name).schema.hyperparameters
+    return {"weight_decay": 0.1} if "weight_decay" in hypers else {"lr": 0.5}
 
 
 def oracle_settings(name: str, settings: dict) -> dict:
@@ -80,6 +83,40 @@ def test_matches_pytorch_optimizer(examples, name, dtype, rtol, atol):
                                        atol=atol, err_msg=f"{name} {path} at step {step}")
     assert opt.state_of("enc.b").step == len(MISSING) - 1  # its own count
     assert opt.param_groups[0]["group_step"] == len(MISSING)  # the oracle's group["step"]
+
+
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 2e-6)],
+                         ids=["float64", "float32"])
+def test_the_schedule_free_example_is_the_built_in_rule(examples, dtype, rtol):
+    """SFSGD (z starting at the parameter, opt.eval() / opt.train() as mode passes) against
+    flatopt.ScheduleFreeSGD (itself checked against the schedulefree package): two groups,
+    missing gradients, an eval and train in the middle, a step in eval mode refused."""
+    rng = np.random.default_rng(4)
+    values = {path: rng.standard_normal(shape).astype(dtype) for path, shape in SHAPES.items()}
+    groups = [dict(lr=0.3, momentum=0.9), dict(lr=0.05, momentum=0.5)]
+
+    def build(cls):
+        return cls([{"params": {p: values[p].copy() for p in values if p.startswith(g)}, **s}
+                    for g, s in zip(("enc", "head"), groups)])
+    mine, built_in = build(examples["SFSGD"]), build(flatopt.ScheduleFreeSGD)
+    for step, missing in enumerate(MISSING):
+        grads = {p: rng.standard_normal(s).astype(dtype) for p, s in SHAPES.items()
+                 if p not in missing}
+        mine.step(grads)
+        built_in.step(grads)
+        if step == 3:
+            mine.eval()
+            built_in.eval()
+            for path in SHAPES:  # x, the average
+                np.testing.assert_allclose(mine.params[path], built_in.params[path],
+                                           rtol=rtol, atol=rtol)
+            with pytest.raises(flatopt.ModeError):
+                mine.step(grads)
+            mine.train()
+            built_in.train()
+    for path in SHAPES:
+        np.testing.assert_allclose(mine.params[path], built_in.params[path], rtol=rtol,
+                                   atol=rtol, err_msg=path)
 
 
 @pytest.mark.parametrize("name", NAMES)

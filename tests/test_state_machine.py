@@ -94,7 +94,8 @@ def configurations() -> list:
                                  ("Lamb", "float32", []),
                                  ("Lamb", "bf16_stochastic", [pytest.mark.slow]),
                                  ("AdaGradNorm", "float32", []),
-                                 ("AdaGradNorm", "bf16_master", [pytest.mark.slow])):
+                                 ("AdaGradNorm", "bf16_master", [pytest.mark.slow]),
+                                 ("SFSGD", "float32", [])):
         result.append(pytest.param(name, storage, marks=marks, id=f"{name}-{storage}"))
     return result
 
