@@ -25,7 +25,8 @@ from optimizers import INFO, NAMES, build, random_settings, rich_settings  # noq
 # set when run under mpiexec (importing this module, as test_mpi.py does, starts no MPI)
 COMM, RANK, SIZE = None, 0, 1
 FAILURES: list[str] = []
-ONLY: list[str] = []  # --only NAME...: check_identity's optimizers (default: every one)
+ONLY: list[str] = []  # --only NAME...: the optimizers of check_identity and check_schedulefree
+                      # (default: every one)
 
 
 def report(ok: bool, what: str) -> None:
@@ -518,7 +519,7 @@ def check_schedulefree(directory: str) -> None:
     switches between them every rank holds one process's bits; a sharded save in eval mode,
     loaded into a fresh sharded optimizer, steps on exactly."""
     params = initial_params()
-    for name in SCHEDULE_FREE:
+    for name in [n for n in SCHEDULE_FREE if not ONLY or n in ONLY]:
         try:
             groups = groups_for(name, params)
             opt = build(name, groups, comm=COMM)

@@ -163,6 +163,40 @@ def test_examples_under_zero1_are_bit_identical_to_one_process(size):
         assert ok.get(f"identity {name} at {size} ranks") == set(range(size)), name
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_schedule_free_examples_modes_under_zero1(tmp_path):
+    """opt.eval() / opt.train() of SFSGD sharded over 2 ranks (each rank its range, then the
+    gather), and a sharded save in eval mode loaded and stepped on: one process's bits."""
+    test_mpi = pytest.importorskip("test_mpi")
+    if test_mpi._skip_reason() is not None:
+        pytest.skip(test_mpi._skip_reason())
+    ok = test_mpi.checks_by_rank(test_mpi.run_job(
+        2, "--plugin", "examples_register", "schedulefree", "--dir", str(tmp_path), "--only",
+        "SFSGD"), 2)
+    assert ok.get("schedule-free SFSGD at 2 ranks") == {0, 1}
+
+
+def test_the_schedule_free_examples_modes_in_the_cuda_simulator(examples):
+    pytest.importorskip("numba_cuda")
+    rng = np.random.default_rng(5)
+    p = rng.standard_normal((3, 50)).astype(np.float32)
+    cpu = examples["SFSGD"]({"w": p.copy()}, lr=0.3)
+    gpu = examples["SFSGD"]({"w": p.copy()}, lr=0.3, device="cuda")
+    for step in range(3):
+        g = rng.standard_normal((3, 50)).astype(np.float32)
+        for opt in (cpu, gpu):
+            opt.step({"w": g})
+            if step == 1:
+                opt.eval()
+                opt.train()
+    for opt in (cpu, gpu):
+        opt.eval()
+    host = gpu.params["w"]
+    host = host if isinstance(host, np.ndarray) else host.copy_to_host()
+    np.testing.assert_allclose(host, cpu.params["w"], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.cuda_compile
 def test_the_examples_cuda_kernels_compile_for_sm80_and_sm90(examples):
     """What the CUDA compile tests check for the built-in rules (no spills, registers within
