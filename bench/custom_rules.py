@@ -7,7 +7,11 @@
 - the examples' AdaBelief and Adan (``examples/``, ``flatopt.define_optimizer``) against
   AdamW (they move 3 and 5 arrays besides the gradient where AdamW moves 3) and, where
   pytorch-optimizer is installed, against its own AdaBelief and Adan (``foreach``, torch CPU)
-  on the same float32 parameters.
+  on the same float32 parameters;
+- the examples of the other pieces against the built-in rules they resemble: Lamb (per-tensor
+  totals: a reduce pass, then the step) against ``flatopt.LAMB`` (the same two passes, written
+  by hand), AdaGradNorm (per-group totals) against ``flatopt.SGD``, SFSGD (state from the
+  parameter) against ``flatopt.ScheduleFreeSGD``.
 
 Each round times one step of every candidate in turn (after a NumPy matmul, as in a training
 loop, so BLAS threads are awake), ``--rounds`` rounds; the median per candidate is printed, and
@@ -43,7 +47,9 @@ def shapes(elements: int) -> dict[str, tuple]:
 def candidates(params: dict, grads: dict) -> dict:
     """name -> a function taking one step."""
     sys.path.insert(0, str(EXAMPLES))  # examples/ is not a package
-    adabelief, adan = map(importlib.import_module, ("adabelief", "adan"))
+    adabelief, adan, lamb, adagrad_norm, schedulefree_sgd = map(
+        importlib.import_module, ("adabelief", "adan", "lamb", "adagrad_norm",
+                                  "schedulefree_sgd"))
 
     def flat(cls, **kw):
         opt = cls({k: v.copy() for k, v in params.items()}, **kw)
@@ -54,7 +60,13 @@ def candidates(params: dict, grads: dict) -> dict:
     steps = {"AdamW": flat(flatopt.AdamW, lr=1e-3, weight_decay=1e-2),
              "chain(adam, decay, lr)": flat(chain),
              "AdaBelief (examples/)": flat(adabelief.AdaBelief, weight_decay=1e-2),
-             "Adan (examples/)": flat(adan.Adan, weight_decay=1e-2)}
+             "Adan (examples/)": flat(adan.Adan, weight_decay=1e-2),
+             "LAMB": flat(flatopt.LAMB, weight_decay=1e-2),
+             "Lamb (examples/)": flat(lamb.Lamb, weight_decay=1e-2),
+             "SGD": flat(flatopt.SGD, lr=1e-3),
+             "AdaGradNorm (examples/)": flat(adagrad_norm.AdaGradNorm),
+             "ScheduleFreeSGD": flat(flatopt.ScheduleFreeSGD),
+             "SFSGD (examples/)": flat(schedulefree_sgd.SFSGD)}
     try:  # optional: the test extra
         pytorch_optimizer, torch = map(importlib.import_module, ("pytorch_optimizer", "torch"))
     except ImportError:
