@@ -22,20 +22,24 @@ class AdamParamState(NamedTuple):
     max_exp_avg_sq: np.ndarray | None = None
 
 
+def adam_hyperparameters(lr: float, beta_examples: tuple, eps_examples: tuple = (1e-8, 1e-6),
+                         **more: Hyperparameter) -> dict[str, Hyperparameter]:
+    """The hyperparameters of the Adam family, in torch's order: ``lr`` (its default and
+    1e-2 as examples), ``betas`` (default (0.9, 0.999)), ``eps`` (default 1e-8),
+    ``weight_decay`` (0 or 0.1), then ``more``. The examples are the values random test
+    configurations draw."""
+    return {"lr": Hyperparameter(lr, non_negative, (lr, 1e-2)),
+            "betas": Hyperparameter((0.9, 0.999), betas, beta_examples),
+            "eps": Hyperparameter(1e-8, non_negative, eps_examples),
+            "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)), **more}
+
+
 SCHEMA = Schema(
     int8_state=True,
     name="Adam", rule=rule.RULE, torch_name="Adam", record=AdamParamState,
-    hyperparameters={
-        "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),
-        "betas": Hyperparameter((0.9, 0.999), betas,
-                                ((0.9, 0.999), (0.8, 0.99), (0.5, 0.999), (0.3, 0.99),
-                                 (0.0, 0.999))),
-        "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-6)),
-        "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
-        "amsgrad": switch(),
-        "maximize": switch(),
-        "caution": switch(since=2),
-    },
+    hyperparameters=adam_hyperparameters(
+        1e-3, ((0.9, 0.999), (0.8, 0.99), (0.5, 0.999), (0.3, 0.99), (0.0, 0.999)),
+        amsgrad=switch(), maximize=switch(), caution=switch(since=2)),
     version=2,
     columns={"step": STEP_COUNT},
     slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True),

@@ -9,8 +9,8 @@ import numpy as np
 from ..kernels.rules import adamax as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, betas, non_negative, switch
-from .adam import lerp_from_end
+from ..schema import STEP_COUNT, Schema, Slot, switch
+from .adam import adam_hyperparameters, lerp_from_end
 
 
 class AdamaxParamState(NamedTuple):
@@ -24,15 +24,9 @@ class AdamaxParamState(NamedTuple):
 SCHEMA = Schema(
     int8_state=True,
     name="Adamax", rule=rule.RULE, torch_name="Adamax", record=AdamaxParamState,
-    hyperparameters={
-        "lr": Hyperparameter(2e-3, non_negative, (2e-3, 1e-2)),
-        "betas": Hyperparameter((0.9, 0.999), betas,
-                                ((0.9, 0.999), (0.8, 0.99), (0.5, 0.9), (0.3, 0.99),
-                                 (0.0, 0.999))),
-        "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-3)),
-        "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
-        "maximize": switch(),
-    },
+    hyperparameters=adam_hyperparameters(
+        2e-3, ((0.9, 0.999), (0.8, 0.99), (0.5, 0.9), (0.3, 0.99), (0.0, 0.999)),
+        eps_examples=(1e-8, 1e-3), maximize=switch()),
     columns={"step": STEP_COUNT},
     slots={"exp_avg": Slot(), "exp_inf": Slot(nonnegative=True)},
 )

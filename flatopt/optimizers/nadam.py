@@ -9,9 +9,9 @@ import numpy as np
 from ..kernels.rules import nadam as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import (ADAM_MOMENTS, STEP_COUNT, Column, Hyperparameter, Schema, betas,
-                      non_negative, switch)
-from .adam import lerp_from_end
+from ..schema import (ADAM_MOMENTS, STEP_COUNT, Column, Hyperparameter, Schema, non_negative,
+                      switch)
+from .adam import adam_hyperparameters, lerp_from_end
 
 
 class NAdamParamState(NamedTuple):
@@ -26,18 +26,11 @@ class NAdamParamState(NamedTuple):
 SCHEMA = Schema(
     int8_state=True,
     name="NAdam", rule=rule.RULE, torch_name="NAdam", record=NAdamParamState,
-    hyperparameters={
-        "lr": Hyperparameter(2e-3, non_negative, (2e-3, 1e-2)),
-        "betas": Hyperparameter((0.9, 0.999), betas,
-                                ((0.9, 0.999), (0.8, 0.99), (0.5, 0.999), (0.3, 0.9),
-                                 (0.0, 0.999))),
-        "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-6)),
-        "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
+    hyperparameters=adam_hyperparameters(
+        2e-3, ((0.9, 0.999), (0.8, 0.99), (0.5, 0.999), (0.3, 0.9), (0.0, 0.999)),
         # 0 keeps mu at beta1 / 2; 0.5 moves it towards beta1 within a short run
-        "momentum_decay": Hyperparameter(4e-3, non_negative, (4e-3, 0.0, 0.5)),
-        "decoupled_weight_decay": switch(),
-        "maximize": switch(),
-    },
+        momentum_decay=Hyperparameter(4e-3, non_negative, (4e-3, 0.0, 0.5)),
+        decoupled_weight_decay=switch(), maximize=switch()),
     # mu_product is a product of factors mu_t in [0, beta1), from 1 at the first step.
     columns={"step": STEP_COUNT,
              "mu_product": Column("float64", 1.0)},

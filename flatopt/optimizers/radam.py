@@ -9,8 +9,8 @@ import numpy as np
 from ..kernels.rules import radam as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import ADAM_MOMENTS, STEP_COUNT, Hyperparameter, Schema, betas, non_negative, switch
-from .adam import lerp_from_end
+from ..schema import ADAM_MOMENTS, STEP_COUNT, Schema, switch
+from .adam import adam_hyperparameters, lerp_from_end
 
 
 class RAdamParamState(NamedTuple):
@@ -24,18 +24,11 @@ class RAdamParamState(NamedTuple):
 SCHEMA = Schema(
     int8_state=True,
     name="RAdam", rule=rule.RULE, torch_name="RAdam", record=RAdamParamState,
-    hyperparameters={
-        "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),
-        # beta2 = 0.9 has rho_inf = 19 and switches to the rectified update at step 6
-        # (0.999 at step 6 too, 0.5 never: rho_inf = 3): the runs cover both sides.
-        "betas": Hyperparameter((0.9, 0.999), betas,
-                                ((0.9, 0.999), (0.8, 0.9), (0.5, 0.99), (0.3, 0.9),
-                                 (0.0, 0.999), (0.9, 0.5))),
-        "eps": Hyperparameter(1e-8, non_negative, (1e-8, 1e-6)),
-        "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
-        "decoupled_weight_decay": switch(),
-        "maximize": switch(),
-    },
+    # beta2 = 0.9 has rho_inf = 19 and switches to the rectified update at step 6
+    # (0.999 at step 6 too, 0.5 never: rho_inf = 3): the runs cover both sides.
+    hyperparameters=adam_hyperparameters(
+        1e-3, ((0.9, 0.999), (0.8, 0.9), (0.5, 0.99), (0.3, 0.9), (0.0, 0.999), (0.9, 0.5)),
+        decoupled_weight_decay=switch(), maximize=switch()),
     columns={"step": STEP_COUNT},
     slots=ADAM_MOMENTS,
 )

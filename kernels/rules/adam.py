@@ -7,15 +7,10 @@ from ..arithmetic import fma
 from ..elementwise import element_prepare
 from ..rule import Rule, positions
 from .caution import REDUCTIONS, caution_finalize
+from .moments import MomentScalars
 
 
-class Scalars(NamedTuple):
-    lerp_coefficient: float
-    beta2: float
-    one_minus_beta2: float
-    eps: float
-    weight_decay: float
-    decoupled_decay_factor: float
+Scalars = MomentScalars
 
 
 class PrepareScalars(NamedTuple):

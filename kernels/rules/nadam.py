@@ -5,15 +5,10 @@ from typing import NamedTuple
 
 from ..elementwise import element_span
 from ..rule import Rule, positions
+from .moments import MomentScalars, unfused_moments
 
 
-class Scalars(NamedTuple):
-    lerp_coefficient: float
-    beta2: float
-    one_minus_beta2: float
-    eps: float
-    weight_decay: float
-    decoupled_decay_factor: float
+Scalars = MomentScalars
 
 
 class PrepareScalars(NamedTuple):
@@ -60,18 +55,9 @@ def nadam_rule(p, g, m, v, bias_correction2, grad_coefficient, exp_avg_coefficie
     in torch's order (two ``addcdiv``: the coefficient times the numerator, divided by
     ``denom``, then added).
     """
-    if maximize:
-        g = -g
-    if has_weight_decay:
-        if decoupled:
-            p = p * decoupled_decay_factor
-        else:
-            g = g + weight_decay * p
-    if lerp_from_end:
-        m = g + lerp_coefficient * (g - m)
-    else:
-        m = m + lerp_coefficient * (g - m)
-    v = v * beta2 + (one_minus_beta2 * g) * g
+    p, g, m, v = unfused_moments(p, g, m, v, lerp_coefficient, beta2, one_minus_beta2,
+                                 weight_decay, decoupled_decay_factor, has_weight_decay,
+                                 decoupled, maximize, lerp_from_end)
     denom = math.sqrt(v / bias_correction2) + eps
     p = p + (grad_coefficient * g) / denom
     p = p + (exp_avg_coefficient * m) / denom
@@ -127,7 +113,8 @@ def nadam_prepare(present, columns, scalars, flags, start, stop, stride):
             exp_avg_coefficient[k] = (-lr * mu_next) / (1.0 - product * mu_next)
 
 
-RULE = Rule(name="nadam", span=nadam_span, prepare=nadam_prepare, helpers=(nadam_rule,),
+RULE = Rule(name="nadam", span=nadam_span, prepare=nadam_prepare,
+            helpers=(nadam_rule, unfused_moments),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "mu_product": "float64", "bias_correction2": "param",
                      "grad_coefficient": "param", "exp_avg_coefficient": "param"},

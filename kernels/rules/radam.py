@@ -5,17 +5,13 @@ from typing import NamedTuple
 
 from ..elementwise import element_prepare, element_span
 from ..rule import Rule, positions
+from .moments import MomentScalars, unfused_moments
 
 
-class Scalars(NamedTuple):
-    lr: float
-    one: float
-    lerp_coefficient: float
-    beta2: float
-    one_minus_beta2: float
-    eps: float
-    weight_decay: float
-    decoupled_decay_factor: float
+Scalars = NamedTuple("Scalars", [("lr", float), ("one", float),
+                                 *MomentScalars.__annotations__.items()])
+"""Adam's moment scalars after the lr and a one in the buffer's dtype (for torch's
+reciprocal)."""
 
 
 class PrepareScalars(NamedTuple):
@@ -62,18 +58,9 @@ def radam_rule(p, g, m, v, rectified, bias_correction1, bias_correction2_sqrt, r
     in torch's order: ``bias_correction2**0.5 / (sqrt(v) + eps)`` is a Python float divided
     by a tensor, which torch computes as ``reciprocal() * value``.
     """
-    if maximize:
-        g = -g
-    if has_weight_decay:
-        if decoupled:
-            p = p * decoupled_decay_factor
-        else:
-            g = g + weight_decay * p
-    if lerp_from_end:
-        m = g + lerp_coefficient * (g - m)
-    else:
-        m = m + lerp_coefficient * (g - m)
-    v = v * beta2 + (one_minus_beta2 * g) * g
+    p, g, m, v = unfused_moments(p, g, m, v, lerp_coefficient, beta2, one_minus_beta2,
+                                 weight_decay, decoupled_decay_factor, has_weight_decay,
+                                 decoupled, maximize, lerp_from_end)
     update = (m / bias_correction1) * lr
     if rectified:
         adaptive_lr = (one / (math.sqrt(v) + eps)) * bias_correction2_sqrt
@@ -114,7 +101,7 @@ radam_prepare = element_prepare("radam_prepare", radam_per_step,
 
 
 RULE = Rule(name="radam", span=radam_span, prepare=radam_prepare,
-            helpers=(radam_per_step, radam_rule),
+            helpers=(radam_per_step, radam_rule, unfused_moments),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "rectified": "uint8", "bias_correction1": "param",
                      "bias_correction2_sqrt": "param", "rect": "param"},

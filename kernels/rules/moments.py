@@ -1,0 +1,40 @@
+"""Adam's moments, the building block Adam, NAdam and RAdam share: the gradient the moments
+see (``-g`` with maximize, plus the L2 term of coupled weight decay), decoupled weight decay
+of the parameter, ``m = lerp(m, g, 1 - beta1)`` from the nearer end as torch's lerp, and
+``v = beta2 * v + (1 - beta2) * g * g``; with the scalars they read (:class:`MomentScalars`).
+Listed among each rule's helpers (``kernels/_bind.py`` compiles it over this module)."""
+
+from typing import NamedTuple
+
+
+class MomentScalars(NamedTuple):
+    """The scalars of Adam's moments (a rule's ``Scalars``, or the start of them)."""
+
+    lerp_coefficient: float
+    """``w = 1 - beta1``, or ``w - 1`` when the lerp works from the gradient's end."""
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    weight_decay: float
+    decoupled_decay_factor: float
+    """``1 - lr * weight_decay``."""
+
+
+def unfused_moments(p, g, m, v, lerp_coefficient, beta2, one_minus_beta2, weight_decay,
+                    decoupled_decay_factor, has_weight_decay, decoupled, maximize,
+                    lerp_from_end):
+    """``(p, g, m, v)`` after maximize, weight decay and the moments, rounded as torch's NAdam
+    and RAdam kernels: each multiply and add on its own (no fused multiply-add)."""
+    if maximize:
+        g = -g
+    if has_weight_decay:
+        if decoupled:
+            p = p * decoupled_decay_factor
+        else:
+            g = g + weight_decay * p
+    if lerp_from_end:
+        m = g + lerp_coefficient * (g - m)
+    else:
+        m = m + lerp_coefficient * (g - m)
+    v = v * beta2 + (one_minus_beta2 * g) * g
+    return p, g, m, v
