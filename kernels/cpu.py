@@ -167,6 +167,24 @@ def _reduce_segment(g, start, stop, power):
     return (0.0 if MODE == COUNT_NONFINITE else value), bad
 
 
+def _combined(value, v):
+    """A running ``value`` and a partial ``v`` combined per ``MODE``: the larger for MAX_ABS
+    (a NaN kept: ``not (v <= value)``), else the sum."""
+    if MODE == MAX_ABS:
+        return v if not (v <= value) else value
+    return value + v
+
+
+def _total(partial, partial_bad):
+    """The chunks' partials combined in chunk order (the same value at any thread count)."""
+    value = 0.0
+    bad = 0
+    for c in range(partial.size):
+        value = _combined(value, partial[c])
+        bad += partial_bad[c]
+    return value, bad
+
+
 def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, c):
     lo = c * chunk_size
     hi = min(lo + chunk_size, g.size)
@@ -177,11 +195,7 @@ def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, c)
         if present[k] != 0:
             v, n = _reduce_segment(g, max(lo, offsets[k]), min(hi, offsets[k] + sizes[k]),
                                    power)
-            if MODE == MAX_ABS:
-                if not (v <= value):
-                    value = v
-            else:
-                value += v
+            value = _combined(value, v)
             bad += n
         k += 1
     return value, bad
@@ -193,16 +207,7 @@ def _reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power
     for c in prange(n_chunks):
         partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
                                                    chunk_size, power, c)
-    value = 0.0
-    bad = 0
-    for c in range(n_chunks):
-        if MODE == MAX_ABS:
-            if not (partial[c] <= value):
-                value = partial[c]
-        else:
-            value += partial[c]
-        bad += partial_bad[c]
-    return value, bad
+    return _total(partial, partial_bad)
 
 
 _load_row = CODEC["load_row"]
@@ -225,11 +230,7 @@ def _reduce_coded_chunk(raw, fmt, present, offsets, sizes, chunk_first, chunk_si
                 n = min(SUB, last - start)
                 _load_row(raw, fmt, scales, TABLES, start, n, row)
                 v, count = _reduce_segment(row, 0, n, power)
-                if MODE == MAX_ABS:
-                    if not (v <= value):
-                        value = v
-                else:
-                    value += v
+                value = _combined(value, v)
                 bad += count
         k += 1
     return value, bad
@@ -244,16 +245,7 @@ def _reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chun
         partial[c], partial_bad[c] = _reduce_coded_chunk(raw, fmt, present, offsets, sizes,
                                                          chunk_first, chunk_size, total,
                                                          power, c)
-    value = 0.0
-    bad = 0
-    for c in range(n_chunks):
-        if MODE == MAX_ABS:
-            if not (partial[c] <= value):
-                value = partial[c]
-        else:
-            value += partial[c]
-        bad += partial_bad[c]
-    return value, bad
+    return _total(partial, partial_bad)
 
 
 def _coded_gradient_chunk_partials(raw, fmt, present, offsets, sizes, chunk_first, chunk_size,
@@ -292,13 +284,14 @@ def _by_mode(template, mode: int) -> Threaded:
             segment = njit(fastmath={"reassoc"}, error_model="numpy")(
                 instantiate(_reduce_segment, f"_reduce_segment_{name}", MODE=mode))
             inline = njit(inline="always", error_model="numpy")
+            combined = inline(instantiate(_combined, f"_combined_{name}", MODE=mode))
+            bound = {"MODE": mode, "_reduce_segment": segment, "_combined": combined}
             helpers = _mode_helpers[mode] = {
-                "MODE": mode, "_reduce_segment": segment,
+                **bound, "_total": inline(instantiate(_total, f"_total_{name}", **bound)),
                 "_reduce_chunk": inline(instantiate(_reduce_chunk, f"_reduce_chunk_{name}",
-                                                    MODE=mode, _reduce_segment=segment)),
+                                                    **bound)),
                 "_reduce_coded_chunk": inline(instantiate(
-                    _reduce_coded_chunk, f"_reduce_coded_chunk_{name}", MODE=mode,
-                    _reduce_segment=segment))}
+                    _reduce_coded_chunk, f"_reduce_coded_chunk_{name}", **bound))}
         kernel = _mode_kernels[template.__name__, mode] = Threaded(
             template, f"cpu.{template.__name__.lstrip('_')}_{MODE_NAMES[mode]}", cache=True,
             error_model="numpy", bound=helpers)
