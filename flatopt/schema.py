@@ -44,6 +44,18 @@ class Invalid(Exception):
 
 
 # ----------------------------------------------------------------------------- checkers
+def python_number(value: Any) -> Any:
+    """A NumPy scalar as the Python number it holds (bool, int or float), for JSON; any other
+    value as it is."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    return value
+
+
 def real(value: Any) -> float:
     """A real number, not NaN (infinities pass: callers bound them)."""
     if type(value) is float:  # the common case, without the ABC check (every scheduled step)

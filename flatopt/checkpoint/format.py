@@ -58,7 +58,7 @@ import xxhash
 
 from .. import registry
 from ..errors import CheckpointError, CheckpointOptionError
-from ..schema import Schema
+from ..schema import Schema, python_number
 
 FORMAT = "flatopt.checkpoint"
 FORMAT_VERSION = 5
@@ -136,13 +136,10 @@ def check_flags(**flags: Any) -> None:
 
 # ----------------------------------------------------------------------------- JSON
 def json_default(value: Any) -> Any:
-    if isinstance(value, np.bool_):
-        return bool(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    raise TypeError(f"{type(value).__name__} is not JSON-serializable")
+    number = python_number(value)
+    if number is value:
+        raise TypeError(f"{type(value).__name__} is not JSON-serializable")
+    return number
 
 
 def to_json(value: Any, what: str) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..optimizer import Optimizer
+from ..schema import python_number
 
 
 EPOCH_DEPRECATION_WARNING = (
@@ -97,14 +98,9 @@ def flag(value: Any, name: str) -> bool:
 
 def plain(value: Any, where: str) -> Any:
     """``value`` as JSON data: tuples become lists, numpy scalars Python numbers."""
+    value = python_number(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, np.bool_):
-        return bool(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
     if isinstance(value, (list, tuple)):
         return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, Mapping):
