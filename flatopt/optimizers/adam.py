@@ -52,6 +52,18 @@ def lerp_from_end(settings: Mapping) -> bool:
     return not abs(1.0 - settings["betas"][0]) < 0.5
 
 
+def moment_scalars(s: Mapping[str, Any], dtype: np.dtype) -> dict[str, float]:
+    """The scalars of Adam's moments (``kernels/rules/moments.py``'s ``MomentScalars``) by
+    name, for a group's settings and a buffer's dtype."""
+    beta1, beta2 = s["betas"]
+    lr, weight_decay = s["lr"], s["weight_decay"]
+    weight = float(dtype.type(1.0 - beta1))  # torch's lerp weight, in the tensor's dtype
+    return dict(
+        lerp_coefficient=weight - 1.0 if lerp_from_end(s) else weight,  # exact: Sterbenz
+        beta2=beta2, one_minus_beta2=1.0 - beta2, eps=s["eps"], weight_decay=weight_decay,
+        decoupled_decay_factor=1.0 - lr * weight_decay)
+
+
 @register
 class Adam(Optimizer):
     r"""Adam, with L2 weight decay, AMSGrad and maximize; AdamW when decoupled.
@@ -90,13 +102,7 @@ class Adam(Optimizer):
                          amsgrad=amsgrad, maximize=maximize, caution=caution, **unknown)
 
     def kernel_scalars(self, s: Mapping[str, Any], dtype: np.dtype) -> rule.Scalars:
-        beta1, beta2 = s["betas"]
-        lr, weight_decay = s["lr"], s["weight_decay"]
-        weight = float(dtype.type(1.0 - beta1))  # torch's lerp weight, in the tensor's dtype
-        return rule.Scalars(
-            lerp_coefficient=weight - 1.0 if lerp_from_end(s) else weight,  # exact: Sterbenz
-            beta2=beta2, one_minus_beta2=1.0 - beta2, eps=s["eps"], weight_decay=weight_decay,
-            decoupled_decay_factor=1.0 - lr * weight_decay)
+        return rule.Scalars(**moment_scalars(s, dtype))
 
     def prepare_scalars(self, s: Mapping[str, Any]) -> rule.PrepareScalars:
         return rule.PrepareScalars(lr=s["lr"], beta1=s["betas"][0], beta2=s["betas"][1])

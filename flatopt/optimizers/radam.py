@@ -10,7 +10,7 @@ from ..kernels.rules import radam as rule
 from ..optimizer import Optimizer
 from ..registry import register
 from ..schema import ADAM_MOMENTS, STEP_COUNT, Schema, switch
-from .adam import adam_hyperparameters, lerp_from_end
+from .adam import adam_hyperparameters, lerp_from_end, moment_scalars
 
 
 class RAdamParamState(NamedTuple):
@@ -70,14 +70,7 @@ class RAdam(Optimizer):
                          **unknown)
 
     def kernel_scalars(self, s: Mapping[str, Any], dtype: np.dtype) -> rule.Scalars:
-        beta1, beta2 = s["betas"]
-        lr, weight_decay = s["lr"], s["weight_decay"]
-        weight = float(dtype.type(1.0 - beta1))  # torch's lerp weight, in the tensor's dtype
-        return rule.Scalars(
-            lr=lr, one=1.0,
-            lerp_coefficient=weight - 1.0 if lerp_from_end(s) else weight,  # exact: Sterbenz
-            beta2=beta2, one_minus_beta2=1.0 - beta2, eps=s["eps"], weight_decay=weight_decay,
-            decoupled_decay_factor=1.0 - lr * weight_decay)
+        return rule.Scalars(lr=s["lr"], one=1.0, **moment_scalars(s, dtype))
 
     def prepare_scalars(self, s: Mapping[str, Any]) -> rule.PrepareScalars:
         beta1, beta2 = s["betas"]
