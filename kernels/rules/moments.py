@@ -20,6 +20,15 @@ class MomentScalars(NamedTuple):
     """``1 - lr * weight_decay``."""
 
 
+class MomentFlags(NamedTuple):
+    """The switches of Adam's moments (a rule's ``Flags``)."""
+
+    has_weight_decay: bool
+    decoupled: bool
+    maximize: bool
+    lerp_from_end: bool
+
+
 def unfused_moments(p, g, m, v, lerp_coefficient, beta2, one_minus_beta2, weight_decay,
                     decoupled_decay_factor, has_weight_decay, decoupled, maximize,
                     lerp_from_end):

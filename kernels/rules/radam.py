@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 from ..elementwise import element_prepare, element_span
 from ..rule import Rule, positions
-from .moments import MomentScalars, unfused_moments
+from .moments import MomentFlags, MomentScalars, unfused_moments
 
 
 Scalars = NamedTuple("Scalars", [("lr", float), ("one", float),
@@ -20,11 +20,7 @@ class PrepareScalars(NamedTuple):
     rho_inf: float
 
 
-class Flags(NamedTuple):
-    has_weight_decay: bool
-    decoupled: bool
-    maximize: bool
-    lerp_from_end: bool
+Flags = MomentFlags
 
 
 class Columns(NamedTuple):
