@@ -28,8 +28,8 @@ from numba import njit
 from .errors import RuleDefinitionError
 from .kernels._bind import bind_functions
 from .kernels.elementwise import (CALL_LIMIT, PREPARE_ARGUMENTS, SPAN_ARGUMENTS,
-                                  compile_function, element_head, parameter_lines, stored,
-                                  tuples)
+                                  compile_function, element_head, parameter_lines,
+                                  reduce_lines, stored, tuples)
 from .kernels.rule import Rule
 from .schema import Hyperparameter
 
@@ -290,15 +290,8 @@ def reduce_source(d: Definition, key: str, scalars: Sequence[str], columns: Sequ
     count or world size)."""
     lines, arguments = _element_head(d, f"def {key}_reduce({SPAN_ARGUMENTS}):",
                                      d.reduce_reads, scalars, columns, flags)
-    count = len(d.reduce_values)
-    terms = [f"_r{j}" for j in range(count)]
-    lines += [f"    _a{j} = 0.0" for j in range(count)]
-    lines += ["    for i in range(start, stop, stride):",
-              f"        {', '.join(terms)}{',' if returns_tuple else ''} = "
-              f"{key}_reduce_terms({arguments})"]
-    lines += [f"        _a{j} += float(_r{j})" for j in range(count)]
-    lines += [f"    return ({''.join(f'_a{j}, ' for j in range(count))})", ""]
-    return "\n".join(lines)
+    return "\n".join(reduce_lines(lines, f"{key}_reduce_terms", arguments,
+                                  len(d.reduce_values), returns_tuple))
 
 
 def _parameter_values(reads: Sequence[str], known: Mapping[str, str], prepare_scalars,

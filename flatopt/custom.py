@@ -40,8 +40,8 @@ What is made is an ordinary :class:`flatopt.Optimizer` subclass with a :class:`S
 :class:`kernels.rule.Rule`, registered under ``name``: the CPU serial and parallel walks, CUDA,
 reduced-precision storage, ZeRO-1, checkpoints, state dicts, schedulers, clipping, EMA and
 Lookahead all take it as they take a built-in rule. The span and prepare functions the walks
-call are generated as source (``flatopt/_rule_source.py``), so that the rule's fingerprint, and with it
-Numba's on-disk cache key, covers them and the user's functions.
+call are generated as source (``flatopt/_rule_source.py``), so that the rule's fingerprint,
+and with it Numba's on-disk cache key, covers them and the user's functions.
 """
 
 from __future__ import annotations

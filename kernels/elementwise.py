@@ -54,7 +54,7 @@ def element_head(header: str, slots: int, values: Sequence[tuple[str, str]],
     that starts at the parameter's value. Raises ``TypeError`` for a call of more than
     :data:`CALL_LIMIT` arguments."""
     arrays = ["_p", "_g", *[f"_s{j}" for j in range(slots)]]
-    lines = [header, f"    {', '.join(arrays)}, = arrays"]
+    lines = [header, *[f"    {a} = arrays[{j}]" for j, a in enumerate(arrays)]]
     if from_param:
         lines.append("    _first = columns[0][k] == 1")
     read: dict[str, str] = {}
@@ -97,6 +97,38 @@ def element_span(name: str, body: Callable, slots: int, scalars: type,
     lines += ["    for i in range(start, stop, stride):",
               f"        {stored(slots)} = {body.__name__}({arguments})", ""]
     return compile_function("\n".join(lines), name, body.__globals__, body.__module__)
+
+
+def reduce_lines(lines: list[str], function: str, arguments: str, count: int,
+                 returns_tuple: bool, counts: bool = False) -> list[str]:
+    """A reduce's loop after its head (:func:`element_head`): ``function``'s ``count`` terms
+    of each element added up and returned as float64 totals. ``counts``: the terms are
+    conditions or whole numbers, added as integers (an if-less sum that vectorizes; a float
+    add of a condition stays a branch per element) and exact in any order."""
+    terms = [f"_r{j}" for j in range(count)]
+    lines = [*lines, *[f"    _a{j} = {'0' if counts else '0.0'}" for j in range(count)],
+             "    for i in range(start, stop, stride):",
+             f"        {', '.join(terms)}{',' if returns_tuple else ''} = "
+             f"{function}({arguments})",
+             *[f"        _a{j} += {f'_r{j}' if counts else f'float(_r{j})'}"
+               for j in range(count)],
+             f"    return ({''.join(f'float(_a{j}), ' for j in range(count))})", ""]
+    return lines
+
+
+def element_reduce(name: str, body: Callable, slots: int, count: int, scalars: type,
+                   columns: type | None = None, flags: type | None = None,
+                   counts: bool = False) -> Callable:
+    """A built-in rule's reduce ``name``: ``body(param, grad, *slots, <values>)``'s
+    ``count`` terms added up over the segment (:func:`reduce_lines`), its values found as
+    :func:`element_span` finds them."""
+    values = _found(body, 2 + slots, ((scalars, "scalars", ""), (columns, "columns", "[k]"),
+                                      (flags, "flags", "")))
+    lines, arguments = element_head(f"def {name}({SPAN_ARGUMENTS}):", slots, values,
+                                    pack=False)
+    return compile_function("\n".join(reduce_lines(lines, body.__name__, arguments, count,
+                                                   True, counts)),
+                            name, body.__globals__, body.__module__)
 
 
 PREPARE_ARGUMENTS = "present, columns, scalars, flags, start, stop, stride"

@@ -4,7 +4,7 @@ import math
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..elementwise import element_prepare
+from ..elementwise import element_prepare, element_reduce
 from ..rule import Rule, positions
 from .caution import REDUCTIONS, caution_finalize
 from .moments import MomentScalars
@@ -164,24 +164,17 @@ def adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
                       decoupled, maximize, lerp_from_end, False, start, stop, stride)
 
 
-def adam_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
-    """For ``caution``: how many elements of the segment have ``m * g > 0``, with the ``g``
-    and the new ``m`` the span computes (nothing stored), and how many elements it has."""
-    p, g, m = arrays[0], arrays[1], arrays[2]
-    lerp_coefficient = scalars[S.lerp_coefficient]
-    weight_decay = scalars[S.weight_decay]
-    has_weight_decay = flags[F.has_weight_decay]
-    decoupled = flags[F.decoupled]
-    maximize = flags[F.maximize]
-    lerp_from_end = flags[F.lerp_from_end]
-    agreeing = 0  # integers: an if-less sum that vectorizes (see caution.py)
-    elements = 0
-    for i in range(start, stop, stride):
-        gi, mi = adam_moment(p[i], g[i], m[i], lerp_coefficient, weight_decay,
-                             has_weight_decay, decoupled, maximize, lerp_from_end)
-        agreeing += mi * gi > 0
-        elements += 1
-    return float(agreeing), float(elements)
+def adam_agrees(p, g, m, lerp_coefficient, weight_decay, has_weight_decay, decoupled,
+                maximize, lerp_from_end):
+    """For ``caution``: whether the element's new ``m`` agrees in sign with its ``g`` (the
+    ``g`` and ``m`` the span computes; nothing stored), and 1: the reduce counts both."""
+    gi, mi = adam_moment(p, g, m, lerp_coefficient, weight_decay, has_weight_decay, decoupled,
+                         maximize, lerp_from_end)
+    return mi * gi > 0, 1
+
+
+adam_reduce = element_reduce("adam_reduce", adam_agrees, 1, 2, Scalars, Columns, Flags,
+                             counts=True)
 
 
 def adam_finalize(present, columns, scalars, flags, start, stop, stride, sums):
@@ -201,8 +194,8 @@ adam_prepare = element_prepare("adam_prepare", adam_per_step,
 
 
 RULE = Rule(name="adam", span=adam_span, prepare=adam_prepare,
-            helpers=(adam_per_step, adam_moment, adam_rule, adam_elements, adam_amsgrad_elements,
-                     caution_finalize),
+            helpers=(adam_per_step, adam_moment, adam_agrees, adam_rule, adam_elements,
+                     adam_amsgrad_elements, caution_finalize),
             slots=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
             columns={"step": "int64", "neg_step_size": "param",
                      "bias_correction2_sqrt": "param", "caution_scale": "param"},

@@ -6,7 +6,7 @@ import math
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..elementwise import element_prepare, element_span
+from ..elementwise import element_prepare, element_reduce, element_span
 from ..rule import Rule, positions
 from .caution import REDUCTIONS, caution_finalize
 
@@ -109,31 +109,20 @@ def adopt_rule(p, g, m, v, first, clip_value, neg_lr, lerp_coefficient, beta2,
 adopt_span = element_span("adopt_span", adopt_rule, 2, Scalars, Columns, Flags)
 
 
-def adopt_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
-    """For ``caution``: how many elements of the segment have ``m * g > 0``, with the ``g``
-    and the new ``m`` the span computes (nothing stored), and how many elements it has. A
+def adopt_agrees(p, g, m, v, first, clip_value, lerp_coefficient, eps, weight_decay,
+                 has_weight_decay, decoupled, clip, maximize, lerp_from_end):
+    """For ``caution``: whether the element's new ``m`` agrees in sign with its ``g`` (the
+    ``g`` and ``m`` the span computes; nothing stored), and 1: the reduce counts both. A
     first step moves nothing: it counts nothing."""
-    p, g, m, v = arrays
-    if columns[C.first][k] != 0:
-        return 0.0, 0.0
-    clip_value = columns[C.clip_value][k]
-    lerp_coefficient = scalars[S.lerp_coefficient]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    has_weight_decay = flags[F.has_weight_decay]
-    decoupled = flags[F.decoupled]
-    clip = flags[F.clip]
-    maximize = flags[F.maximize]
-    lerp_from_end = flags[F.lerp_from_end]
-    agreeing = 0  # integers: an if-less sum that vectorizes (see caution.py)
-    elements = 0
-    for i in range(start, stop, stride):
-        gi = adopt_gradient(p[i], g[i], weight_decay, has_weight_decay, decoupled, maximize)
-        mi = adopt_moment(gi, m[i], v[i], clip_value, lerp_coefficient, eps, clip,
-                          lerp_from_end)
-        agreeing += mi * gi > 0
-        elements += 1
-    return float(agreeing), float(elements)
+    if first:
+        return False, 0
+    gi = adopt_gradient(p, g, weight_decay, has_weight_decay, decoupled, maximize)
+    mi = adopt_moment(gi, m, v, clip_value, lerp_coefficient, eps, clip, lerp_from_end)
+    return mi * gi > 0, 1
+
+
+adopt_reduce = element_reduce("adopt_reduce", adopt_agrees, 2, 2, Scalars, Columns, Flags,
+                              counts=True)
 
 
 def adopt_finalize(present, columns, scalars, flags, start, stop, stride, sums):
@@ -152,7 +141,8 @@ adopt_prepare = element_prepare("adopt_prepare", adopt_per_step, ("first", "clip
 
 
 RULE = Rule(name="adopt", span=adopt_span, prepare=adopt_prepare,
-            helpers=(adopt_per_step, adopt_gradient, adopt_moment, adopt_rule, caution_finalize),
+            helpers=(adopt_per_step, adopt_agrees, adopt_gradient, adopt_moment, adopt_rule,
+                     caution_finalize),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "first": "uint8", "clip_value": "param",
                      "caution_scale": "param"},

@@ -3,7 +3,7 @@
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..elementwise import element_prepare
+from ..elementwise import element_prepare, element_reduce
 from ..rule import Rule, positions
 from .caution import REDUCTIONS, caution_finalize
 
@@ -104,20 +104,15 @@ def lion_span(arrays, scalars, columns, flags, k, start, stop, stride):
                       stop, stride)
 
 
-def lion_reduce(arrays, scalars, columns, flags, k, start, stop, stride):
-    """For ``caution``: how many elements of the segment have ``sign(c) * g > 0`` (nothing
-    stored), and how many elements it has."""
-    g, m = arrays[1], arrays[2]
-    beta1 = scalars[S.beta1]
-    one_minus_beta1 = scalars[S.one_minus_beta1]
-    maximize = flags[F.maximize]
-    agreeing = 0  # integers: an if-less sum that vectorizes (see caution.py)
-    elements = 0
-    for i in range(start, stop, stride):
-        gi, c = lion_direction(g[i], m[i], beta1, one_minus_beta1, maximize)
-        agreeing += lion_agrees(c, gi)
-        elements += 1
-    return float(agreeing), float(elements)
+def lion_agreement(p, g, m, beta1, one_minus_beta1, maximize):
+    """For ``caution``: whether ``sign(c) * g > 0`` for the element (nothing stored), and 1:
+    the reduce counts both."""
+    gi, c = lion_direction(g, m, beta1, one_minus_beta1, maximize)
+    return lion_agrees(c, gi), 1
+
+
+lion_reduce = element_reduce("lion_reduce", lion_agreement, 1, 2, Scalars, Columns, Flags,
+                             counts=True)
 
 
 def lion_finalize(present, columns, scalars, flags, start, stop, stride, sums):
@@ -129,7 +124,8 @@ lion_prepare = element_prepare("lion_prepare", None, (), None, Columns)
 
 
 RULE = Rule(name="lion", span=lion_span, prepare=lion_prepare,
-            helpers=(lion_direction, lion_agrees, lion_rule, lion_elements, caution_finalize),
+            helpers=(lion_direction, lion_agrees, lion_agreement, lion_rule, lion_elements,
+                     caution_finalize),
             slots=("exp_avg",), columns={"step": "int64", "caution_scale": "param"},
             scalars=Scalars, flags=Flags, reduce=lion_reduce, finalize=lion_finalize,
             reductions=REDUCTIONS, reduce_flag="caution", variants=("caution",))
