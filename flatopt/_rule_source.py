@@ -31,7 +31,7 @@ from .kernels.elementwise import (CALL_LIMIT, PREPARE_ARGUMENTS, SPAN_ARGUMENTS,
                                   compile_function, element_head, parameter_lines,
                                   reduce_lines, stored, tuples)
 from .kernels.rule import Rule
-from .schema import Hyperparameter
+from .schema import Hyperparameter, identifier_of as identifier
 
 GROUP_STEP = "group_step"
 """A name any function may read: its group's step count, advanced at every step whether or
@@ -91,11 +91,6 @@ class Definition(NamedTuple):
 
 def fail(name: str, message: str) -> RuleDefinitionError:
     return RuleDefinitionError(f"rule {name!r}: {message}")
-
-
-def identifier(name: str) -> str:
-    cleaned = "".join(c if c.isalnum() else "_" for c in name)
-    return cleaned if cleaned[:1].isalpha() else f"rule_{cleaned}"
 
 
 

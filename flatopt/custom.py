@@ -64,7 +64,7 @@ from .schema import (STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, flag, no
                      real, step_count, switch)
 from ._rule_class import optimizer_class
 from ._rule_source import (GROUP_STEP, TRAIN_MODE, Definition, call_derived, fail,
-                           fresh_source, identifier, make_rule, mode_rule)
+                           fresh_source, make_rule, mode_rule)
 from ._rule_trial import trial_run
 
 RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream",
@@ -146,12 +146,10 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     modes = None if to_eval is None else (
         mode_rule(definition, "to_eval", sources or {}, shapes.to_eval),
         mode_rule(definition, "to_train", sources or {}, shapes.to_train))
-    record = NamedTuple(f"{identifier(name)}ParamState",
-                        [("step", int), *[(slot, np.ndarray) for slot in definition.slots]])
     try:
         schema = Schema(name=name, rule=rule, hyperparameters=definition.hyperparameters,
                         columns={"step": STEP_COUNT},
-                        slots=slots, record=record, version=version, int8_state=int8_state,
+                        slots=slots, version=version, int8_state=int8_state,
                         reduced_precision=modes is None)  # (the mode passes: plain buffers)
     except TypeError as exc:
         raise RuleDefinitionError(f"rule {name!r}: {exc}") from None

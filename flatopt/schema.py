@@ -17,7 +17,7 @@ import difflib
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -264,6 +264,36 @@ ADAM_MOMENTS = {"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True)}
 """Adam's two moment estimates, as torch names them (the second one >= 0)."""
 
 
+def state_record(name: str, columns: Mapping[str, Column], slots: Mapping[str, Slot]) -> type:
+    """``{name}ParamState``, the record ``opt.state_of(path)`` returns: the columns saved in
+    state dicts (a step count...), then the state slots (views into the flat state buffers;
+    None where the group's settings or the parameter's shape leave a slot out, the default
+    of the trailing ones)."""
+    optional = {s for s, slot in slots.items() if slot.when is not None or slot.shape is not None}
+    fields = [(c, float if column.is_float else int) for c, column in columns.items()
+              if column.in_state_dict]
+    fields += [(s, np.ndarray | None if s in optional else np.ndarray) for s in slots]
+    record = NamedTuple(f"{identifier_of(name)}ParamState", fields)
+    trailing = 0
+    for field_name, _ in reversed(fields):
+        if field_name not in optional:
+            break
+        trailing += 1
+    record.__new__.__defaults__ = (None,) * trailing or None
+    record._field_defaults = {n: None for n, _ in fields[len(fields) - trailing:]}
+    record.__doc__ = (f"One parameter's {name} state (``opt.state_of(path)``): "
+                      f"{', '.join(n for n, _ in fields)}; arrays are views into the flat "
+                      "state buffers.")
+    record.__module__ = "flatopt"  # (exported there by the built-in rules' modules)
+    return record
+
+
+def identifier_of(name: str) -> str:
+    """``name`` as a Python identifier (a user rule's name may hold other characters)."""
+    cleaned = "".join(c if c.isalnum() else "_" for c in name)
+    return cleaned if cleaned[:1].isalpha() else f"rule_{cleaned}"
+
+
 def _no_cross_check(values: Mapping[str, Any]) -> list[str]:
     return []
 
@@ -278,8 +308,9 @@ class Schema:
     hyperparameters: dict[str, Hyperparameter]
     columns: dict[str, Column]
     slots: dict[str, Slot]
-    record: type
-    """The typed record ``state_of(path)`` returns: in-state-dict columns and slots."""
+    record: type | None = None
+    """The typed record ``state_of(path)`` returns: in-state-dict columns and slots
+    (:func:`state_record`'s, made from them when not given)."""
     cross_check: Callable[[Mapping[str, Any]], list[str]] = _no_cross_check
     """Problems with a complete set of values that no single check sees (messages)."""
     version: int = 1
@@ -304,6 +335,9 @@ class Schema:
     """The column that says whether a parameter has state (None when ``eager``)."""
 
     def __post_init__(self) -> None:
+        if self.record is None:
+            object.__setattr__(self, "record", state_record(self.name, self.columns,
+                                                            self.slots))
         markers = [name for name, column in self.columns.items() if column.marker]
         if len(markers) != (0 if self.eager else 1):
             raise TypeError(f"schema {self.name!r}: {'no' if self.eager else 'exactly one'} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -12,17 +12,9 @@ from ..registry import register
 from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, non_negative, switch, unit_fraction
 
 
-class AdadeltaParamState(NamedTuple):
-    """One parameter's Adadelta state; arrays are views into the flat state buffers."""
-
-    step: int
-    square_avg: np.ndarray
-    acc_delta: np.ndarray
-
 
 SCHEMA = Schema(
-    name="Adadelta", rule=rule.RULE, torch_name="Adadelta", record=AdadeltaParamState,
-    hyperparameters={
+    name="Adadelta", rule=rule.RULE, torch_name="Adadelta", hyperparameters={
         "lr": Hyperparameter(1.0, non_negative, (1.0, 0.1)),
         "rho": Hyperparameter(0.9, unit_fraction, (0.9, 0.5, 0.0, 1.0)),
         "eps": Hyperparameter(1e-6, non_negative, (1e-6, 1e-3)),
@@ -32,6 +24,7 @@ SCHEMA = Schema(
     columns={"step": STEP_COUNT},
     slots={"square_avg": Slot(nonnegative=True), "acc_delta": Slot(nonnegative=True)},
 )
+AdadeltaParamState = SCHEMA.record
 
 
 @register

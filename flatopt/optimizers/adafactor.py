@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import Any
 
 from ..kernels.rules import adafactor as rule
 from ..optimizer import Optimizer
 from ..registry import register
 from ..schema import STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, non_negative, real, switch
 
-
-class AdafactorParamState(NamedTuple):
-    """One parameter's Adafactor state (views into the flat state buffers): ``row_var`` and
-    ``col_var`` for a parameter with two or more dimensions, ``variance`` otherwise; the
-    other entries are None, as torch keeps no such key."""
-
-    step: int
-    row_var: np.ndarray | None = None
-    col_var: np.ndarray | None = None
-    variance: np.ndarray | None = None
 
 
 def _beta2_decay(value: Any) -> float:
@@ -49,8 +37,7 @@ def _clipping_threshold(value: Any) -> float:
 
 
 SCHEMA = Schema(
-    name="Adafactor", rule=rule.RULE, torch_name="Adafactor", record=AdafactorParamState,
-    hyperparameters={
+    name="Adafactor", rule=rule.RULE, torch_name="Adafactor", hyperparameters={
         "lr": Hyperparameter(1e-2, non_negative, (1e-2, 1e-3)),
         "beta2_decay": Hyperparameter(-0.8, _beta2_decay, (-0.8, -0.5, 0.0)),
         "eps": Hyperparameter((None, 1e-3), _eps_pair, ((None, 1e-3), (1e-30, 1e-3),
@@ -64,6 +51,7 @@ SCHEMA = Schema(
            "col_var": Slot(nonnegative=True, shape=rule.column_shape),
            "variance": Slot(nonnegative=True, shape=rule.vector_shape)},
 )
+AdafactorParamState = SCHEMA.record
 
 
 @register

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -12,17 +12,10 @@ from ..registry import register
 from ..schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, non_negative, switch
 
 
-class AdagradParamState(NamedTuple):
-    """One parameter's Adagrad state; ``sum`` is a view into the flat state buffer."""
-
-    step: int
-    sum: np.ndarray
-
 
 SCHEMA = Schema(
     int8_state=True,
-    name="Adagrad", rule=rule.RULE, torch_name="Adagrad", record=AdagradParamState,
-    eager=True,
+    name="Adagrad", rule=rule.RULE, torch_name="Adagrad", eager=True,
     hyperparameters={
         "lr": Hyperparameter(1e-2, non_negative, (1e-2, 0.1)),
         "lr_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)),
@@ -35,6 +28,7 @@ SCHEMA = Schema(
     columns={"step": Column("int64", MAX_STEP)},
     slots={"sum": Slot(nonnegative=True, initial=lambda s: s["initial_accumulator_value"])},
 )
+AdagradParamState = SCHEMA.record
 
 
 @register

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -12,14 +12,6 @@ from ..optimizer import Optimizer
 from ..registry import register
 from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, betas, non_negative, switch
 
-
-class AdamParamState(NamedTuple):
-    """One parameter's Adam state; arrays are views into the flat state buffers."""
-
-    step: int
-    exp_avg: np.ndarray
-    exp_avg_sq: np.ndarray
-    max_exp_avg_sq: np.ndarray | None = None
 
 
 def adam_hyperparameters(lr: float, beta_examples: tuple, eps_examples: tuple = (1e-8, 1e-6),
@@ -36,8 +28,7 @@ def adam_hyperparameters(lr: float, beta_examples: tuple, eps_examples: tuple = 
 
 SCHEMA = Schema(
     int8_state=True,
-    name="Adam", rule=rule.RULE, torch_name="Adam", record=AdamParamState,
-    hyperparameters=adam_hyperparameters(
+    name="Adam", rule=rule.RULE, torch_name="Adam", hyperparameters=adam_hyperparameters(
         1e-3, ((0.9, 0.999), (0.8, 0.99), (0.5, 0.999), (0.3, 0.99), (0.0, 0.999)),
         amsgrad=switch(), maximize=switch(), caution=switch(since=2)),
     version=2,
@@ -45,6 +36,7 @@ SCHEMA = Schema(
     slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True),
            "max_exp_avg_sq": Slot(when=lambda s: s["amsgrad"], nonnegative=True)},
 )
+AdamParamState = SCHEMA.record
 
 
 def lerp_from_end(settings: Mapping) -> bool:

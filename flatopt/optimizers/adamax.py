@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -13,23 +13,16 @@ from ..schema import STEP_COUNT, Schema, Slot, switch
 from .adam import adam_hyperparameters, lerp_from_end
 
 
-class AdamaxParamState(NamedTuple):
-    """One parameter's Adamax state; arrays are views into the flat state buffers."""
-
-    step: int
-    exp_avg: np.ndarray
-    exp_inf: np.ndarray
-
 
 SCHEMA = Schema(
     int8_state=True,
-    name="Adamax", rule=rule.RULE, torch_name="Adamax", record=AdamaxParamState,
-    hyperparameters=adam_hyperparameters(
+    name="Adamax", rule=rule.RULE, torch_name="Adamax", hyperparameters=adam_hyperparameters(
         2e-3, ((0.9, 0.999), (0.8, 0.99), (0.5, 0.9), (0.3, 0.99), (0.0, 0.999)),
         eps_examples=(1e-8, 1e-3), maximize=switch()),
     columns={"step": STEP_COUNT},
     slots={"exp_avg": Slot(), "exp_inf": Slot(nonnegative=True)},
 )
+AdamaxParamState = SCHEMA.record
 
 
 @register

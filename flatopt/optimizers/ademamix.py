@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -14,14 +14,6 @@ from ..registry import register
 from ..schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, beta_tuple,
                       non_negative, step_count)
 
-
-class AdEMAMixParamState(NamedTuple):
-    """One parameter's AdEMAMix state (views into the flat state buffers). The step count is
-    its group's (``param_groups[g]["step"]``), as in the reference."""
-
-    m1: np.ndarray
-    m2: np.ndarray
-    nu: np.ndarray
 
 
 def three_betas(value: Any) -> tuple[float, float, float]:
@@ -49,8 +41,7 @@ def _logs_defined(values: Mapping[str, Any]) -> list[str]:
 
 SCHEMA = Schema(
     int8_state=True,
-    name="AdEMAMix", rule=rule.RULE, torch_name=None, record=AdEMAMixParamState,
-    hyperparameters={
+    name="AdEMAMix", rule=rule.RULE, torch_name=None, hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),
         "betas": Hyperparameter((0.9, 0.999, 0.9999), three_betas,
                                 ((0.9, 0.999, 0.9999), (0.8, 0.99, 0.999), (0.5, 0.9, 0.99))),
@@ -66,6 +57,7 @@ SCHEMA = Schema(
     columns={"initialized": Column("uint8", 1, marker=True, in_state_dict=False)},
     slots={"m1": Slot(), "m2": Slot(), "nu": Slot(nonnegative=True)},
 )
+AdEMAMixParamState = SCHEMA.record
 
 
 def scheduled(s: Mapping[str, Any], step: int) -> tuple[float, float]:

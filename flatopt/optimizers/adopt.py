@@ -3,7 +3,7 @@ second moment; no torch.optim class."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -14,13 +14,6 @@ from ..schema import (ADAM_MOMENTS, STEP_COUNT, Hyperparameter, Invalid, Schema,
                       non_negative, switch)
 from .adam import lerp_from_end
 
-
-class ADOPTParamState(NamedTuple):
-    """One parameter's ADOPT state; the arrays are views into the flat state buffers."""
-
-    step: int
-    exp_avg: np.ndarray
-    exp_avg_sq: np.ndarray
 
 
 def optional_non_negative(value: Any) -> float | None:
@@ -36,8 +29,7 @@ def not_yet(value: Any) -> bool:
 
 
 SCHEMA = Schema(
-    name="ADOPT", rule=rule.RULE, torch_name=None, record=ADOPTParamState,
-    hyperparameters={
+    name="ADOPT", rule=rule.RULE, torch_name=None, hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),
         "betas": Hyperparameter((0.9, 0.9999), betas,
                                 ((0.9, 0.9999), (0.9, 0.99), (0.3, 0.999), (0.0, 0.9))),
@@ -52,6 +44,7 @@ SCHEMA = Schema(
     columns={"step": STEP_COUNT},
     slots=ADAM_MOMENTS,
 )
+ADOPTParamState = SCHEMA.record
 
 
 @register

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -13,18 +13,9 @@ from ..registry import register
 from ..schema import STEP_COUNT, Column, Hyperparameter, Schema, Slot, non_negative, switch
 
 
-class ASGDParamState(NamedTuple):
-    """One parameter's ASGD state; ``ax`` is a view into the flat state buffer."""
-
-    step: int
-    eta: float
-    mu: float
-    ax: np.ndarray
-
 
 SCHEMA = Schema(
-    name="ASGD", rule=rule.RULE, torch_name="ASGD", record=ASGDParamState,
-    hyperparameters={
+    name="ASGD", rule=rule.RULE, torch_name="ASGD", hyperparameters={
         "lr": Hyperparameter(1e-2, non_negative, (1e-2, 0.1)),
         # torch checks none of lambd, alpha and t0; flatopt takes finite values >= 0, which
         # keep eta = lr / (1 + lambd * lr * t) ** alpha finite, >= 0 and at most lr.
@@ -42,6 +33,7 @@ SCHEMA = Schema(
              "mu": Column("float64", 1.0)},
     slots={"ax": Slot()},
 )
+ASGDParamState = SCHEMA.record
 
 
 @register

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -12,18 +12,10 @@ from ..registry import register
 from ..schema import ADAM_MOMENTS, STEP_COUNT, Hyperparameter, Schema, betas, non_negative, switch
 
 
-class LAMBParamState(NamedTuple):
-    """One parameter's LAMB state; arrays are views into the flat state buffers."""
-
-    step: int
-    exp_avg: np.ndarray
-    exp_avg_sq: np.ndarray
-
 
 SCHEMA = Schema(
     int8_state=True,
-    name="LAMB", rule=rule.RULE, record=LAMBParamState,
-    hyperparameters={
+    name="LAMB", rule=rule.RULE, hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),
         "betas": Hyperparameter((0.9, 0.999), betas, ((0.9, 0.999), (0.8, 0.99), (0.0, 0.9))),
         "eps": Hyperparameter(1e-6, non_negative, (1e-6, 1e-8)),
@@ -35,6 +27,7 @@ SCHEMA = Schema(
     columns={"step": STEP_COUNT},
     slots=ADAM_MOMENTS,
 )
+LAMBParamState = SCHEMA.record
 
 
 @register

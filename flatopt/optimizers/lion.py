@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -12,17 +12,10 @@ from ..registry import register
 from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, betas, non_negative, switch
 
 
-class LionParamState(NamedTuple):
-    """One parameter's Lion state; the array is a view into the flat state buffer."""
-
-    step: int
-    exp_avg: np.ndarray
-
 
 SCHEMA = Schema(
     int8_state=True,
-    name="Lion", rule=rule.RULE, torch_name=None, record=LionParamState,
-    hyperparameters={
+    name="Lion", rule=rule.RULE, torch_name=None, hyperparameters={
         "lr": Hyperparameter(1e-4, non_negative, (1e-4, 1e-3)),
         "betas": Hyperparameter((0.9, 0.99), betas,
                                 ((0.9, 0.99), (0.95, 0.98), (0.5, 0.9), (0.0, 0.99),
@@ -35,6 +28,7 @@ SCHEMA = Schema(
     columns={"step": STEP_COUNT},
     slots={"exp_avg": Slot()},
 )
+LionParamState = SCHEMA.record
 
 
 @register

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -14,11 +14,6 @@ from ..schema import Column, Hyperparameter, Invalid, Schema, Slot, non_negative
 
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
-
-class MuonParamState(NamedTuple):
-    """One parameter's Muon state (a view into the flat state buffer)."""
-
-    momentum_buffer: np.ndarray
 
 
 def _coefficients(value: Any) -> tuple[float, float, float]:
@@ -50,8 +45,7 @@ def _only_matrices(shape: tuple) -> str | None:
 
 
 SCHEMA = Schema(
-    name="Muon", rule=rule.RULE, record=MuonParamState,
-    hyperparameters={
+    name="Muon", rule=rule.RULE, hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 2e-2)),
         "weight_decay": Hyperparameter(0.1, non_negative, (0.0, 0.1)),
         "momentum": Hyperparameter(0.95, non_negative, (0.0, 0.9, 0.95)),
@@ -67,6 +61,7 @@ SCHEMA = Schema(
     slots={"momentum_buffer": Slot()},
     param_problem=_only_matrices,
 )
+MuonParamState = SCHEMA.record
 
 
 @register

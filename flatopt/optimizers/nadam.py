@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -14,19 +14,10 @@ from ..schema import (ADAM_MOMENTS, STEP_COUNT, Column, Hyperparameter, Schema, 
 from .adam import adam_hyperparameters, lerp_from_end, moment_scalars
 
 
-class NAdamParamState(NamedTuple):
-    """One parameter's NAdam state; arrays are views into the flat state buffers."""
-
-    step: int
-    mu_product: float
-    exp_avg: np.ndarray
-    exp_avg_sq: np.ndarray
-
 
 SCHEMA = Schema(
     int8_state=True,
-    name="NAdam", rule=rule.RULE, torch_name="NAdam", record=NAdamParamState,
-    hyperparameters=adam_hyperparameters(
+    name="NAdam", rule=rule.RULE, torch_name="NAdam", hyperparameters=adam_hyperparameters(
         2e-3, ((0.9, 0.999), (0.8, 0.99), (0.5, 0.999), (0.3, 0.9), (0.0, 0.999)),
         # 0 keeps mu at beta1 / 2; 0.5 moves it towards beta1 within a short run
         momentum_decay=Hyperparameter(4e-3, non_negative, (4e-3, 0.0, 0.5)),
@@ -36,6 +27,7 @@ SCHEMA = Schema(
              "mu_product": Column("float64", 1.0)},
     slots=ADAM_MOMENTS,
 )
+NAdamParamState = SCHEMA.record
 
 
 @register

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -14,16 +14,6 @@ from ..registry import register
 from ..schema import (MAX_STEP, Column, Hyperparameter, Invalid, Schema, Slot, betas, flag,
                       non_negative, real, switch)
 
-
-class ProdigyParamState(NamedTuple):
-    """One parameter's Prodigy state (views into the flat state buffers); ``d`` and its
-    companions are group values (``param_groups[g]["d"]``), as in the reference."""
-
-    step: int
-    exp_avg: np.ndarray
-    exp_avg_sq: np.ndarray
-    s: np.ndarray
-    p0: np.ndarray
 
 
 def positive(value: Any) -> float:
@@ -89,8 +79,7 @@ def not_fsdp(value: Any) -> bool:
 
 
 SCHEMA = Schema(
-    name="Prodigy", rule=rule.RULE, torch_name=None, record=ProdigyParamState,
-    hyperparameters={
+    name="Prodigy", rule=rule.RULE, torch_name=None, hyperparameters={
         "lr": Hyperparameter(1.0, non_negative, (1.0, 0.5, 0.0)),
         "betas": Hyperparameter((0.9, 0.999), betas, ((0.9, 0.999), (0.0, 0.99), (0.5, 0.9))),
         "beta3": Hyperparameter(None, optional_beta, (None, 0.9)),
@@ -115,6 +104,7 @@ SCHEMA = Schema(
     slots={"exp_avg": Slot(), "exp_avg_sq": Slot(nonnegative=True), "s": Slot(),
            "p0": Slot()},
 )
+ProdigyParamState = SCHEMA.record
 
 
 @register

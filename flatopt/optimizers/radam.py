@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -13,18 +13,10 @@ from ..schema import ADAM_MOMENTS, STEP_COUNT, Schema, switch
 from .adam import adam_hyperparameters, lerp_from_end, moment_scalars
 
 
-class RAdamParamState(NamedTuple):
-    """One parameter's RAdam state; arrays are views into the flat state buffers."""
-
-    step: int
-    exp_avg: np.ndarray
-    exp_avg_sq: np.ndarray
-
 
 SCHEMA = Schema(
     int8_state=True,
-    name="RAdam", rule=rule.RULE, torch_name="RAdam", record=RAdamParamState,
-    # beta2 = 0.9 has rho_inf = 19 and switches to the rectified update at step 6
+    name="RAdam", rule=rule.RULE, torch_name="RAdam", # beta2 = 0.9 has rho_inf = 19 and switches to the rectified update at step 6
     # (0.999 at step 6 too, 0.5 never: rho_inf = 3): the runs cover both sides.
     hyperparameters=adam_hyperparameters(
         1e-3, ((0.9, 0.999), (0.8, 0.9), (0.5, 0.99), (0.3, 0.9), (0.0, 0.999), (0.9, 0.5)),
@@ -32,6 +24,7 @@ SCHEMA = Schema(
     columns={"step": STEP_COUNT},
     slots=ADAM_MOMENTS,
 )
+RAdamParamState = SCHEMA.record
 
 
 @register

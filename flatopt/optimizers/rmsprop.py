@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -12,19 +12,10 @@ from ..registry import register
 from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, non_negative, switch, unit_fraction
 
 
-class RMSpropParamState(NamedTuple):
-    """One parameter's RMSprop state; arrays are views into the flat state buffers."""
-
-    step: int
-    square_avg: np.ndarray
-    momentum_buffer: np.ndarray | None = None
-    grad_avg: np.ndarray | None = None
-
 
 SCHEMA = Schema(
     int8_state=True,
-    name="RMSprop", rule=rule.RULE, torch_name="RMSprop", record=RMSpropParamState,
-    hyperparameters={
+    name="RMSprop", rule=rule.RULE, torch_name="RMSprop", hyperparameters={
         "lr": Hyperparameter(1e-2, non_negative, (1e-2, 1e-3)),
         # torch accepts any alpha >= 0; above 1 the "average" of squares can turn negative
         # (and would then be refused as saved state), so flatopt takes alpha in [0, 1].
@@ -40,6 +31,7 @@ SCHEMA = Schema(
            "momentum_buffer": Slot(when=lambda s: s["momentum"] > 0),
            "grad_avg": Slot(when=lambda s: s["centered"])},
 )
+RMSpropParamState = SCHEMA.record
 
 
 def lerp_from_end(settings: Mapping) -> bool:

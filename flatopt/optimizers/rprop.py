@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -11,13 +11,6 @@ from ..optimizer import Optimizer
 from ..registry import register
 from ..schema import STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, non_negative, switch
 
-
-class RpropParamState(NamedTuple):
-    """One parameter's Rprop state; arrays are views into the flat state buffers."""
-
-    step: int
-    prev: np.ndarray
-    step_size: np.ndarray
 
 
 def _pair(value: Any, names: tuple[str, str]) -> tuple[float, float]:
@@ -49,8 +42,7 @@ def step_sizes(value: Any) -> tuple[float, float]:
 
 
 SCHEMA = Schema(
-    name="Rprop", rule=rule.RULE, torch_name="Rprop", record=RpropParamState,
-    hyperparameters={
+    name="Rprop", rule=rule.RULE, torch_name="Rprop", hyperparameters={
         "lr": Hyperparameter(1e-2, non_negative, (1e-2, 1e-3, 0.1)),
         "etas": Hyperparameter((0.5, 1.2), etas, ((0.5, 1.2), (0.3, 1.5), (0.9, 1.1))),
         # (1e-3, 0.05) makes both clamps bite within a short run; lr 0.1 starts above it.
@@ -61,6 +53,7 @@ SCHEMA = Schema(
     columns={"step": STEP_COUNT},
     slots={"prev": Slot(), "step_size": Slot(nonnegative=True)},
 )
+RpropParamState = SCHEMA.record
 
 
 @register
