@@ -86,6 +86,8 @@ class Definition(NamedTuple):
     to_train_reads: tuple[str, ...] = ()
     from_param: tuple[str, ...] = ()
     """Slots that start at the parameter's value (schedule-free's z), not at zero."""
+    reduce_when: str | None = None
+    """The switch that turns the reduce and per_tensor passes on (``Rule.reduce_flag``)."""
 
 
 
@@ -442,6 +444,7 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
                     flags=_layout(f"{key}_Flags", flags, bool),
                     reduce=made.get(f"{key}_reduce"), finalize=made.get(f"{key}_finalize"),
                     reductions=d.reduce_values, global_reductions=d.per_group is not None,
+                    reduce_flag=d.reduce_when,
                     generated=generated, origin=d.update.__module__)
     except TypeError as exc:
         raise fail(d.name, str(exc)) from None

@@ -100,7 +100,8 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
                      per_group_values: Sequence[str] = (),
                      group_state: Mapping[str, float] | None = None,
                      to_eval: Callable | None = None, to_train: Callable | None = None,
-                     from_param: Sequence[str] = (), version: int = 1,
+                     from_param: Sequence[str] = (), reduce_when: str | None = None,
+                     version: int = 1,
                      int8_state: bool = False, doc: str | None = None,
                      sources: Mapping[str, str] | None = None) -> type[Optimizer]:
     """An optimizer class stepping every element with ``update`` (see the module docstring),
@@ -110,6 +111,8 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     ``state``: the slot names, or name -> :class:`flatopt.Slot` (``Slot(nonnegative=True)``
     for a second moment, which 8-bit storage then keeps unsigned). ``int8_state=True`` allows
     ``state_dtype="int8"`` (bitsandbytes' blockwise format: only for moment-like slots).
+    ``reduce_when``: a switch that turns the reduce and per_tensor passes on (a cautious
+    option: off, a step is one pass; ``update`` must then not read per_tensor's values).
     ``from_param``: slots that start at the parameter's value at its first step
     (schedule-free's ``z``, Prodigy's ``p0``) instead of zero.
     ``version``: the schema version saved in checkpoints; a hyperparameter added later says
@@ -139,7 +142,8 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
                           per_step_values, per_parameter, sources or {},
                           (reduce, reduce_values, per_tensor, per_tensor_values, per_group,
                            per_group_values), group_state, (to_eval, to_train))
-    definition = definition._replace(from_param=_from_param(name, from_param, definition.slots))
+    definition = definition._replace(from_param=_from_param(name, from_param, definition.slots),
+                                     reduce_when=_reduce_when(name, reduce_when, definition))
     slots = _slots(name, state)
     shapes = trial_run(definition)
     rule = make_rule(definition, sources or {}, shapes)
@@ -316,6 +320,16 @@ def _checked(name, update, hyperparameters, state, derived, per_step, per_step_v
                       *found, group_state=state_names, to_eval=modes[0],
                       to_eval_reads=mode_reads[0], to_train=modes[1],
                       to_train_reads=mode_reads[1])
+
+
+def _reduce_when(name: str, reduce_when: str | None, d: Definition) -> str | None:
+    if reduce_when is None:
+        return None
+    hyper = d.hyperparameters.get(reduce_when) if isinstance(reduce_when, str) else None
+    if hyper is None or not hyper.is_flag or d.per_tensor is None:
+        raise fail(name, f"reduce_when must name a switch (a bool hyperparameter) of a rule "
+                         f"with reduce and per_tensor, got {reduce_when!r}")
+    return reduce_when
 
 
 def _from_param(name: str, from_param: Sequence[str], slots: Sequence[str]) -> tuple:

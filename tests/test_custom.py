@@ -451,6 +451,17 @@ MODES = dict(state=("z",), hyperparameters={"lr": 0.1}, to_eval=mode_eval, to_tr
              from_param=("z",))
 
 
+def optional_caution_update(p, g, m, lr, beta, one_minus_beta, scale, zero, caution):
+    m = beta * m + one_minus_beta * g
+    if caution:
+        return p - lr * (m * scale if m * g > 0 else zero), m
+    return p - lr * m, m
+
+
+OPTIONAL = dict(CAUTIOUS, hyperparameters={"lr": 0.01, "beta": 0.9, "caution": False},
+                reduce_when="caution")
+
+
 MISTAKES = [
     ("a name clashing with a built-in optimizer", "Adam", plain, {"hyperparameters": {"lr": 0.1}},
      "built-in"),
@@ -541,6 +552,8 @@ MISTAKES = [
      "from_param must name state slots"),
     ("a hyperparameter named train_mode", "Mistake", plain,
      {"hyperparameters": {"lr": 0.1, "train_mode": 1.0}}, "reserved"),
+    ("reduce_when naming no switch", "Mistake", optional_caution_update,
+     {**OPTIONAL, "reduce_when": "lr"}, "reduce_when must name a switch"),
     ("a reduce that is a lambda", "Mistake", cautious_update,
      {**CAUTIOUS, "reduce": lambda p, g, m, beta, one_minus_beta: (1.0, 1.0)}, "def"),
 ]
@@ -940,3 +953,26 @@ def test_mode_passes_and_state_from_the_parameter_on_every_backend(monkeypatch):
             cls({"w": p["w"].copy()}, state_dtype="bfloat16")  # the passes: plain buffers
     finally:
         registry.unregister("ModesTest")
+
+
+def test_reduce_when_runs_the_totals_only_when_its_switch_is_on():
+    """caution off: one pass (the reduce and per_tensor never run: the scale column is never
+    written) and plain momentum; on: the cautious reference, in another group of the same
+    optimizer at the same step."""
+    try:
+        cls = define_optimizer("OptionalTest", optional_caution_update, **OPTIONAL)
+        rng = np.random.default_rng(3)
+        p = {"off": rng.standard_normal(50), "on": rng.standard_normal(50)}
+        grads = [{k: rng.standard_normal(50) for k in p} for _ in range(3)]
+        opt = cls([{"params": {"off": p["off"].copy()}, "lr": 0.1},
+                   {"params": {"on": p["on"].copy()}, "lr": 0.1, "caution": True}])
+        for g in grads:
+            opt.step(g)
+        np.testing.assert_allclose(opt.params["on"], cautious_reference(
+            p["on"], [g["on"] for g in grads], 0.1), rtol=1e-12)
+        np.testing.assert_allclose(opt.params["off"], momentum_reference(
+            p["off"], [g["off"] for g in grads], 0.1), rtol=1e-12)
+        off = next(buf for buf in opt.buffers if buf.group == 0)
+        assert not off.columns["scale"].any()
+    finally:
+        registry.unregister("OptionalTest")
