@@ -12,7 +12,9 @@ local once before the element loop, as the built-in spans do.
 
 from __future__ import annotations
 
+import __future__
 import ast
+import dis
 import hashlib
 import inspect
 import linecache
@@ -360,6 +362,56 @@ KEY_LENGTH = 40
 them; the fingerprint that follows keeps them apart)."""
 
 
+def user_source(name: str, function: Callable, sources: Mapping[str, str],
+                what: str = "") -> str:
+    """The source of a user's function (from ``sources`` for one made at run time), checked to
+    be that function's: its file edited after the function was defined would give other
+    lines at its line number, and a kernel compiled from the source would run them."""
+    if function.__name__ in sources:
+        return sources[function.__name__]
+    try:
+        text = inspect.getsource(function)
+    except (OSError, TypeError):
+        raise fail(name, f"{what} {function.__name__}() has no source file to read (define "
+                         "it in a module or a notebook cell)".strip()) from None
+    try:
+        tree = ast.parse(textwrap.dedent(text)).body[0]
+    except (SyntaxError, IndexError):
+        tree = None
+    code = function.__code__
+    if not isinstance(tree, ast.FunctionDef) or tree.name != function.__name__ or \
+            [a.arg for a in tree.args.args] != list(code.co_varnames[:code.co_argcount]) or \
+            not _same_code(text, code):
+        raise fail(name, f"{function.__name__}()'s file {code.co_filename} changed since it "
+                         "was defined (its lines there are not the function's): import its "
+                         "module again (importlib.reload) before defining the rule")
+    return text
+
+
+def _same_code(text: str, code: types.CodeType) -> bool:
+    """Whether ``text`` compiles to ``code``'s bytecode, names and constants (an edit inside
+    the function's body, its signature unchanged, shows here)."""
+    flags = code.co_flags & __future__.annotations.compiler_flag
+    compiled = compile(textwrap.dedent(text), code.co_filename, "exec", flags=flags,
+                       dont_inherit=True)
+    made = [c for c in compiled.co_consts
+            if isinstance(c, types.CodeType) and c.co_name == code.co_name]
+    return bool(made) and _instructions(made[0]) == _instructions(code)
+
+
+_SAME_OPS = {"LOAD_METHOD": "LOAD_ATTR"}
+_NO_OPS = {"PRECALL", "CACHE", "NOP", "RESUME", "EXTENDED_ARG"}
+
+
+def _instructions(code: types.CodeType) -> list:
+    """``code``'s instructions as what they do: a call of a module's function may compile to
+    other opcodes from a module's AST (pytest's) than from its text, and jump offsets move
+    with them."""
+    jumps = set(dis.hasjrel) | set(dis.hasjabs)
+    return [(_SAME_OPS.get(i.opname, i.opname), None if i.opcode in jumps else i.argval)
+            for i in dis.get_instructions(code) if i.opname not in _NO_OPS]
+
+
 def fresh_source(functions: Sequence[Callable]) -> None:
     """Forget ``linecache``'s copy of the files that define ``functions`` where they changed
     since it was read (a rule defined again after its file was edited)."""
@@ -407,7 +459,7 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
     fresh_source([*elementwise, *scalar_functions, *found])
 
     def source_of(function: Callable) -> str:
-        return sources.get(function.__name__) or inspect.getsource(function)
+        return user_source(d.name, function, sources)
 
     frozen = frozen_globals([*elementwise, *scalar_functions, *found])
     texts = {f"{key}_span": span_source(d, key, scalars, columns, flags, shapes.update),
@@ -470,7 +522,7 @@ def mode_rule(d: Definition, which: str, sources: Mapping[str, str],
     texts = {f"{key}_span": "\n".join(lines),
              f"{key}_prepare": f"def {key}_prepare({PREPARE_ARGUMENTS}):\n    pass\n",
              f"{key}_body": frozen_globals([function, *found]) + bound_source(
-                 sources.get(function.__name__) or inspect.getsource(function),
+                 user_source(d.name, function, sources),
                  f"{key}_body", 1 + len(d.slots), reads, takes_grad=False)}
     made = {name: compile_function(text, name, dict(function.__globals__ if
                                                     name.endswith("_body") else {}),

@@ -26,7 +26,9 @@ The contract (``docs/guide/custom-rules.md`` has the whole guide):
   parameter in float64 (the same totals at any thread count or world size), then
   ``per_tensor(<totals and values by name>)`` turns each parameter's totals into the
   values ``per_tensor_values`` names, computed in float64 and rounded to the buffer's
-  dtype, which ``update`` reads by name. The two come together.
+  dtype, which ``update`` reads by name. The two come together. ``reduce_when`` names a
+  switch that turns both passes on (a cautious option: off, a step is one pass, and
+  ``update`` must not read per_tensor's values).
 - Per-group totals (AdaGrad-Norm's accumulated squared gradient norm, D-Adaptation's and
   Prodigy's estimates): ``reduce`` as above, then ``per_group(<totals and values by
   name>)`` instead of ``per_tensor``, once per group and step with the totals over every
@@ -35,6 +37,10 @@ The contract (``docs/guide/custom-rules.md`` has the whole guide):
   ``per_group_values`` names, which ``update`` reads; those named as ``group_state``
   (name -> initial number: values kept in the group, saved and restored with it) are that
   state's new values.
+- Modes: ``to_eval(param, *state, <values>)`` and ``to_train(...)``, each returning the
+  parameter and every slot, run over the parameters with state by ``opt.eval()`` and
+  ``opt.train()`` (schedule-free's x and y); a group in eval mode refuses a step
+  (``ModeError``). They read hyperparameters and derived values; the buffers stay plain.
 
 What is made is an ordinary :class:`flatopt.Optimizer` subclass with a :class:`Schema` and a
 :class:`kernels.rule.Rule`, registered under ``name``: the CPU serial and parallel walks, CUDA,
@@ -64,7 +70,7 @@ from .schema import (STEP_COUNT, Hyperparameter, Invalid, Schema, Slot, flag, no
                      real, step_count, switch)
 from ._rule_class import optimizer_class
 from ._rule_source import (GROUP_STEP, TRAIN_MODE, Definition, call_derived, fail,
-                           fresh_source, make_rule, mode_rule)
+                           fresh_source, make_rule, mode_rule, user_source)
 from ._rule_trial import trial_run
 
 RESERVED = frozenset({"params", "label", "initial_lr", "comm", "device", "stream",
@@ -111,11 +117,8 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     ``state``: the slot names, or name -> :class:`flatopt.Slot` (``Slot(nonnegative=True)``
     for a second moment, which 8-bit storage then keeps unsigned). ``int8_state=True`` allows
     ``state_dtype="int8"`` (bitsandbytes' blockwise format: only for moment-like slots).
-    ``reduce_when``: a switch that turns the reduce and per_tensor passes on (a cautious
-    option: off, a step is one pass; ``update`` must then not read per_tensor's values).
     ``from_param``: slots that start at the parameter's value at its first step
-    (schedule-free's ``z``, Prodigy's ``p0``) instead of zero.
-    ``version``: the schema version saved in checkpoints; a hyperparameter added later says
+    (schedule-free's ``z``, Prodigy's ``p0``) instead of zero. ``version``: the schema version saved in checkpoints; a hyperparameter added later says
     ``Hyperparameter(default, check, since=2)`` and older files load with its default.
     ``per_parameter``: name -> ``function(path, shape)``, a number per parameter computed
     when it is added (a mask, a scale by shape) that ``update`` and ``per_step`` may read;
@@ -123,9 +126,9 @@ def define_optimizer(name: str, update: Callable, *, hyperparameters: Mapping[st
     before anything changes. ``sources``: the source of functions made at run time
     (:func:`flatopt.chain`).
 
-    ``reduce``, ``per_tensor``, ``per_group``, ``group_state``: totals over a tensor's or a
-    group's elements; ``to_eval`` and ``to_train``: ``opt.eval()`` and ``opt.train()`` (the
-    module docstring).
+    ``reduce``, ``per_tensor``, ``reduce_when``, ``per_group``, ``group_state``: totals over
+    a tensor's or a group's elements; ``to_eval``, ``to_train``: ``opt.eval()`` and
+    ``opt.train()`` (the module docstring).
 
     Raises :class:`RuleDefinitionError` for every mistake it can see before an optimizer
     exists: it checks the names and signatures, compiles the functions with Numba and runs
@@ -179,12 +182,7 @@ def _plain_function(name: str, function: Any, what: str, sources: Mapping[str, s
     if function.__closure__:
         raise fail(name, f"{what} {function.__name__}() reads variables of an enclosing "
                           "function; define it at module level")
-    if function.__name__ not in sources:
-        try:
-            inspect.getsource(function)
-        except (OSError, TypeError):
-            raise fail(name, f"{what} {function.__name__}() has no source file to read "
-                              "(define it in a module or a notebook cell)") from None
+    user_source(name, function, sources, what)
 
 
 def _parameters(function: Callable) -> tuple[str, ...]:
@@ -545,8 +543,7 @@ def _check_writes(name: str, update: Callable, parameters: Sequence[str],
     """Every state slot (and the parameter) gets a new value in ``update``: assigned, or
     returned as an expression other than its own input name. A slot it never writes would
     stay zero and only cost memory."""
-    source = sources.get(update.__name__) or inspect.getsource(update)
-    tree = ast.parse(textwrap.dedent(source))
+    tree = ast.parse(textwrap.dedent(user_source(name, update, sources)))
     written = {node.id for node in ast.walk(tree)
                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
     element_names = [parameters[0], *parameters[2:2 + len(slots)]]

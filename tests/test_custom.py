@@ -5,6 +5,7 @@ clipping, reduced precision, state dicts, checkpoints, versions, CUDA)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 
@@ -976,3 +977,27 @@ def test_reduce_when_runs_the_totals_only_when_its_switch_is_on():
         assert not off.columns["scale"].any()
     finally:
         registry.unregister("OptionalTest")
+
+
+def test_a_function_whose_file_changed_since_it_was_defined_is_refused(tmp_path, monkeypatch):
+    """Found in review: the kernels compile update's source, read from its file at its line
+    number; edited since (not reloaded), those lines are another function's or another body,
+    which the kernel would run while the trial ran the old one."""
+    module = tmp_path / "edited_rule.py"
+    module.write_text("def edited(p, g, lr):\n    return p - lr * g\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import edited_rule
+    for text in ("def other(p, g, lr):\n    return p\n\n\ndef edited(p, g, lr):\n"
+                 "    return p - lr * g\n",                     # another function at its line
+                 "def edited(p, g, lr):\n    return p + lr * g\n"):  # another body
+        module.write_text(text)
+        with pytest.raises(RuleDefinitionError, match="changed since it was defined"):
+            define_optimizer("EditedTest", edited_rule.edited, hyperparameters={"lr": 0.1})
+    importlib.reload(edited_rule)  # now the file is the function's
+    try:
+        cls = define_optimizer("EditedTest", edited_rule.edited, hyperparameters={"lr": 0.1})
+        opt = cls({"w": np.ones(2)})
+        opt.step({"w": np.ones(2)})
+        np.testing.assert_allclose(opt.params["w"], 1.1)
+    finally:
+        registry.unregister("EditedTest")
