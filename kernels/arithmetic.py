@@ -72,6 +72,26 @@ def f32_from_bits(typingctx, u):
     return types.float32(u), codegen
 
 
+@intrinsic
+def byte_word(typingctx, raw, k):
+    """The 32-bit word whose lowest byte is byte ``k`` of the uint8 array ``raw`` (bytes ``k``
+    to ``k + 3``, little-endian, as every Numba CPU target is): one unaligned load, which
+    a vector loop turns into a 32-bit gather (x86 gathers no bytes). ``raw`` must extend
+    three bytes past every ``k`` read; ``word & 0xFF`` is ``raw[k]``. CPU only."""
+    if not (isinstance(raw, types.Array) and raw.dtype == types.uint8
+            and isinstance(k, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        word = builder.bitcast(builder.gep(data, [index], inbounds=True),
+                               ir.IntType(32).as_pointer())
+        return builder.load(word, align=1)
+
+    return types.uint32(raw, k), codegen
+
+
 def simulated_f32_bits(x):
     """``f32_bits`` for the CUDA simulator: the pattern through a numpy view."""
     import numpy as np

@@ -521,3 +521,39 @@ def test_codes_equal_the_table_walk_of_bitsandbytes(signed):
     out = np.empty(v.size, np.uint8)
     codes_of(v, signed, out)
     assert np.array_equal(out, storage._bnb_code(v, lut))
+
+
+q8_lut_index = C["q8_lut_index"]
+
+
+@njit(error_model="numpy")
+def lut_indices(v, out):
+    for i in range(v.size):
+        out[i] = q8_lut_index(v[i])
+
+
+def test_lut_index_is_bitsandbytes_formula_on_every_32nd_float32():
+    """q8_lut_index computes ``(c + 1) * 32767.5 + 0.5`` where bitsandbytes computes ``((c + 1)
+    * 0.5f) * 65535 + 0.5f``: the same index for every float32 (NaN and infinities included),
+    checked on every 32nd bit pattern (and the neighbours of the grid's edges) against the
+    unfused formula in NumPy."""
+    bits = np.arange(0, 1 << 32, 32, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0x3F800000, 0xBF800000, 0x3F000000, 0x38000000, 0xB8000000], np.uint32)
+    bits = np.concatenate([bits, (edges[:, None] + np.arange(-64, 65)).ravel().astype(np.uint32)])
+    v = bits.view(np.float32)
+    ours = np.empty(v.size, np.uint32)
+    lut_indices(v, ours)
+    np.testing.assert_array_equal(ours, storage._bnb_lut_index(v))
+
+
+def test_encode_block_reads_the_padded_byte_table():
+    """Codes read as the low byte of a 32-bit word (``byte_word``) equal the table's bytes,
+    at the table's last entries too (the padding is read, never kept)."""
+    assert storage.Q8_LUTS.dtype == np.uint8 and storage.Q8_LUTS.shape[1] >= (1 << 16) + 3
+    x = np.array([1.0, -1.0, 0.999, -0.999, 0.0, 1e-3, -1e-3] + [0.5] * 249, np.float32)
+    for signed in (True, False):
+        codes = np.empty(x.size, np.uint8)
+        absmax = np.empty(1, np.float32)
+        quantize(x, signed, codes, absmax)
+        lut = storage.Q8_LUTS[0 if signed else 1]
+        np.testing.assert_array_equal(codes, lut[storage._bnb_lut_index(x / np.float32(1.0))])
