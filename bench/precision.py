@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nThread scaling (target: >= 1.7x from 1 to 2 threads):")
         for t in scaling:
             mark = {True: "met   ", False: "MISSED"}[t["met"]]
-            print(f"  [{mark}] {t['target']:<44}{t['text']}")
+            print(f"  [{mark}] {t['target']:<52}{t['text']}")
     if args.json is not None:
         args.json.write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=1))
         print(f"\nwrote {args.json}")

@@ -41,7 +41,7 @@ from .rule import Rule
 from .segments import add_segments, first_segments
 from .storage import BLOCK, DYNAMIC_SIGNED, DYNAMIC_UNSIGNED
 from .threads import Threaded
-from .variants import VariantKernels, suffix
+from .variants import VariantKernels, bits
 
 # How each stored array is read and written.
 UNUSED, NATIVE, BF16, F16, Q8_SIGNED, Q8_UNSIGNED = 0, 1, 2, 3, 4, 5
@@ -391,7 +391,8 @@ class CodedKernels:
     """A rule's step (and reduce) walks over buffers stored as one :class:`Layout`
     (``arrays``: the leading arguments ``flatopt._codec.CodedPlan.arguments`` gives);
     prepare and finalize read only columns, so they are the plain kernels' (``plain``). The
-    step walk is made per variant of the rule (``step_kernel(flags)``, see ``Rule.variants``)."""
+    step walk is made per combination of the rule's flags (``step_kernel(flags)``, every flag
+    read as a constant: ``kernels/variants.py``); the reduce walk reads them at run time."""
 
     def __init__(self, step: VariantKernels, reduce, plain):
         self.step_kernel, self.reduce_kernel = step, reduce
@@ -443,12 +444,12 @@ def compile_coded(rule: Rule, layout: Layout, plain) -> CodedKernels:
             # one overlap is compiled on its own (called, not inlined, from the parallel
             # walk: Numba's parfor passes do not see the views)
             step_overlap = njit(cache=True, error_model="numpy")(instantiate(
-                _step_overlap, f"step_overlap_{key}{suffix(values)}",
+                _step_overlap, f"step_overlap_{key}{bits(values)}",
                 span=bound[rule.span.__name__], **helpers))
-            return Threaded(_coded_step_walk, f"coded_step_{key}{suffix(values)}", cache=True,
+            return Threaded(_coded_step_walk, f"coded_step_{key}{bits(values)}", cache=True,
                             error_model="numpy", bound={"step_overlap": step_overlap, **CODEC})
 
-        step = VariantKernels(rule, step_walk)
+        step = VariantKernels(rule, step_walk, names=rule.flags._fields)
         reduce = None
         if rule.reduce is not None:
             reduce_overlap = njit(cache=True, error_model="numpy", fastmath={"reassoc"})(

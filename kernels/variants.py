@@ -79,14 +79,21 @@ def _compiled(function: Callable, tree: ast.Module) -> Callable:
 class VariantKernels:
     """A rule's kernel per combination of its variant flags' values, made by ``make(values)``
     (``values``: flag name -> value, empty for a rule without variants) the first time a step's
-    flags ask for it. Called with a step's flags (a tuple laid out as ``Rule.flags``)."""
+    flags ask for it. Called with a step's flags (a tuple laid out as ``Rule.flags``).
 
-    def __init__(self, rule, make: Callable[[dict[str, bool]], object]):
+    ``names``: the flags read as constants, ``Rule.variants`` unless given. The reduced-precision
+    walks (``kernels/coded.py``) give every flag: their loops are bound by arithmetic, not
+    memory, and a flag read in the loop left a branch there that kept it from vectorizing
+    at full width (bf16 AdamW 1.3x slower)."""
+
+    def __init__(self, rule, make: Callable[[dict[str, bool]], object],
+                 names: tuple[str, ...] | None = None):
         self.rule, self.make = rule, make
+        self.names = rule.variants if names is None else tuple(names)
         self.kernels: dict[tuple, object] = {}
         """The kernels made so far, by the variant flags' values."""
         self._by_flags: dict[tuple, object] = {}
-        self._positions = [rule.flags._fields.index(name) for name in rule.variants]
+        self._positions = [rule.flags._fields.index(name) for name in self.names]
 
     def __call__(self, flags: tuple):
         kernel = self._by_flags.get(flags)
@@ -94,8 +101,7 @@ class VariantKernels:
             variant = tuple(bool(flags[i]) for i in self._positions)
             kernel = self.kernels.get(variant)
             if kernel is None:
-                kernel = self.kernels[variant] = self.make(dict(zip(self.rule.variants,
-                                                                    variant)))
+                kernel = self.kernels[variant] = self.make(dict(zip(self.names, variant)))
             self._by_flags[flags] = kernel
         return kernel
 
@@ -103,3 +109,10 @@ class VariantKernels:
 def suffix(values: dict[str, bool]) -> str:
     """The part of a kernel's name (and Numba cache key) that tells its variant."""
     return "".join(f"_{name}{int(value)}" for name, value in values.items())
+
+
+def bits(values: dict[str, bool]) -> str:
+    """:func:`suffix` for a kernel specialized on every flag of its rule: the values as one bit
+    string in the flags' order (a rule's flags are fixed, so the string names the variant, and a
+    name stays short whatever the flags are called)."""
+    return "_f" + "".join(str(int(value)) for value in values.values()) if values else ""

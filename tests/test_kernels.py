@@ -131,6 +131,31 @@ def test_flags_that_are_not_variants_share_one_walk():
     assert walks[0.0, True].name.endswith("_amsgrad1_caution0")
 
 
+def test_reduced_precision_walks_read_every_flag_as_a_constant():
+    """The coded (reduced-precision) step walk is made per combination of every flag: its loop
+    is bound by arithmetic, and a flag read in it (weight decay, maximize) left a branch that
+    kept it from vectorizing at full width. The plain walk above still shares one walk across
+    them."""
+    from flatopt import _codec
+    from flatopt.kernels import coded
+    rule = flatopt.registry.lookup("AdamW").schema.rule
+    walks = {}
+    for weight_decay in (0.0, 0.1):
+        for maximize in (False, True):
+            opt = flatopt.AdamW({"a": f32(5000)}, weight_decay=weight_decay, maximize=maximize,
+                                state_dtype="bfloat16")
+            opt.step({"a": f32(5000, seed=1)})  # the walk runs (and the state exists)
+            buf = opt.buffers[0]
+            layout = _codec.coded_plan(buf, opt.schema, set(buf.state)).layout
+            kernels = coded.compile_coded(rule, layout, cpu.compile_rule(rule))
+            assert kernels.step_kernel.names == rule.flags._fields
+            walks[weight_decay, maximize] = kernels.step_kernel(
+                opt.plan(buf, opt.settings()[buf.group]).flags)
+    assert len({id(w) for w in walks.values()}) == 4
+    flags = opt.plan(buf, opt.settings()[buf.group]).flags
+    assert walks[0.1, True].name.endswith("_f" + "".join(str(int(bool(f))) for f in flags))
+
+
 def test_variants_must_be_flags():
     from flatopt.kernels.rules.adam import RULE
     import dataclasses
