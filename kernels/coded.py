@@ -7,8 +7,8 @@ hands the span *views* of the stored arrays (``kernels/coded_views.py``): readin
 ``i`` decodes it, writing it encodes with the array's rounding, inside the span's own loop.
 One pass, vectorized as the plain walk's, and memory traffic is the stored bytes. Only 8-bit
 state, whose stores need the whole block (a new scale per 256 elements), goes through a
-float32 scratch row: each sub-block of ``STEP_SUB`` elements is decoded into it before the
-span and encoded from it, block by block, after.
+float32 scratch row: each sub-block (``STEP_SUB``: ``ROWS_SUB`` elements, else ``SUB``) is
+decoded into it before the span and encoded from it, block by block, after.
 
 Every stored array reaches the kernel as raw bytes (``uint8``), so the arrays form one
 homogeneous tuple whatever their formats; ``formats[j]`` says how to read and write array
@@ -55,10 +55,12 @@ SUB = 2048
 """Elements per sub-block of the reduce walk: 8-bit state is decoded into float32 rows of
 ``SUB`` elements (in the core's cache) before the reduce; its totals are added a sub-block at
 a time, so ``SUB`` is part of the reduce's bits. A multiple of ``BLOCK``."""
-STEP_SUB = 4096
-"""Elements per sub-block of the step walk (its bits do not depend on it): twice the reduce's,
-since each sub-block pays a fixed cost (the views, the row calls, the loops' set-up) and the
-rows still fit the core's L2 cache (int8 AdamW, 16M elements: 4% faster than 2048)."""
+ROWS_SUB = 4096
+"""Elements per sub-block of the step walk over 8-bit state (its bits do not depend on it):
+twice the reduce's, since each sub-block pays a fixed cost (decoding and encoding calls, the
+views, the loops' set-up) and the rows still fit the core's L2 cache (int8 AdamW, 16M
+elements: 4% faster than 2048). Without 8-bit state the step walk keeps ``SUB`` (bf16 AdamW
+was 5% slower with 4096)."""
 
 TABLES = np.stack([DYNAMIC_SIGNED, DYNAMIC_UNSIGNED]).astype(np.float32)
 
@@ -171,8 +173,8 @@ def _step_overlap(f32s, u16s, stored, absmax, tables, keys, base, scratch, words
     rows decoded, the rule's span over the views (cut where a draw's low word wraps), the
     scaled gradients kept, the 8-bit rows encoded."""
     one = uint64(1)
-    for start in range(first, last, STEP_SUB):
-        n = min(STEP_SUB, last - start)
+    for start in range(first, last, STEP_SUB):  # noqa: F821 (bound per layout)
+        n = min(STEP_SUB, last - start)  # noqa: F821
         decode_rows(stored, absmax, tables, scratch, start, n)  # noqa: F821 (bound)
         at = uint64(base) + uint64(start)
         done = uint64(0)
@@ -249,7 +251,7 @@ def _coded_step_walk(stored, absmax, tables, seed, draw, base, scalars, columns,
     for c in prange(chunk_first.size):
         lo = c * chunk_size
         hi = min(lo + chunk_size, total)
-        scratch = np.empty((SPAN_ARRAYS, STEP_SUB), np.float32)
+        scratch = np.empty((SPAN_ARRAYS, STEP_SUB), np.float32)  # noqa: F821 (bound)
         words = np.empty((2, POSITIONS), np.uint32)
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
@@ -432,6 +434,7 @@ def compile_coded(rule: Rule, layout: Layout, plain) -> CodedKernels:
             raise TypeError(f"rule {rule.name!r} has {n_arrays} arrays; the codec walk takes "
                             f"{min(ROWS)} to {max(ROWS)}")
         constants = {"FORMATS": tuple(layout.formats), **CODEC}
+        step_sub = ROWS_SUB if max(layout.formats) >= Q8_SIGNED else SUB
         rows = {phase: njit(cache=True, error_model="numpy")(
             instantiate(function, f"{phase}_{layout.key}_{CODEC_FINGERPRINT}", **constants))
             for phase, function in (("decode_rows", _decode_rows),
@@ -450,9 +453,11 @@ def compile_coded(rule: Rule, layout: Layout, plain) -> CodedKernels:
             # walk: Numba's parfor passes do not see the views)
             step_overlap = njit(cache=True, error_model="numpy")(instantiate(
                 _step_overlap, f"step_overlap_{key}{bits(values)}",
-                span=bound[rule.span.__name__], **helpers))
+                span=bound[rule.span.__name__], STEP_SUB=step_sub, **helpers))
             return Threaded(_coded_step_walk, f"coded_step_{key}{bits(values)}", cache=True,
-                            error_model="numpy", bound={"step_overlap": step_overlap, **CODEC})
+                            error_model="numpy",
+                            bound={"step_overlap": step_overlap, "STEP_SUB": step_sub,
+                                   **CODEC})
 
         step = VariantKernels(rule, step_walk, names=rule.flags._fields)
         reduce = None
