@@ -1,8 +1,16 @@
-"""Muon on GPT-2 small's block matrices against torch.optim.Muon (CPU): flatopt orthogonalises
-in float32 with NumPy's BLAS matrix products, torch in bfloat16.
+"""Muon against torch.optim.Muon (CPU): flatopt orthogonalises in float32 with NumPy's BLAS
+matrix products, torch in bfloat16 (its own matrix products: oneDNN, AMX where the CPU has it).
 
-Run: ``python -m bench.muon [--blocks 1] [--rounds 3]`` (one block = c_attn, attn.c_proj,
-mlp.c_fc, mlp.c_proj; a step of all 12 blocks is 12 times one block's).
+Run: ``python -m bench.muon [--model gpt2|small] [--blocks 1] [--rounds 3]``. ``gpt2``: one
+GPT-2 small block per ``--blocks`` (c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; a step of all 12
+blocks is 12 times one block's); ``small``: the matrices 128x512, 512x512 and 512x10 per block
+(a new user's model in issue 32).
+
+Beside the two steps it prints each side's *product bound*: the Newton-Schulz iteration's
+matrix products alone (``ns_steps`` times ``X X^T``, ``G G`` and ``G X`` per matrix, the wide
+orientation), timed in float32 with NumPy and in bfloat16 with torch. No float32 step can be
+faster than its products; when torch's whole step is faster than flatopt's product bound, the
+gap is the matrix products' precision, not the step around them.
 """
 
 from __future__ import annotations
@@ -17,15 +25,20 @@ import flatopt
 from .impls import torch
 
 D = 768
+NS_STEPS = 5
 
 
-def block_shapes(blocks: int) -> dict[str, tuple[int, int]]:
+def block_shapes(blocks: int, model: str = "gpt2") -> dict[str, tuple[int, int]]:
     shapes = {}
     for b in range(blocks):
-        shapes.update({f"h.{b}.attn.c_attn.weight": (D, 3 * D),
-                       f"h.{b}.attn.c_proj.weight": (D, D),
-                       f"h.{b}.mlp.c_fc.weight": (D, 4 * D),
-                       f"h.{b}.mlp.c_proj.weight": (4 * D, D)})
+        if model == "small":
+            shapes.update({f"{b}.in": (128, 512), f"{b}.hidden": (512, 512),
+                           f"{b}.out": (512, 10)})
+        else:
+            shapes.update({f"h.{b}.attn.c_attn.weight": (D, 3 * D),
+                           f"h.{b}.attn.c_proj.weight": (D, D),
+                           f"h.{b}.mlp.c_fc.weight": (D, 4 * D),
+                           f"h.{b}.mlp.c_proj.weight": (4 * D, D)})
     return shapes
 
 
@@ -39,25 +52,51 @@ def best_of(step, rounds: int) -> float:
     return min(samples)
 
 
+def products(shapes, matmul, make) -> callable:
+    """One Newton-Schulz step's worth of products for every matrix, ``NS_STEPS`` times."""
+    work = []
+    for rows, cols in shapes:
+        m, n = min(rows, cols), max(rows, cols)
+        x = make((m, n))
+        work.append((x, make((m, m))))
+
+    def run():
+        for _ in range(NS_STEPS):
+            for x, g in work:
+                gram = matmul(x, x.T)
+                matmul(gram, gram)
+                matmul(g, x)
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.muon",
                                      description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("gpt2", "small"), default="gpt2")
     parser.add_argument("--blocks", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    shapes = block_shapes(args.blocks)
+    shapes = block_shapes(args.blocks, args.model)
     params = {k: (0.02 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
     grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     opt = flatopt.Muon({k: v.copy() for k, v in params.items()}, lr=0.02)
     ours = best_of(lambda: opt.step(grads), args.rounds)
-    line = f"Muon, {args.blocks} GPT-2 block(s), float32: flatopt {ours * 1e3:.0f} ms"
+    ours_products = best_of(products(
+        shapes.values(), np.matmul,
+        lambda s: (rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32)), args.rounds)
+    line = (f"Muon, {args.blocks} {args.model} block(s): flatopt {ours * 1e3:.1f} ms "
+            f"(float32 products alone {ours_products * 1e3:.1f} ms)")
     if torch is not None:
         tensors = [torch.tensor(v.copy(), requires_grad=True) for v in params.values()]
         for t, g in zip(tensors, grads.values()):
             t.grad = torch.from_numpy(g)
         theirs = best_of(torch.optim.Muon(tensors, lr=0.02).step, args.rounds)
-        line += f", torch {theirs * 1e3:.0f} ms ({theirs / ours:.2f}x)"
+        theirs_products = best_of(products(
+            shapes.values(), torch.matmul,
+            lambda s: torch.randn(*s, dtype=torch.bfloat16) / s[1] ** 0.5), args.rounds)
+        line += (f", torch {theirs * 1e3:.1f} ms (bfloat16 products alone "
+                 f"{theirs_products * 1e3:.1f} ms); torch / flatopt {theirs / ours:.2f}x")
     print(line)
     return 0
 
