@@ -14,7 +14,8 @@ from typing import NamedTuple
 import numpy as np
 
 from flatopt.kernels import cpu
-from flatopt.kernels.rule import Rule, positions
+from flatopt.kernels.layouts import positions
+from flatopt.kernels.rule import Rule
 
 MAX_SLOTS = 4
 

@@ -69,13 +69,15 @@ def main(argv=None) -> None:
                         help="register examples/'s rules first (their bits too)")
     parser.add_argument("--storage", action="store_true",
                         help="the reduced-precision storage configurations instead")
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="these registered optimizers only (a subset of the lines)")
     args = parser.parse_args(argv)
     if args.examples:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
         for module in ("adabelief", "adan", "lamb", "adagrad_norm"):
             __import__(module)
     warnings.simplefilter("ignore")  # steps where no gradient is present say so
-    for name in sorted(registry.names()):
+    for name in sorted(args.only or registry.names()):
         cls = registry.lookup(name)
         hypers = {k: h for k, h in cls.schema.hyperparameters.items() if not h.state}
         for trial in range(TRIALS):

@@ -32,6 +32,7 @@ from .kernels._bind import bind_functions
 from .kernels.elementwise import (CALL_LIMIT, PREPARE_ARGUMENTS, SPAN_ARGUMENTS,
                                   compile_function, element_head, parameter_lines,
                                   reduce_lines, stored, tuples)
+from .kernels.layouts import positions
 from .kernels.rule import Rule
 from .schema import Hyperparameter, identifier_of as identifier
 
@@ -261,7 +262,7 @@ def _element_head(d: Definition, header: str, reads: Sequence[str], scalars: Seq
     ``reads`` names read once, packed into flat tuples."""
     where = {**{v: f"scalars[{j}]" for j, v in enumerate(scalars)},
              **{v: f"columns[{j}][k]" for j, v in enumerate(columns) if j > 0},
-             **{v: f"flags[{j}]" for j, v in enumerate(flags)}}
+             **{v: f"flags[{FLAG_POSITIONS}.{v}]" for v in flags}}
     try:
         return element_head(header, len(d.slots), [(f"_v_{v}", where[v]) for v in reads],
                             pack=True, from_param=[d.slots.index(s) for s in d.from_param
@@ -299,7 +300,7 @@ def _parameter_values(reads: Sequence[str], known: Mapping[str, str], prepare_sc
     scalar or a flag (read once), a column at parameter ``k`` (``known``: more by name)."""
     where = {**{v: f"columns[{j}][k]" for j, v in enumerate(columns) if j > 0},
              **{v: f"scalars[{j}]" for j, v in enumerate(prepare_scalars)},
-             **{v: f"flags[{j}]" for j, v in enumerate(flags)}, **known}
+             **{v: f"flags[{FLAG_POSITIONS}.{v}]" for v in flags}, **known}
     return [(f"_v_{v}", where[v]) for v in reads]  # (a user's names may be k, i, sums...)
 
 
@@ -328,6 +329,12 @@ def prepare_source(d: Definition, key: str, prepare_scalars: Sequence[str],
         f"def {key}_prepare({PREPARE_ARGUMENTS}):",
         f"{key}_per_step" if d.per_step is not None else None,
         [columns.index(v) for v in d.per_step_values], values, returns_tuple, step="_last"))
+
+
+FLAG_POSITIONS = "_flag_positions"
+"""The name the generated walks read a switch through (``flags[_flag_positions.<name>]``):
+bound to ``positions`` of the rule's flags, the form ``kernels/variants.py`` folds into a
+constant, so a walk is compiled per combination of the switches' values a step uses."""
 
 
 def _unique(names) -> tuple[str, ...]:
@@ -444,6 +451,7 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
     """The kernel rule, its walks generated as source for these ``shapes``."""
     key = f"user_{identifier(d.name)[:KEY_LENGTH]}"
     scalars, prepare, flags = layouts(d)
+    flag_layout = _layout(f"{key}_Flags", flags, bool)
     columns = ("step", *rule_columns(d))
     elementwise = [d.update, *filter(None, [d.reduce])]
     scalar_functions = [f for f in (d.per_step, d.per_tensor, d.per_group) if f is not None]
@@ -476,7 +484,8 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
                                                     2 + len(d.slots), d.reduce_reads)
     user_side = (f"{key}_update", f"{key}_reduce_terms")  # compiled over the user's globals
     made = {name: compile_function(text, name,  # each filed under a module of its own
-                                   dict(d.update.__globals__ if name in user_side else namespace),
+                                   dict(d.update.__globals__ if name in user_side else namespace,
+                                        **{FLAG_POSITIONS: positions(flag_layout)}),
                                    f"flatopt.custom.{name}")
             for name, text in texts.items()}
     clashes = {h.__name__ for h in found} & {*texts, *namespace}
@@ -493,7 +502,7 @@ def make_rule(d: Definition, sources: Mapping[str, str], shapes: Shapes) -> Rule
                     columns={"step": "int64", **{v: "param" for v in columns[1:]}},
                     scalars=_layout(f"{key}_Scalars", scalars, float),
                     prepare_scalars=_layout(f"{key}_PrepareScalars", prepare, float),
-                    flags=_layout(f"{key}_Flags", flags, bool),
+                    flags=flag_layout, variants=flags,
                     reduce=made.get(f"{key}_reduce"), finalize=made.get(f"{key}_finalize"),
                     reductions=d.reduce_values, global_reductions=d.per_group is not None,
                     reduce_flag=d.reduce_when,
@@ -524,14 +533,16 @@ def mode_rule(d: Definition, which: str, sources: Mapping[str, str],
              f"{key}_body": frozen_globals([function, *found]) + bound_source(
                  user_source(d.name, function, sources),
                  f"{key}_body", 1 + len(d.slots), reads, takes_grad=False)}
+    flag_layout = _layout(f"{key}_Flags", flags, bool)
     made = {name: compile_function(text, name, dict(function.__globals__ if
-                                                    name.endswith("_body") else {}),
+                                                    name.endswith("_body") else {},
+                                                    **{FLAG_POSITIONS: positions(flag_layout)}),
                                    f"flatopt.custom.{name}")
             for name, text in texts.items()}
     return Rule(name=key, span=made[f"{key}_span"], prepare=made[f"{key}_prepare"],
                 helpers=(made[f"{key}_body"], *found), slots=d.slots, columns={},
                 scalars=_layout(f"{key}_Scalars", scalars, float),
-                flags=_layout(f"{key}_Flags", flags, bool), generated={**sources, **texts},
+                flags=flag_layout, generated={**sources, **texts},
                 origin=d.update.__module__)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import types
 from typing import Callable
 
-from .rule import Rule, positions
+from .layouts import positions
+from .rule import Rule
 from .variants import with_constant_flags
 
 

@@ -8,7 +8,8 @@ the body on every element of its segment and stores what it returns::
         _p, _g, _s0, _s1, = arrays
         bias_correction2 = columns[2][k]        # a per-parameter column, at parameter k
         lerp_coefficient = scalars[0]           # a scalar in the buffer's dtype
-        maximize = flags[2]                     # a switch
+        maximize = flags[_Flags_positions.maximize]     # a switch (kernels/variants.py
+                                                        # can fold it into a constant)
         for i in range(start, stop, stride):
             _p[i], _s0[i], _s1[i] = nadam_rule(_p[i], _g[i], _s0[i], _s1[i], ...)
 
@@ -24,7 +25,9 @@ from __future__ import annotations
 import inspect
 import linecache
 import sys
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
+
+from .layouts import positions
 
 CALL_LIMIT = 30
 """CPython's STACK_USE_GUIDELINE: a call with more arguments is compiled as ``f(*args)``."""
@@ -83,19 +86,60 @@ def stored(slots: int) -> str:
     return ", ".join(f"{a}[i]" for a in ["_p", *[f"_s{j}" for j in range(slots)]])
 
 
+class Off(NamedTuple):
+    """What a body leaves alone while a switch of :func:`element_span`'s ``branches`` is off:
+    slots (named as the body's parameters) it does not read, and slots whose result it does
+    not store."""
+
+    unread: tuple[str, ...] = ()
+    unwritten: tuple[str, ...] = ()
+
+
 def element_span(name: str, body: Callable, slots: int, scalars: type,
-                 columns: type | None = None, flags: type | None = None) -> Callable:
+                 columns: type | None = None, flags: type | None = None,
+                 branches: dict[str, Off] | None = None) -> Callable:
     """A built-in rule's span ``name`` calling ``body(param, grad, *slots, <values>)`` on
     every element and storing ``(param, *slots)`` it returns. Each value is found by the
     body's parameter name among the fields of the rule's layouts: a scalar, a column (read
     at the span's parameter ``k``) or a flag. Compiled over the body's module, where the
-    backends bind the body's compiled version."""
-    values = _found(body, 2 + slots, ((scalars, "scalars", ""), (columns, "columns", "[k]"),
-                                      (flags, "flags", "")))
-    lines, arguments = element_head(f"def {name}({SPAN_ARGUMENTS}):", slots, values,
-                                    pack=False)
-    lines += ["    for i in range(start, stop, stride):",
-              f"        {stored(slots)} = {body.__name__}({arguments})", ""]
+    backends bind the body's compiled version.
+
+    ``branches``: switches (a flag, or a column: on where it is not 0) that choose the loop,
+    in nesting order, each with what the body leaves alone while it is off (:class:`Off`).
+    The span runs one loop per combination of their values, passing each to the body as a
+    constant; an unread slot gets the gradient's element in its place and an unwritten one's
+    result is dropped, so its array is not touched at all: a loop over fewer arrays stays
+    within LLVM's alias-check limit and vectorizes (AMSGrad's ``max_exp_avg_sq``)."""
+    branches = branches or {}
+    values = _found(body, 2 + slots, _layouts(body.__globals__, scalars, columns, flags))
+    conditions = {local: expression if expression.startswith("flags") else f"{expression} != 0"
+                  for local, expression in values if local in branches}
+    if set(conditions) != set(branches):
+        raise TypeError(f"{name}: branches {sorted(set(branches) - set(conditions))} are not "
+                        f"among the values {body.__name__}() reads")
+    lines, _ = element_head(f"def {name}({SPAN_ARGUMENTS}):", slots,
+                            [v for v in values if v[0] not in branches], pack=False)
+    slot_names = tuple(inspect.signature(body).parameters)[2:2 + slots]
+
+    def loops(switches: list[str], setting: dict[str, bool], indent: str) -> list[str]:
+        if switches:
+            switch, rest = switches[0], switches[1:]
+            return [f"{indent}if {conditions[switch]}:",
+                    *loops(rest, {**setting, switch: True}, indent + "    "),
+                    f"{indent}else:", *loops(rest, {**setting, switch: False}, indent + "    ")]
+        off = [branches[switch] for switch, on in setting.items() if not on]
+        unread = {s for o in off for s in o.unread}
+        unwritten = {s for o in off for s in o.unwritten}
+        elements = ["_p[i]", "_g[i]", *["_g[i]" if slot in unread else f"_s{j}[i]"
+                                        for j, slot in enumerate(slot_names)]]
+        arguments = [*elements, *[str(setting[local]) if local in setting else local
+                                  for local, _ in values]]
+        targets = ["_p[i]", *["_" if slot in unwritten else f"_s{j}[i]"
+                              for j, slot in enumerate(slot_names)]]
+        return [f"{indent}for i in range(start, stop, stride):",
+                f"{indent}    {', '.join(targets)} = {body.__name__}({', '.join(arguments)})"]
+
+    lines += [*loops(list(branches), {}, "    "), ""]
     return compile_function("\n".join(lines), name, body.__globals__, body.__module__)
 
 
@@ -122,8 +166,7 @@ def element_reduce(name: str, body: Callable, slots: int, count: int, scalars: t
     """A built-in rule's reduce ``name``: ``body(param, grad, *slots, <values>)``'s
     ``count`` terms added up over the segment (:func:`reduce_lines`), its values found as
     :func:`element_span` finds them."""
-    values = _found(body, 2 + slots, ((scalars, "scalars", ""), (columns, "columns", "[k]"),
-                                      (flags, "flags", "")))
+    values = _found(body, 2 + slots, _layouts(body.__globals__, scalars, columns, flags))
     lines, arguments = element_head(f"def {name}({SPAN_ARGUMENTS}):", slots, values,
                                     pack=False)
     return compile_function("\n".join(reduce_lines(lines, body.__name__, arguments, count,
@@ -185,8 +228,8 @@ def element_prepare(name: str, per_step: Callable | None, outputs: Sequence[str]
     the flags."""
     if columns._fields[0] != "step":
         raise TypeError(f"{name}: the step count must be the first column")
-    values = _found(per_step, 1, ((prepare_scalars, "scalars", ""), (flags, "flags", ""))) \
-        if per_step else []
+    values = _found(per_step, 1, _layouts(per_step.__globals__, prepare_scalars, columns,
+                                          flags)) if per_step else []
     lines = parameter_lines(f"def {name}({PREPARE_ARGUMENTS}):",
                             per_step.__name__ if per_step else None,
                             [columns._fields.index(o) for o in outputs], values, True,
@@ -196,19 +239,36 @@ def element_prepare(name: str, per_step: Callable | None, outputs: Sequence[str]
     return compile_function("\n".join(lines), name, namespace, module)
 
 
+def _layouts(namespace: dict, scalars: type | None, columns: type | None,
+             flags: type | None):
+    """Where :func:`_found` looks for a generated function's values: ``(layout, array, at
+    parameter k, flag positions)``. Flags are read by name through their positions bound in
+    ``namespace`` (``flags[_Flags_positions.maximize]``), the form ``kernels/variants.py``
+    turns into a constant."""
+    held = None
+    if flags is not None:
+        held = f"_{flags.__name__}_positions"
+        if namespace.setdefault(held, positions(flags)) is not positions(flags):
+            raise TypeError(f"{held} names another layout's positions in "
+                            f"{namespace.get('__name__')}")
+    return ((scalars, "scalars", False, None), (columns, "columns", True, None),
+            (flags, "flags", False, held))
+
+
 def _found(function: Callable, fixed: int, layouts) -> list[tuple[str, str]]:
     """``(name, expression)`` of each parameter of ``function`` after the first ``fixed``:
-    where the one of ``layouts`` (``(layout or None, array, index)``) with a field of that
-    name holds it (``scalars[2]``, ``columns[1][k]``)."""
+    where the one of ``layouts`` (:func:`_layouts`) with a field of that name holds it
+    (``scalars[2]``, ``columns[1][k]``, ``flags[_Flags_positions.maximize]``)."""
     values = []
     for value in tuple(inspect.signature(function).parameters)[fixed:]:
-        found = [f"{kind}[{layout._fields.index(value)}]{index}"
-                 for layout, kind, index in layouts
+        found = [f"{kind}[{f'{held}.{value}' if held else layout._fields.index(value)}]"
+                 f"{'[k]' if at_k else ''}"
+                 for layout, kind, at_k, held in layouts
                  if layout is not None and value in layout._fields]
         if len(found) != 1:
             raise TypeError(f"{function.__name__}(): its parameter {value!r} is in "
                             f"{'no' if not found else 'more than one'} of the rule's layouts "
-                            f"({', '.join(kind for _, kind, _ in layouts)})")
+                            f"({', '.join(kind for _, kind, _, _ in layouts)})")
         values.append((value, found[0]))
     return values
 

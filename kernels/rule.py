@@ -50,15 +50,14 @@ name; their ``span`` does nothing.
 
 Backends (``kernels.cpu``, ``kernels.cuda``) compile those functions for their target and plug
 ``span`` and ``prepare`` into their one chunk walk. The layouts are NamedTuple classes: the
-optimizer builds values by name, the kernel reads them by name through :func:`positions`, and no
-code anywhere unpacks them by position.
+optimizer builds values by name, the kernel reads them by name through
+:func:`kernels.layouts.positions`, and no code anywhere unpacks them by position.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-import types
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -66,22 +65,8 @@ import numpy as np
 
 from . import elementwise
 
-_positions: dict[type, types.ModuleType] = {}
 _MADE: dict[str, "Rule"] = {}
 """Rules made at run time with an ``origin``, by key (the latest made under each)."""
-
-
-def positions(layout: type[NamedTuple]) -> types.ModuleType:
-    """The layout's fields as constant positions for kernels: ``scalars[S.beta2]``,
-    ``columns[C.step]``. A module object, because Numba folds a module attribute into a
-    constant index, which a tuple of mixed array types needs. One object per layout, so a
-    backend can tell a rule's reads of its flags (``kernels/variants.py``)."""
-    holder = _positions.get(layout)
-    if holder is None:
-        holder = _positions[layout] = types.ModuleType(f"{layout.__name__}Positions")
-        for position, name in enumerate(layout._fields):
-            setattr(holder, name, position)
-    return holder
 
 
 class NoScalars(NamedTuple):

@@ -16,7 +16,8 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 
 import flatopt
-from flatopt.kernels.rule import Rule, positions
+from flatopt.kernels.layouts import positions
+from flatopt.kernels.rule import Rule
 from flatopt.schema import MAX_STEP, Column, Hyperparameter, Schema, Slot, non_negative
 
 

@@ -17,6 +17,7 @@ import flatopt
 from flatopt import registry
 from flatopt.custom import define_optimizer
 from flatopt.errors import HyperparameterError, RuleDefinitionError
+from flatopt.kernels import cpu
 from flatopt.schema import Hyperparameter, Slot, non_negative
 
 from checkpoint_helpers import check_round_trip
@@ -115,6 +116,24 @@ def test_bad_hyperparameter_values_are_refused_by_the_declared_checks(momentum):
         momentum({"w": np.ones(3)}, beta=float("nan"))
     with pytest.raises(HyperparameterError, match="momentum"):
         momentum({"w": np.ones(3)}, momentum=0.9)  # not one of its names
+
+
+def test_a_users_switches_each_compile_the_walk_of_their_values(momentum):
+    """Every switch of a user's rule is a variant (as the built-in rules' loop-choosing flags):
+    the generated span reads it through the flags' positions, the form kernels/variants.py
+    folds into a constant, so the CPU compiles a step walk per combination of switch values
+    a step uses, with the other branch gone."""
+    rule = momentum.schema.rule
+    assert rule.variants == rule.flags._fields == ("nesterov",)
+    assert "flags[_flag_positions.nesterov]" in rule.sources[rule.span.__name__]
+    compiled = cpu.compile_rule(rule)
+    walks = {}
+    for nesterov in (False, True):
+        opt = momentum({"w": np.ones(3000, np.float32)}, nesterov=nesterov)
+        buf = opt.buffers[0]
+        walks[nesterov] = compiled.step_kernel(opt.plan(buf, opt.settings()[buf.group]).flags)
+    assert walks[False] is not walks[True]
+    assert walks[True].name.endswith("_nesterov1") and walks[False].name.endswith("_nesterov0")
 
 
 def test_lr_eps_and_weight_decay_given_by_a_number_are_non_negative_as_in_torch():

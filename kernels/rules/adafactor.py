@@ -14,7 +14,8 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-from ..rule import Rule, positions
+from ..elementwise import element_prepare
+from ..rule import Rule
 from ..threads import threaded
 from .muon import torch_lerp
 
@@ -29,14 +30,8 @@ class Columns(NamedTuple):
     step: int
 
 
-C = positions(Columns)
-
-
-def adafactor_prepare(present, columns, scalars, flags, start, stop, stride):
-    step = columns[C.step]
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            step[k] += 1
+adafactor_prepare = element_prepare("adafactor_prepare", None, (), None, Columns)
+"""Advances each present parameter's own step count (``adafactor_update`` reads it)."""
 
 
 def adafactor_span(arrays, scalars, columns, flags, k, start, stop, stride):

@@ -4,10 +4,11 @@ import math
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..elementwise import element_prepare, element_reduce
-from ..rule import Rule, positions
+from ..elementwise import Off, element_prepare, element_reduce, element_span
+from ..layouts import positions
+from ..rule import Rule
 from .caution import REDUCTIONS, caution_finalize
-from .moments import MomentScalars
+from .moments import MomentScalars, lerp
 
 
 Scalars = MomentScalars
@@ -35,8 +36,7 @@ class Columns(NamedTuple):
     caution_scale: float
 
 
-S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
-              positions(Columns))
+C = positions(Columns)
 
 
 def adam_moment(p, g, m, lerp_coefficient, weight_decay, has_weight_decay, decoupled,
@@ -47,11 +47,7 @@ def adam_moment(p, g, m, lerp_coefficient, weight_decay, has_weight_decay, decou
         g = -g
     if has_weight_decay and not decoupled:
         g = fma(p, weight_decay, g)
-    if lerp_from_end:
-        m = fma(lerp_coefficient, g - m, g)
-    else:
-        m = fma(lerp_coefficient, g - m, m)
-    return g, m
+    return g, lerp(m, g, lerp_coefficient, lerp_from_end)
 
 
 def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coefficient,
@@ -102,66 +98,13 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coef
     return p, m, v, v_max
 
 
-def adam_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
-                  one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
-                  decoupled, maximize, lerp_from_end, caution, start, stop, stride):
-    p, g, m, v, _ = arrays
-    for i in range(start, stop, stride):
-        p[i], m[i], v[i], _ = adam_rule(
-            p[i], g[i], m[i], v[i], eps, step_size, bc2, lerp_coefficient, beta2,
-            one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-            False, maximize, lerp_from_end, caution, caution_scale)
-
-
-def adam_amsgrad_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
-                          one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
-                          decoupled, maximize, lerp_from_end, caution, start, stop, stride):
-    # A loop of its own: without amsgrad v_max is neither read nor written, which keeps the
-    # other loop within LLVM's alias-check limit so that it vectorises.
-    p, g, m, v, v_max = arrays
-    for i in range(start, stop, stride):
-        p[i], m[i], v[i], v_max[i] = adam_rule(
-            p[i], g[i], m[i], v[i], v_max[i], step_size, bc2, lerp_coefficient, beta2,
-            one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay, decoupled,
-            True, maximize, lerp_from_end, caution, caution_scale)
-
-
-def adam_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    step_size = columns[C.neg_step_size][k]
-    bc2 = columns[C.bias_correction2_sqrt][k]
-    caution_scale = columns[C.caution_scale][k]
-    lerp_coefficient = scalars[S.lerp_coefficient]
-    beta2 = scalars[S.beta2]
-    one_minus_beta2 = scalars[S.one_minus_beta2]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    decay_factor = scalars[S.decoupled_decay_factor]
-    has_weight_decay = flags[F.has_weight_decay]
-    decoupled = flags[F.decoupled]
-    maximize = flags[F.maximize]
-    lerp_from_end = flags[F.lerp_from_end]
-    # amsgrad and caution choose the loop, each a constant in its call (the loops without
-    # caution are the plain Adam loops); they are Rule.variants: the CPU compiles only the
-    # branch a configuration takes
-    if flags[F.amsgrad]:
-        if flags[F.caution]:
-            adam_amsgrad_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient,
-                                  beta2, one_minus_beta2, eps, weight_decay, decay_factor,
-                                  has_weight_decay, decoupled, maximize, lerp_from_end, True,
-                                  start, stop, stride)
-        else:
-            adam_amsgrad_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient,
-                                  beta2, one_minus_beta2, eps, weight_decay, decay_factor,
-                                  has_weight_decay, decoupled, maximize, lerp_from_end, False,
-                                  start, stop, stride)
-    elif flags[F.caution]:
-        adam_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
-                      one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
-                      decoupled, maximize, lerp_from_end, True, start, stop, stride)
-    else:
-        adam_elements(arrays, step_size, bc2, caution_scale, lerp_coefficient, beta2,
-                      one_minus_beta2, eps, weight_decay, decay_factor, has_weight_decay,
-                      decoupled, maximize, lerp_from_end, False, start, stop, stride)
+# amsgrad and caution choose the loop, each a constant in its call (the loops without caution
+# are the plain Adam loops); they are Rule.variants: the CPU compiles only the loop a
+# configuration takes. Without amsgrad v_max is neither read nor written, which keeps the loop
+# within LLVM's alias-check limit so that it vectorises.
+adam_span = element_span("adam_span", adam_rule, 3, Scalars, Columns, Flags,
+                         branches={"amsgrad": Off(unread=("v_max",), unwritten=("v_max",)),
+                                   "caution": Off()})
 
 
 def adam_agrees(p, g, m, lerp_coefficient, weight_decay, has_weight_decay, decoupled,
@@ -194,8 +137,7 @@ adam_prepare = element_prepare("adam_prepare", adam_per_step,
 
 
 RULE = Rule(name="adam", span=adam_span, prepare=adam_prepare,
-            helpers=(adam_per_step, adam_moment, adam_agrees, adam_rule, adam_elements,
-                     adam_amsgrad_elements, caution_finalize),
+            helpers=(adam_per_step, lerp, adam_moment, adam_agrees, adam_rule, caution_finalize),
             slots=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
             columns={"step": "int64", "neg_step_size": "param",
                      "bias_correction2_sqrt": "param", "caution_scale": "param"},

@@ -6,7 +6,8 @@ from typing import NamedTuple
 
 from ..arithmetic import fma
 from ..elementwise import element_span
-from ..rule import Rule, positions
+from ..layouts import positions
+from ..rule import Rule
 
 
 class Scalars(NamedTuple):

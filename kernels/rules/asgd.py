@@ -3,7 +3,8 @@
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..rule import Rule, positions
+from ..elementwise import Off, element_prepare, element_span
+from ..rule import Rule
 
 
 class Scalars(NamedTuple):
@@ -32,16 +33,12 @@ class Columns(NamedTuple):
     averaging: int
 
 
-S, P, F, C = (positions(Scalars), positions(PrepareScalars), positions(Flags),
-              positions(Columns))
-
-
 def asgd_rule(p, g, ax, decay_factor, neg_eta, ax_weight, weight_decay, has_weight_decay,
               maximize, averaging):
     """One ASGD element update; returns ``(p, ax)``.
 
     With ``eta`` and ``mu`` the parameter's values before this step (see
-    :func:`asgd_prepare`)::
+    :func:`asgd_per_step`)::
 
         g = -g                                         if maximize
         g = g + weight_decay * p                       if weight_decay != 0
@@ -66,71 +63,35 @@ def asgd_rule(p, g, ax, decay_factor, neg_eta, ax_weight, weight_decay, has_weig
     return p, ax
 
 
-def asgd_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, ax = arrays
-    decay_factor = columns[C.decay_factor][k]
-    neg_eta = columns[C.neg_eta][k]
-    ax_weight = columns[C.ax_weight][k]
-    weight_decay = scalars[S.weight_decay]
-    has_weight_decay = flags[F.has_weight_decay]
-    maximize = flags[F.maximize]
-    # Separate loops: before averaging starts ax is written, never read.
-    if columns[C.averaging][k] != 0:
-        for i in range(start, stop, stride):
-            p[i], ax[i] = asgd_rule(p[i], g[i], ax[i], decay_factor, neg_eta, ax_weight,
-                                    weight_decay, has_weight_decay, maximize, True)
-    else:
-        for i in range(start, stop, stride):
-            p[i], ax[i] = asgd_rule(p[i], g[i], neg_eta, decay_factor, neg_eta, ax_weight,
-                                    weight_decay, has_weight_decay, maximize, False)
+# Separate loops: before averaging starts ax is written, never read.
+asgd_span = element_span("asgd_span", asgd_rule, 1, Scalars, Columns, Flags,
+                         branches={"averaging": Off(unread=("ax",))})
 
 
-def asgd_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count ``t``; hand the span this step's
-    ``eta`` and ``mu`` (torch starts them at the group's current lr and 1 when ``t`` becomes
-    1) as ``decay_factor = 1 - lambd * eta``, ``neg_eta = -eta``, ``ax_weight = mu`` in the
-    buffer's dtype and ``averaging = mu != 1``; then, as torch does after the update, in
-    float64::
+def asgd_per_step(t, eta, mu, lr, lambd, alpha, t0):
+    """This step's values of a parameter at its step ``t`` from its ``eta`` and ``mu`` (torch
+    starts them at the group's current lr and 1 when ``t`` becomes 1): ``decay_factor = 1 -
+    lambd * eta``, ``neg_eta = -eta``, ``ax_weight = mu`` (in the buffer's dtype) and
+    ``averaging = mu != 1``; then, as torch does after the update, the next ``eta`` and ``mu``
+    in float64 (the literals too: torch forms them in Python)::
 
         eta = lr / (1 + lambd * lr * t) ** alpha
         mu = 1 / max(1, t - t0)
     """
-    steps = columns[C.step]
-    eta = columns[C.eta]
-    mu = columns[C.mu]
-    decay_factor = columns[C.decay_factor]
-    neg_eta = columns[C.neg_eta]
-    ax_weight = columns[C.ax_weight]
-    averaging = columns[C.averaging]
-    lr = scalars[P.lr]
-    lambd = scalars[P.lambd]
-    alpha = scalars[P.alpha]
-    t0 = scalars[P.t0]
-    last_step = -1
-    next_eta = 0.0
-    next_mu = 0.0
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
-            if steps[k] == 1:
-                eta[k] = lr
-                mu[k] = 1.0
-            current = eta[k]
-            decay_factor[k] = 1.0 - lambd * current
-            neg_eta[k] = -current
-            ax_weight[k] = mu[k]
-            averaging[k] = 1 if mu[k] != 1.0 else 0
-            if steps[k] != last_step:
-                # float64 on purpose (the literals too): torch forms these values in Python
-                last_step = steps[k]
-                t = float(last_step)
-                next_eta = lr / ((1.0 + lambd * lr * t) ** alpha)
-                next_mu = 1.0 / max(1.0, t - t0)
-            eta[k] = next_eta
-            mu[k] = next_mu
+    if t == 1.0:
+        eta = lr
+        mu = 1.0
+    return (1.0 - lambd * eta, -eta, mu, 1 if mu != 1.0 else 0,
+            lr / ((1.0 + lambd * lr * t) ** alpha), 1.0 / max(1.0, t - t0))
 
 
-RULE = Rule(name="asgd", span=asgd_span, prepare=asgd_prepare, helpers=(asgd_rule,),
+asgd_prepare = element_prepare("asgd_prepare", asgd_per_step,
+                               ("decay_factor", "neg_eta", "ax_weight", "averaging", "eta",
+                                "mu"), PrepareScalars, Columns, Flags)
+
+
+RULE = Rule(name="asgd", span=asgd_span, prepare=asgd_prepare,
+            helpers=(asgd_rule, asgd_per_step),
             slots=("ax",),
             columns={"step": "int64", "eta": "float64", "mu": "float64",
                      "decay_factor": "param", "neg_eta": "param", "ax_weight": "param",

@@ -3,8 +3,9 @@
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..elementwise import element_prepare, element_reduce
-from ..rule import Rule, positions
+from ..elementwise import Off, element_prepare, element_reduce, element_span
+from ..layouts import positions
+from ..rule import Rule
 from .caution import REDUCTIONS, caution_finalize
 
 
@@ -28,7 +29,7 @@ class Columns(NamedTuple):
     caution_scale: float
 
 
-S, F, C = positions(Scalars), positions(Flags), positions(Columns)
+C = positions(Columns)
 
 
 def lion_direction(g, m, beta1, one_minus_beta1, maximize):
@@ -73,35 +74,9 @@ def lion_rule(p, g, m, neg_lr, beta1, one_minus_beta1, beta2, one_minus_beta2, d
     return p, m
 
 
-def lion_elements(arrays, neg_lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                  decay_factor, has_weight_decay, maximize, caution, caution_scale, start,
-                  stop, stride):
-    p, g, m = arrays
-    for i in range(start, stop, stride):
-        p[i], m[i] = lion_rule(p[i], g[i], m[i], neg_lr, beta1, one_minus_beta1, beta2,
-                               one_minus_beta2, decay_factor, has_weight_decay, maximize,
-                               caution, caution_scale)
-
-
-def lion_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    neg_lr = scalars[S.neg_lr]
-    beta1 = scalars[S.beta1]
-    one_minus_beta1 = scalars[S.one_minus_beta1]
-    beta2 = scalars[S.beta2]
-    one_minus_beta2 = scalars[S.one_minus_beta2]
-    decay_factor = scalars[S.decay_factor]
-    has_weight_decay = flags[F.has_weight_decay]
-    maximize = flags[F.maximize]
-    caution_scale = columns[C.caution_scale][k]
-    # caution as a constant in each call: the loop without it is the plain Lion loop
-    if flags[F.caution]:
-        lion_elements(arrays, neg_lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                      decay_factor, has_weight_decay, maximize, True, caution_scale, start,
-                      stop, stride)
-    else:
-        lion_elements(arrays, neg_lr, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                      decay_factor, has_weight_decay, maximize, False, caution_scale, start,
-                      stop, stride)
+# caution as a constant in each call: the loop without it is the plain Lion loop
+lion_span = element_span("lion_span", lion_rule, 1, Scalars, Columns, Flags,
+                         branches={"caution": Off()})
 
 
 def lion_agreement(p, g, m, beta1, one_minus_beta1, maximize):
@@ -124,8 +99,7 @@ lion_prepare = element_prepare("lion_prepare", None, (), None, Columns)
 
 
 RULE = Rule(name="lion", span=lion_span, prepare=lion_prepare,
-            helpers=(lion_direction, lion_agrees, lion_agreement, lion_rule, lion_elements,
-                     caution_finalize),
+            helpers=(lion_direction, lion_agrees, lion_agreement, lion_rule, caution_finalize),
             slots=("exp_avg",), columns={"step": "int64", "caution_scale": "param"},
             scalars=Scalars, flags=Flags, reduce=lion_reduce, finalize=lion_finalize,
             reductions=REDUCTIONS, reduce_flag="caution", variants=("caution",))

@@ -1,10 +1,14 @@
-"""Adam's moments, the building block Adam, NAdam and RAdam share: the gradient the moments
-see (``-g`` with maximize, plus the L2 term of coupled weight decay), decoupled weight decay
-of the parameter, ``m = lerp(m, g, 1 - beta1)`` from the nearer end as torch's lerp, and
-``v = beta2 * v + (1 - beta2) * g * g``; with the scalars they read (:class:`MomentScalars`).
-Listed among each rule's helpers (``kernels/_bind.py`` compiles it over this module)."""
+"""The moments rules share. :func:`lerp`: torch's lerp as its CPU kernel computes it (Adam's,
+Adamax's and ADOPT's first moment, schedule-free's ``y``). :func:`unfused_moments`: Adam's
+moments as NAdam and RAdam round them: the gradient the moments see (``-g`` with maximize,
+plus the L2 term of coupled weight decay), decoupled weight decay of the parameter, ``m =
+lerp(m, g, 1 - beta1)`` from the nearer end, and ``v = beta2 * v + (1 - beta2) * g * g``; with
+the scalars they read (:class:`MomentScalars`). Listed among each rule's helpers
+(``kernels/_bind.py`` compiles them over this module)."""
 
 from typing import NamedTuple
+
+from ..arithmetic import fma
 
 
 class MomentScalars(NamedTuple):
@@ -27,6 +31,14 @@ class MomentFlags(NamedTuple):
     decoupled: bool
     maximize: bool
     lerp_from_end: bool
+
+
+def lerp(start, end, coefficient, from_end):
+    """torch's ``lerp(start, end, w)`` as its CPU kernel computes it: one fused multiply-add
+    from the nearer end, ``start + w * (end - start)`` when ``w < 0.5``, else ``end + (w - 1) *
+    (end - start)``; ``coefficient`` is ``w`` or ``w - 1`` accordingly (``from_end``). With ``w``
+    = 1 the result is then exactly ``end``."""
+    return fma(coefficient, end - start, end if from_end else start)
 
 
 def unfused_moments(p, g, m, v, lerp_coefficient, beta2, one_minus_beta2, weight_decay,

@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..rule import Rule, positions
+from ..layouts import positions
+from ..rule import Rule
 
 
 class Columns(NamedTuple):

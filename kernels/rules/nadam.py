@@ -3,8 +3,8 @@
 import math
 from typing import NamedTuple
 
-from ..elementwise import element_span
-from ..rule import Rule, positions
+from ..elementwise import element_prepare, element_span
+from ..rule import Rule
 from .moments import MomentFlags, MomentScalars, unfused_moments
 
 
@@ -29,15 +29,12 @@ class Columns(NamedTuple):
     exp_avg_coefficient: float
 
 
-P, C = positions(PrepareScalars), positions(Columns)
-
-
 def nadam_rule(p, g, m, v, bias_correction2, grad_coefficient, exp_avg_coefficient,
                lerp_coefficient, beta2, one_minus_beta2, eps, weight_decay,
                decoupled_decay_factor, has_weight_decay, decoupled, maximize, lerp_from_end):
     """One NAdam element update; returns ``(p, m, v)``.
 
-    With the per-parameter values of :func:`nadam_prepare`::
+    With the per-parameter values of :func:`nadam_per_step`::
 
         g = -g                                         if maximize
         p = p * (1 - lr * weight_decay)                if weight_decay != 0 and decoupled
@@ -63,9 +60,9 @@ def nadam_rule(p, g, m, v, bias_correction2, grad_coefficient, exp_avg_coefficie
 nadam_span = element_span("nadam_span", nadam_rule, 2, Scalars, Columns, Flags)
 
 
-def nadam_prepare(present, columns, scalars, flags, start, stop, stride):
-    """Advance each present parameter's own step count ``t`` and its ``mu_product`` (set to 1
-    when ``t`` becomes 1, as torch creates it), and form, in float64 as torch does in Python::
+def nadam_per_step(t, mu_product, lr, beta1, beta2, momentum_decay):
+    """A parameter's ``mu_product`` (set to 1 when ``t`` becomes 1, as torch creates it) and
+    its values at step ``t``, formed in float64 as torch does in Python (the literals too)::
 
         mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))
         mu_next = beta1 * (1 - 0.5 * 0.96 ** ((t + 1) * momentum_decay))
@@ -74,43 +71,24 @@ def nadam_prepare(present, columns, scalars, flags, start, stop, stride):
         grad_coefficient = -lr * (1 - mu_t) / (1 - mu_product)
         exp_avg_coefficient = (-lr * mu_next) / (1 - mu_product * mu_next)
 
-    The last three are stored in the buffer's dtype. The powers are computed once per
-    distinct step count in a run (the same values, not an approximation).
+    The last three are stored in the buffer's dtype.
     """
-    steps = columns[C.step]
-    mu_product = columns[C.mu_product]
-    bias_correction2 = columns[C.bias_correction2]
-    grad_coefficient = columns[C.grad_coefficient]
-    exp_avg_coefficient = columns[C.exp_avg_coefficient]
-    lr = scalars[P.lr]
-    beta1 = scalars[P.beta1]
-    beta2 = scalars[P.beta2]
-    momentum_decay = scalars[P.momentum_decay]
-    last_step = -1
-    mu = 0.0
-    mu_next = 0.0
-    correction2 = 0.0
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            steps[k] += 1
-            if steps[k] != last_step:
-                # float64 on purpose (the literals too): torch forms these scalars in Python
-                last_step = steps[k]
-                t = float(last_step)
-                correction2 = 1.0 - beta2 ** t
-                mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
-                mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1.0) * momentum_decay)))
-            if steps[k] == 1:
-                mu_product[k] = 1.0
-            product = mu_product[k] * mu
-            mu_product[k] = product
-            bias_correction2[k] = correction2
-            grad_coefficient[k] = -lr * (1.0 - mu) / (1.0 - product)
-            exp_avg_coefficient[k] = (-lr * mu_next) / (1.0 - product * mu_next)
+    if t == 1.0:
+        mu_product = 1.0
+    mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
+    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1.0) * momentum_decay)))
+    product = mu_product * mu
+    return (product, 1.0 - beta2 ** t, -lr * (1.0 - mu) / (1.0 - product),
+            (-lr * mu_next) / (1.0 - product * mu_next))
+
+
+nadam_prepare = element_prepare("nadam_prepare", nadam_per_step,
+                                ("mu_product", "bias_correction2", "grad_coefficient",
+                                 "exp_avg_coefficient"), PrepareScalars, Columns, Flags)
 
 
 RULE = Rule(name="nadam", span=nadam_span, prepare=nadam_prepare,
-            helpers=(nadam_rule, unfused_moments),
+            helpers=(nadam_rule, nadam_per_step, unfused_moments),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "mu_product": "float64", "bias_correction2": "param",
                      "grad_coefficient": "param", "exp_avg_coefficient": "param"},

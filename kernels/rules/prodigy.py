@@ -15,7 +15,9 @@ import math
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..rule import Rule, positions
+from ..layouts import positions
+from ..rule import Rule
+from .fresh import mark_first_steps
 
 
 class Scalars(NamedTuple):
@@ -129,16 +131,11 @@ def prodigy_span(arrays, scalars, columns, flags, k, start, stop, stride):
 def prodigy_prepare(present, columns, scalars, flags, start, stop, stride):
     """Marks fresh state (its p0 is taken this step). The step count advances in
     ``combine``: not at all on a step whose d denominator is 0, as in the reference."""
-    initialized = columns[C.initialized]
-    fresh = columns[C.fresh]
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            fresh[k] = initialized[k] == 0
-            initialized[k] = 1
+    mark_first_steps(present, columns[C.initialized], columns[C.fresh], start, stop, stride)
 
 
 RULE = Rule(name="prodigy", span=prodigy_span, prepare=prodigy_prepare,
-            helpers=(prodigy_gradient, prodigy_rule),
+            helpers=(prodigy_gradient, prodigy_rule, mark_first_steps),
             slots=("exp_avg", "exp_avg_sq", "s", "p0"),
             columns={"step": "int64", "initialized": "uint8", "fresh": "uint8"},
             scalars=Scalars, reduce=prodigy_reduce, reductions=("dot", "s_abs"),

@@ -4,7 +4,8 @@ import math
 from typing import NamedTuple
 
 from ..elementwise import element_prepare, element_span
-from ..rule import Rule, positions
+from ..layouts import positions
+from ..rule import Rule
 from .moments import MomentFlags, MomentScalars, unfused_moments
 
 

@@ -3,8 +3,8 @@
 import math
 from typing import NamedTuple
 
-from ..elementwise import element_prepare
-from ..rule import Rule, positions
+from ..elementwise import Off, element_prepare, element_span
+from ..rule import Rule
 
 
 class Scalars(NamedTuple):
@@ -27,9 +27,6 @@ class Flags(NamedTuple):
 
 class Columns(NamedTuple):
     step: int
-
-
-S, F, C = positions(Scalars), positions(Flags), positions(Columns)
 
 
 def rmsprop_rule(p, g, v, buf, avg_g, neg_lr, alpha, one_minus_alpha, lerp_coefficient, eps,
@@ -69,47 +66,13 @@ def rmsprop_rule(p, g, v, buf, avg_g, neg_lr, alpha, one_minus_alpha, lerp_coeff
     return p, v, buf, avg_g
 
 
-def rmsprop_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, v, buf, avg_g = arrays
-    neg_lr = scalars[S.neg_lr]
-    alpha = scalars[S.alpha]
-    one_minus_alpha = scalars[S.one_minus_alpha]
-    lerp_coefficient = scalars[S.lerp_coefficient]
-    eps = scalars[S.eps]
-    weight_decay = scalars[S.weight_decay]
-    momentum = scalars[S.momentum]
-    has_weight_decay = flags[F.has_weight_decay]
-    maximize = flags[F.maximize]
-    lerp_from_end = flags[F.lerp_from_end]
-    # One loop per combination of the flags that decide which slots are read and written, so
-    # that an unused slot (stood in for by the gradient buffer) is never touched and each
-    # loop vectorises.
-    if flags[F.centered]:
-        if flags[F.has_momentum]:
-            for i in range(start, stop, stride):
-                p[i], v[i], buf[i], avg_g[i] = rmsprop_rule(
-                    p[i], g[i], v[i], buf[i], avg_g[i], neg_lr, alpha, one_minus_alpha,
-                    lerp_coefficient, eps, weight_decay, momentum, has_weight_decay, True,
-                    True, maximize, lerp_from_end)
-        else:
-            for i in range(start, stop, stride):
-                p[i], v[i], _, avg_g[i] = rmsprop_rule(
-                    p[i], g[i], v[i], eps, avg_g[i], neg_lr, alpha, one_minus_alpha,
-                    lerp_coefficient, eps, weight_decay, momentum, has_weight_decay, True,
-                    False, maximize, lerp_from_end)
-    else:
-        if flags[F.has_momentum]:
-            for i in range(start, stop, stride):
-                p[i], v[i], buf[i], _ = rmsprop_rule(
-                    p[i], g[i], v[i], buf[i], eps, neg_lr, alpha, one_minus_alpha,
-                    lerp_coefficient, eps, weight_decay, momentum, has_weight_decay, False,
-                    True, maximize, lerp_from_end)
-        else:
-            for i in range(start, stop, stride):
-                p[i], v[i], _, _ = rmsprop_rule(
-                    p[i], g[i], v[i], eps, eps, neg_lr, alpha, one_minus_alpha,
-                    lerp_coefficient, eps, weight_decay, momentum, has_weight_decay, False,
-                    False, maximize, lerp_from_end)
+# One loop per combination of the flags that decide which slots are read and written, so that
+# an unused slot is never touched and each loop vectorises (Rule.variants: the CPU compiles
+# only the loop a configuration takes).
+rmsprop_span = element_span(
+    "rmsprop_span", rmsprop_rule, 3, Scalars, Columns, Flags,
+    branches={"centered": Off(unread=("avg_g",), unwritten=("avg_g",)),
+              "has_momentum": Off(unread=("buf",), unwritten=("buf",))})
 
 
 rmsprop_prepare = element_prepare("rmsprop_prepare", None, (), None, Columns)

@@ -3,7 +3,8 @@
 from typing import NamedTuple
 
 from ..elementwise import element_prepare
-from ..rule import Rule, positions
+from ..layouts import positions
+from ..rule import Rule
 
 
 class Scalars(NamedTuple):

@@ -16,7 +16,10 @@ import math
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..rule import Rule, positions
+from ..layouts import positions
+from ..rule import Rule
+from .fresh import mark_first_steps
+from .moments import lerp
 
 
 class Scalars(NamedTuple):
@@ -76,10 +79,7 @@ def schedulefree_rule(y, g, z, v, first, lerp_coefficient, y_lr, neg_lr, weight_
             g = g / (math.sqrt(v / bias_correction2) + eps)
     if has_weight_decay:
         g = fma(y, weight_decay, g)
-    if lerp_from_end:
-        y = fma(lerp_coefficient, z - y, z)
-    else:
-        y = fma(lerp_coefficient, z - y, y)
+    y = lerp(y, z, lerp_coefficient, lerp_from_end)
     y = fma(g, y_lr, y)
     z = fma(g, neg_lr, z)
     return y, z, v
@@ -126,23 +126,19 @@ def schedulefree_sgd_span(arrays, scalars, columns, flags, k, start, stop, strid
 def schedulefree_prepare(present, columns, scalars, flags, start, stop, stride):
     """A parameter's first step with a gradient seeds ``z`` with its value (the reference's
     ``state['z'] = clone(p)``); the step counts are the group's, kept by the optimizer."""
-    initialized = columns[C.initialized]
-    first = columns[C.first]
-    for k in range(start, stop, stride):
-        if present[k] != 0:
-            first[k] = initialized[k] == 0
-            initialized[k] = 1
+    mark_first_steps(present, columns[C.initialized], columns[C.first], start, stop, stride)
 
 
 _COLUMNS = {"initialized": "uint8", "first": "uint8"}
+_HELPERS = (schedulefree_walk, schedulefree_rule, lerp, mark_first_steps)
 
 RULE_ADAM = Rule(name="schedulefree_adam", span=schedulefree_adam_span,
-                 prepare=schedulefree_prepare, helpers=(schedulefree_walk, schedulefree_rule),
+                 prepare=schedulefree_prepare, helpers=_HELPERS,
                  slots=("z", "exp_avg_sq"), columns=_COLUMNS, scalars=Scalars, flags=Flags)
 """ScheduleFreeAdamW and ScheduleFreeRAdam."""
 
 RULE_SGD = Rule(name="schedulefree_sgd", span=schedulefree_sgd_span,
-                prepare=schedulefree_prepare, helpers=(schedulefree_walk, schedulefree_rule),
+                prepare=schedulefree_prepare, helpers=_HELPERS,
                 slots=("z",), columns=_COLUMNS, scalars=Scalars, flags=Flags)
 
 

@@ -3,7 +3,8 @@
 from typing import NamedTuple
 
 from ..arithmetic import fma
-from ..rule import Rule, positions
+from ..layouts import positions
+from ..rule import Rule
 
 
 class Scalars(NamedTuple):
