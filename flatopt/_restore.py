@@ -272,20 +272,13 @@ class _Undo:
         aside; safe to call from several threads for disjoint ranges."""
         nbytes = target.nbytes
         raw = target.reshape(-1).view(np.uint8)
-        ranges: list[tuple[int, int]] = []
         if self.budget is None or self.used + nbytes <= self.budget:
             copy = np.empty(nbytes, np.uint8)
             self.used += nbytes
 
-            def keep(start: int, stop: int) -> None:
-                try:
-                    np.copyto(copy[start:stop], raw[start:stop])
-                except BaseException as exc:
-                    self.failure = self.failure or exc
-                    raise
-                ranges.append((start, stop))
-            self.kept.append((target, copy, ranges))
-            return keep
+            def hold(start: int, stop: int) -> None:
+                np.copyto(copy[start:stop], raw[start:stop])
+            return self._kept(target, copy, hold)
         if self.file is None:
             self.file = tempfile.TemporaryFile(dir=self.directory)
         fd, base = self.file.fileno(), self.spilled
@@ -293,16 +286,27 @@ class _Undo:
         view = memoryview(raw)
 
         def spill(start: int, stop: int) -> None:
+            for low in range(start, stop, _SPILL_PIECE):
+                high = min(stop, low + _SPILL_PIECE)
+                pwrite_all(fd, view[low:high], base + low)
+        return self._kept(target, base, spill)
+
+    def _kept(self, target: np.ndarray, saved: Any,
+              put_aside: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        """The keeper of ``target`` whose ``put_aside(start, stop)`` copies its bytes to ``saved``
+        (an array, or an offset in the file): the ranges copied are recorded for
+        :meth:`restore`, and the first error is kept in ``failure`` before it propagates."""
+        ranges: list[tuple[int, int]] = []
+
+        def keep(start: int, stop: int) -> None:
             try:
-                for low in range(start, stop, _SPILL_PIECE):
-                    high = min(stop, low + _SPILL_PIECE)
-                    pwrite_all(fd, view[low:high], base + low)
+                put_aside(start, stop)
             except BaseException as exc:
                 self.failure = self.failure or exc
                 raise
             ranges.append((start, stop))
-        self.kept.append((target, base, ranges))
-        return spill
+        self.kept.append((target, saved, ranges))
+        return keep
 
     def restore(self) -> None:
         for target, saved, ranges in reversed(self.kept):

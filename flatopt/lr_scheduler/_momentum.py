@@ -1,5 +1,6 @@
 """Cycling momentum alongside the lr (OneCycleLR, CyclicLR): in ``group["momentum"]``, or in
-``betas[0]`` for optimizers with ``betas``, as torch does."""
+``betas[0]`` for optimizers with ``betas``, as torch does; and the start of a cycle that both
+constructors share."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import HyperparameterError
-from ._checks import reals
+from ._checks import reals, require_initial_lr
 from ..optimizer import Optimizer
 from ..schema import describe_group
 
@@ -80,3 +81,22 @@ def check_bounds(who: str, optimizer: Any, values: Mapping[str, Any]) -> None:
     check_momentum_values(who, optimizer, values["use_beta1"],
                           {"max_momentum": values["max_momentums"],
                            "base_momentum": values["base_momentums"]})
+
+
+def start_cycle(scheduler: Any, who: str, optimizer: Any, values: Mapping[str, Any],
+                last_epoch: int, lr_key: str, lrs: list) -> None:
+    """Set a cycling scheduler's checked ``values`` as its attributes, as OneCycleLR's and
+    CyclicLR's constructors do: refused first, before anything is written, are momentum
+    bounds the optimizer would refuse and a resume (``last_epoch`` != -1) without
+    ``initial_lr``; a fresh start then writes ``lrs`` (one per group) into ``group[lr_key]``
+    and, when momentum cycles, ``max_momentums`` as the groups' momentum."""
+    if values["cycle_momentum"]:
+        check_bounds(who, optimizer, values)
+    if last_epoch != -1:  # torch's KeyError, before anything is written
+        require_initial_lr(optimizer)
+    vars(scheduler).update(values)
+    if last_epoch == -1:
+        for lr, group in zip(lrs, optimizer.param_groups, strict=True):
+            group[lr_key] = lr
+        if values["cycle_momentum"]:
+            write_momentums(optimizer, values["max_momentums"], values["use_beta1"])

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from ._checks import (check_last_epoch, check_optimizer, describe, flag, per_group,
-                      real, reals, require_initial_lr)
-from ._momentum import check_bounds, checked_bounds, uses_beta1, write_momentums
+from ._checks import check_last_epoch, check_optimizer, describe, flag, per_group, real, reals
+from ._momentum import checked_bounds, start_cycle, uses_beta1, write_momentums
 from .base import LRScheduler
 from .lambdas import saved_attributes
 
@@ -65,16 +64,7 @@ class CyclicLR(LRScheduler):
             if cycle_momentum else None,
             "_scale_fn_custom": saved_attributes(scale_fn) if scale_fn is not None else None})
         self.optimizer = optimizer
-        if cycle_momentum:
-            check_bounds("CyclicLR", optimizer, values)
-        if last_epoch != -1:  # torch's KeyError, before anything is written
-            require_initial_lr(optimizer)
-        self.__dict__.update(values)
-        if last_epoch == -1:
-            for lr, group in zip(base_lrs, optimizer.param_groups, strict=True):
-                group["lr"] = lr
-            if cycle_momentum:
-                write_momentums(optimizer, self.max_momentums, self.use_beta1)
+        start_cycle(self, "CyclicLR", optimizer, values, last_epoch, "lr", base_lrs)
         super().__init__(optimizer, last_epoch)
         self.base_lrs = base_lrs
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._checks import (check_last_epoch, check_optimizer, flag, is_int,
-                      per_group, real, reals, require_initial_lr)
-from ._momentum import check_bounds, checked_bounds, uses_beta1, write_momentums
+from ._checks import check_last_epoch, check_optimizer, flag, is_int, per_group, real, reals
+from ._momentum import checked_bounds, start_cycle, uses_beta1, write_momentums
 from .base import LRScheduler
 
 
@@ -67,16 +66,8 @@ class OneCycleLR(LRScheduler):
             "max_lrs": max_lrs, "min_lrs": [m / div_factor / final_div_factor for m in max_lrs],
             "cycle_momentum": cycle_momentum, "use_beta1": use_beta1,
             "max_momentums": max_momentums, "base_momentums": base_momentums})
-        if cycle_momentum:
-            check_bounds("OneCycleLR", optimizer, values)
-        if last_epoch != -1:  # torch's KeyError, before anything is written
-            require_initial_lr(optimizer)
-        self.__dict__.update(values)
-        if last_epoch == -1:
-            for idx, group in enumerate(optimizer.param_groups):
-                group["initial_lr"] = max_lrs[idx] / div_factor
-            if cycle_momentum:
-                write_momentums(optimizer, self.max_momentums, self.use_beta1)
+        start_cycle(self, "OneCycleLR", optimizer, values, last_epoch, "initial_lr",
+                    [max_lr / div_factor for max_lr in max_lrs])
         super().__init__(optimizer, last_epoch)
 
     @staticmethod

@@ -7,27 +7,59 @@ import math
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from functools import partial
+from typing import Any, Callable, ClassVar
 
 from ._checks import (check_last_epoch, check_optimizer, describe,
                       group_lrs, integer, is_int, is_real, real)
 from .base import LRScheduler
 
+_Check = Callable[[Any, str], Any]
+"""``check(value, name)``: the value to keep, or a TypeError/ValueError naming ``name``."""
 
-class StepLR(LRScheduler):
-    """Multiply each group's lr by ``gamma`` every ``step_size`` steps (chainable)."""
+_AT_LEAST_ONE: _Check = partial(integer, low=1)
+"""An integer >= 1 (a step count the schedule divides by or counts in)."""
 
-    extra_state = ("step_size", "gamma")
+_NON_NEGATIVE: _Check = partial(real, low=0.0)
+"""A finite real number >= 0 (a factor, an exponent or an lr)."""
 
-    def __init__(self, optimizer: Any, step_size: int, gamma: float = 0.1,
-                 last_epoch: int = -1) -> None:
+
+class _ArgumentSchedule(LRScheduler):
+    """A schedule whose extra state is its constructor's arguments (but ``last_epoch``),
+    checked alike when built (:meth:`_start`) and when loaded (``_checked_extra``).
+
+    A subclass either names them with their checks in its class statement
+    (``class StepLR(_ArgumentSchedule, checks={"step_size": ..., "gamma": ...})``: ``checks``,
+    and ``extra_state`` is their names in order), or lists ``extra_state`` and overrides
+    ``_checked_extra`` as any scheduler does.
+    """
+
+    checks: ClassVar[dict[str, _Check]] = {}
+    """Each extra state attribute's check, in the order of ``extra_state``."""
+
+    def __init_subclass__(cls, checks: Mapping[str, _Check] | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if checks is not None:
+            cls.checks = dict(checks)
+            cls.extra_state = tuple(cls.checks)
+
+    def _start(self, optimizer: Any, last_epoch: int, arguments: dict[str, Any]) -> None:
+        """The constructor's work: the arguments checked and set as attributes, then the
+        schedule started (LRScheduler's constructor: the initial step)."""
         check_optimizer(optimizer)
-        self.__dict__.update(self._checked_extra({"step_size": step_size, "gamma": gamma}))
+        self.__dict__.update(self._checked_extra(arguments))
         super().__init__(optimizer, last_epoch)
 
     def _checked_extra(self, values):
-        return {"step_size": integer(values["step_size"], "step_size", low=1),
-                "gamma": real(values["gamma"], "gamma", low=0.0)}
+        return {key: check(values[key], key) for key, check in self.checks.items()}
+
+
+class StepLR(_ArgumentSchedule, checks={"step_size": _AT_LEAST_ONE, "gamma": _NON_NEGATIVE}):
+    """Multiply each group's lr by ``gamma`` every ``step_size`` steps (chainable)."""
+
+    def __init__(self, optimizer: Any, step_size: int, gamma: float = 0.1,
+                 last_epoch: int = -1) -> None:
+        self._start(optimizer, last_epoch, {"step_size": step_size, "gamma": gamma})
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
@@ -40,7 +72,7 @@ class StepLR(LRScheduler):
                 for base_lr in self.base_lrs]
 
 
-class MultiStepLR(LRScheduler):
+class MultiStepLR(_ArgumentSchedule):
     """Multiply each group's lr by ``gamma`` at every milestone (``gamma**n`` at a milestone
     listed ``n`` times), as torch."""
 
@@ -52,9 +84,7 @@ class MultiStepLR(LRScheduler):
         if isinstance(milestones, (str, bytes, Mapping)) or \
                 not hasattr(milestones, "__iter__"):
             raise TypeError(f"milestones must be a list of integers, got {describe(milestones)}")
-        self.__dict__.update(self._checked_extra({"milestones": list(milestones),
-                                                  "gamma": gamma}))
-        super().__init__(optimizer, last_epoch)
+        self._start(optimizer, last_epoch, {"milestones": list(milestones), "gamma": gamma})
 
     def _checked_extra(self, values):
         milestones = values["milestones"]
@@ -80,17 +110,14 @@ class MultiStepLR(LRScheduler):
                 for base_lr in self.base_lrs]
 
 
-class ConstantLR(LRScheduler):
+class ConstantLR(_ArgumentSchedule):
     """Multiply each group's lr by ``factor`` until ``total_iters`` steps, then undo it."""
 
     extra_state = ("factor", "total_iters")
 
     def __init__(self, optimizer: Any, factor: float = 1.0 / 3, total_iters: int = 5,
                  last_epoch: int = -1) -> None:
-        check_optimizer(optimizer)
-        self.__dict__.update(self._checked_extra({"factor": factor,
-                                                  "total_iters": total_iters}))
-        super().__init__(optimizer, last_epoch)
+        self._start(optimizer, last_epoch, {"factor": factor, "total_iters": total_iters})
 
     def _checked_extra(self, values):
         factor = values["factor"]
@@ -119,7 +146,7 @@ class ConstantLR(LRScheduler):
                 for base_lr in self.base_lrs]
 
 
-class LinearLR(LRScheduler):
+class LinearLR(_ArgumentSchedule):
     """Multiply each group's lr by a factor going linearly from ``start_factor`` to
     ``end_factor`` over ``total_iters`` steps (chainable, as torch)."""
 
@@ -127,11 +154,9 @@ class LinearLR(LRScheduler):
 
     def __init__(self, optimizer: Any, start_factor: float = 1.0 / 3, end_factor: float = 1.0,
                  total_iters: int = 5, last_epoch: int = -1) -> None:
-        check_optimizer(optimizer)
-        self.__dict__.update(self._checked_extra({
-            "start_factor": start_factor, "end_factor": end_factor,
-            "total_iters": total_iters}))
-        super().__init__(optimizer, last_epoch)
+        self._start(optimizer, last_epoch, {"start_factor": start_factor,
+                                            "end_factor": end_factor,
+                                            "total_iters": total_iters})
 
     def _checked_extra(self, values):
         start, end = values["start_factor"], values["end_factor"]
@@ -167,18 +192,11 @@ class LinearLR(LRScheduler):
                 for base_lr in self.base_lrs]
 
 
-class ExponentialLR(LRScheduler):
+class ExponentialLR(_ArgumentSchedule, checks={"gamma": _NON_NEGATIVE}):
     """Multiply each group's lr by ``gamma`` every step."""
 
-    extra_state = ("gamma",)
-
     def __init__(self, optimizer: Any, gamma: float, last_epoch: int = -1) -> None:
-        check_optimizer(optimizer)
-        self.__dict__.update(self._checked_extra({"gamma": gamma}))
-        super().__init__(optimizer, last_epoch)
-
-    def _checked_extra(self, values):
-        return {"gamma": real(values["gamma"], "gamma", low=0.0)}
+        self._start(optimizer, last_epoch, {"gamma": gamma})
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
@@ -190,20 +208,13 @@ class ExponentialLR(LRScheduler):
         return [base_lr * self.gamma ** self.last_epoch for base_lr in self.base_lrs]
 
 
-class PolynomialLR(LRScheduler):
+class PolynomialLR(_ArgumentSchedule,
+                   checks={"total_iters": _AT_LEAST_ONE, "power": _NON_NEGATIVE}):
     """Decay each group's lr by ``(1 - t / total_iters) ** power`` (chainable, as torch)."""
-
-    extra_state = ("total_iters", "power")
 
     def __init__(self, optimizer: Any, total_iters: int = 5, power: float = 1.0,
                  last_epoch: int = -1) -> None:
-        check_optimizer(optimizer)
-        self.__dict__.update(self._checked_extra({"total_iters": total_iters, "power": power}))
-        super().__init__(optimizer, last_epoch)
-
-    def _checked_extra(self, values):
-        return {"total_iters": integer(values["total_iters"], "total_iters", low=1),
-                "power": real(values["power"], "power", low=0.0)}
+        self._start(optimizer, last_epoch, {"total_iters": total_iters, "power": power})
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
@@ -219,21 +230,14 @@ class PolynomialLR(LRScheduler):
                 for base_lr in self.base_lrs]
 
 
-class CosineAnnealingLR(LRScheduler):
+class CosineAnnealingLR(_ArgumentSchedule,
+                        checks={"T_max": _AT_LEAST_ONE, "eta_min": _NON_NEGATIVE}):
     """Cosine annealing from the initial lr to ``eta_min`` over ``T_max`` steps, in torch's
     recursive form (and on past ``T_max``, as torch: back up again)."""
 
-    extra_state = ("T_max", "eta_min")
-
     def __init__(self, optimizer: Any, T_max: int, eta_min: float = 0.0,
                  last_epoch: int = -1) -> None:
-        check_optimizer(optimizer)
-        self.__dict__.update(self._checked_extra({"T_max": T_max, "eta_min": eta_min}))
-        super().__init__(optimizer, last_epoch)
-
-    def _checked_extra(self, values):
-        return {"T_max": integer(values["T_max"], "T_max", low=1),
-                "eta_min": real(values["eta_min"], "eta_min", low=0.0)}
+        self._start(optimizer, last_epoch, {"T_max": T_max, "eta_min": eta_min})
 
     def get_lr(self):
         self._warn_get_lr_outside_step()
@@ -260,7 +264,7 @@ class CosineAnnealingLR(LRScheduler):
                 for base_lr in self.base_lrs]
 
 
-class CosineAnnealingWarmRestarts(LRScheduler):
+class CosineAnnealingWarmRestarts(_ArgumentSchedule):
     """Cosine annealing restarted every ``T_i`` steps, ``T_0`` first, then ``T_mult`` times
     longer each time (SGDR). ``step(epoch)`` takes a real epoch (fractions of an epoch), as
     in torch, without a warning."""
@@ -278,10 +282,8 @@ class CosineAnnealingWarmRestarts(LRScheduler):
             raise ValueError(f"Expected float or int eta_min, but got {eta_min} of type "
                              f"{type(eta_min)}")
         last_epoch = check_last_epoch(last_epoch)
-        self.__dict__.update(self._checked_extra({
-            "T_0": T_0, "T_i": T_0, "T_mult": T_mult, "eta_min": eta_min,
-            "T_cur": last_epoch}))
-        super().__init__(optimizer, last_epoch)
+        self._start(optimizer, last_epoch, {"T_0": T_0, "T_i": T_0, "T_mult": T_mult,
+                                            "eta_min": eta_min, "T_cur": last_epoch})
 
     def _checked_extra(self, values):
         T_cur = values["T_cur"]

@@ -10,7 +10,8 @@ import numpy as np
 from ..kernels.rules import adam as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import STEP_COUNT, Hyperparameter, Schema, Slot, betas, non_negative, switch
+from ..schema import (ADAM_MOMENTS, STEP_COUNT, Hyperparameter, Schema, Slot, betas,
+                      non_negative, switch)
 
 
 
@@ -24,6 +25,13 @@ def adam_hyperparameters(lr: float, beta_examples: tuple, eps_examples: tuple = 
             "betas": Hyperparameter((0.9, 0.999), betas, beta_examples),
             "eps": Hyperparameter(1e-8, non_negative, eps_examples),
             "weight_decay": Hyperparameter(0.0, non_negative, (0.0, 0.1)), **more}
+
+
+def adam_state_schema(**fields: Any) -> Schema:
+    """A schema whose state is Adam's moments: each parameter's own step count (``step``, the
+    marker) and ``exp_avg``/``exp_avg_sq`` (:data:`~flatopt.schema.ADAM_MOMENTS`); ``fields``
+    are the rest of the :class:`~flatopt.schema.Schema`'s (name, rule, hyperparameters...)."""
+    return Schema(columns={"step": STEP_COUNT}, slots=ADAM_MOMENTS, **fields)
 
 
 SCHEMA = Schema(

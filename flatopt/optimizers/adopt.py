@@ -10,9 +10,8 @@ import numpy as np
 from ..kernels.rules import adopt as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import (ADAM_MOMENTS, STEP_COUNT, Hyperparameter, Invalid, Schema, betas, flag,
-                      non_negative, switch)
-from .adam import lerp_from_end
+from ..schema import Hyperparameter, Invalid, betas, flag, non_negative, switch
+from .adam import adam_state_schema, lerp_from_end
 
 
 
@@ -28,7 +27,7 @@ def not_yet(value: Any) -> bool:
     return False
 
 
-SCHEMA = Schema(
+SCHEMA = adam_state_schema(
     name="ADOPT", rule=rule.RULE, torch_name=None, hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),
         "betas": Hyperparameter((0.9, 0.9999), betas,
@@ -41,8 +40,6 @@ SCHEMA = Schema(
         "caution": switch(),
         "maximize": switch(),
     },
-    columns={"step": STEP_COUNT},
-    slots=ADAM_MOMENTS,
 )
 ADOPTParamState = SCHEMA.record
 

@@ -9,11 +9,12 @@ import numpy as np
 from ..kernels.rules import lamb as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import ADAM_MOMENTS, STEP_COUNT, Hyperparameter, Schema, betas, non_negative, switch
+from ..schema import Hyperparameter, betas, non_negative, switch
+from .adam import adam_state_schema
 
 
 
-SCHEMA = Schema(
+SCHEMA = adam_state_schema(
     int8_state=True,
     name="LAMB", rule=rule.RULE, hyperparameters={
         "lr": Hyperparameter(1e-3, non_negative, (1e-3, 1e-2)),
@@ -24,8 +25,6 @@ SCHEMA = Schema(
         "always_adapt": switch(),
         "maximize": switch(),
     },
-    columns={"step": STEP_COUNT},
-    slots=ADAM_MOMENTS,
 )
 LAMBParamState = SCHEMA.record
 

@@ -9,20 +9,19 @@ import numpy as np
 from ..kernels.rules import radam as rule
 from ..optimizer import Optimizer
 from ..registry import register
-from ..schema import ADAM_MOMENTS, STEP_COUNT, Schema, switch
-from .adam import adam_hyperparameters, lerp_from_end, moment_scalars
+from ..schema import switch
+from .adam import adam_hyperparameters, adam_state_schema, lerp_from_end, moment_scalars
 
 
 
-SCHEMA = Schema(
+SCHEMA = adam_state_schema(
     int8_state=True,
-    name="RAdam", rule=rule.RULE, torch_name="RAdam", # beta2 = 0.9 has rho_inf = 19 and switches to the rectified update at step 6
+    name="RAdam", rule=rule.RULE, torch_name="RAdam",
+    # beta2 = 0.9 has rho_inf = 19 and switches to the rectified update at step 6
     # (0.999 at step 6 too, 0.5 never: rho_inf = 3): the runs cover both sides.
     hyperparameters=adam_hyperparameters(
         1e-3, ((0.9, 0.999), (0.8, 0.9), (0.5, 0.99), (0.3, 0.9), (0.0, 0.999), (0.9, 0.5)),
         decoupled_weight_decay=switch(), maximize=switch()),
-    columns={"step": STEP_COUNT},
-    slots=ADAM_MOMENTS,
 )
 RAdamParamState = SCHEMA.record
 
