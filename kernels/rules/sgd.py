@@ -3,6 +3,7 @@
 from typing import NamedTuple
 
 from ..arithmetic import fma
+from ..elementwise import Off, element_span
 from ..layouts import positions
 from ..rule import Rule
 
@@ -26,7 +27,7 @@ class Columns(NamedTuple):
     first: int
 
 
-S, F, C = positions(Scalars), positions(Flags), positions(Columns)
+F, C = positions(Flags), positions(Columns)
 
 
 def sgd_rule(p, g, buf, first, neg_lr, weight_decay, momentum, one_minus_dampening,
@@ -62,25 +63,10 @@ def sgd_rule(p, g, buf, first, neg_lr, weight_decay, momentum, one_minus_dampeni
     return p, buf
 
 
-def sgd_span(arrays, scalars, columns, flags, k, start, stop, stride):
-    p, g, buf = arrays
-    neg_lr = scalars[S.neg_lr]
-    weight_decay = scalars[S.weight_decay]
-    momentum = scalars[S.momentum]
-    one_minus_dampening = scalars[S.one_minus_dampening]
-    first = columns[C.first][k] != 0
-    has_weight_decay = flags[F.has_weight_decay]
-    maximize = flags[F.maximize]
-    if flags[F.has_momentum]:
-        nesterov = flags[F.nesterov]
-        for i in range(start, stop, stride):
-            p[i], buf[i] = sgd_rule(p[i], g[i], buf[i], first, neg_lr, weight_decay, momentum,
-                                    one_minus_dampening, has_weight_decay, True, nesterov,
-                                    maximize)
-    else:  # the momentum buffer is neither read nor written
-        for i in range(start, stop, stride):
-            p[i], _ = sgd_rule(p[i], g[i], neg_lr, False, neg_lr, weight_decay, momentum,
-                               one_minus_dampening, has_weight_decay, False, False, maximize)
+# has_momentum chooses the loop (a Rule.variant): without momentum the buffer is neither read
+# nor written
+sgd_span = element_span("sgd_span", sgd_rule, 1, Scalars, Columns, Flags,
+                        branches={"has_momentum": Off(unread=("buf",), unwritten=("buf",))})
 
 
 def sgd_prepare(present, columns, scalars, flags, start, stop, stride):
