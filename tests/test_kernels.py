@@ -3,8 +3,11 @@ parallel chunk walk equal to the serial one, for every registered optimizer."""
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import flatopt
 from flatopt._layout import CHUNK_ELEMENTS, chunk_table
@@ -128,6 +131,58 @@ def test_a_span_leaves_the_slots_of_a_switch_that_is_off_alone():
     assert all(line.startswith("_p[i], _s0[i], _s1[i], _ =") and "_s2" not in line
                for line in off)
     assert [", True, caution_scale)" in line for line in loops] == [True, False] * 2
+
+
+_BOUND_SPANS: dict = {}
+
+
+@pytest.mark.parametrize("name", ["adam", "rmsprop", "sgd", "lion", "asgd"])
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_a_span_never_touches_what_a_switch_that_is_off_leaves_alone(name, data):
+    """For generated flags and switch columns: the slots a switch that is off does not read
+    do not change the results (NaN there or numbers, the same bits), and the slots it does
+    not store keep their bytes: the generated loop stands the gradient in for them and drops
+    their results, so a configuration's loop touches no array it does not use."""
+    from numba import njit
+    from flatopt.kernels._bind import bind
+    rule = importlib.import_module(f"flatopt.kernels.rules.{name}").RULE
+    span = _BOUND_SPANS.get(name)
+    if span is None:
+        span = _BOUND_SPANS[name] = bind(rule, njit(error_model="numpy"))[rule.span.__name__]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    flags = tuple(data.draw(st.booleans()) for _ in rule.flags._fields)
+    columns = {}
+    for column, kind in rule.columns.items():
+        if column == "step":
+            columns[column] = np.array([data.draw(st.integers(1, 5))], np.int64)
+        elif kind == "uint8":
+            columns[column] = np.array([data.draw(st.integers(0, 1))], np.uint8)
+        else:
+            columns[column] = rng.uniform(0.1, 1.0, 1).astype(rule.column_dtype(column,
+                                                                               np.float64))
+    scalars = rng.uniform(0.01, 0.9, len(rule.scalars._fields))
+    off = [switch for switch in rule.span.branches
+           if not (flags[rule.flags._fields.index(switch)] if switch in rule.flags._fields
+                   else columns[switch][0] != 0)]
+    names = rule.span.slot_names
+    unread = {names.index(s) for switch in off for s in rule.span.branches[switch].unread}
+    unwritten = {names.index(s) for switch in off for s in rule.span.branches[switch].unwritten}
+    n = 9
+    p, g = rng.standard_normal(n), rng.standard_normal(n)
+    slots = [np.abs(rng.standard_normal(n)) for _ in rule.slots]
+    results = []
+    for fill in (np.nan, 0.5):
+        arrays = [p.copy(), g.copy(), *[np.full(n, fill) if j in unread else s.copy()
+                                        for j, s in enumerate(slots)]]
+        before = [a.copy() for a in arrays]
+        span(tuple(arrays), scalars, tuple(columns[c] for c in rule.columns), flags, 0, 0, n,
+             1)
+        for j in unwritten:
+            assert arrays[2 + j].tobytes() == before[2 + j].tobytes()
+        results.append([a for j, a in enumerate(arrays) if j < 2 or j - 2 not in unread])
+    for with_nan, with_numbers in zip(*results):
+        np.testing.assert_array_equal(with_nan, with_numbers)
 
 
 def test_flags_that_are_not_variants_share_one_walk():
