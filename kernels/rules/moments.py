@@ -9,6 +9,7 @@ the scalars they read (:class:`MomentScalars`). Listed among each rule's helpers
 from typing import NamedTuple
 
 from ..arithmetic import fma
+from ..rule import Rule
 
 
 class MomentScalars(NamedTuple):
@@ -59,3 +60,13 @@ def unfused_moments(p, g, m, v, lerp_coefficient, beta2, one_minus_beta2, weight
         m = m + lerp_coefficient * (g - m)
     v = v * beta2 + (one_minus_beta2 * g) * g
     return p, g, m, v
+
+
+def moment_rule(name: str, span, prepare, helpers: tuple, columns: dict[str, str],
+                scalars: type, prepare_scalars: type) -> Rule:
+    """A rule on Adam's moments as NAdam and RAdam round them: its state the two moments
+    (``exp_avg``, ``exp_avg_sq``), its switches :class:`MomentFlags`, and
+    :func:`unfused_moments` among its ``helpers``."""
+    return Rule(name=name, span=span, prepare=prepare, helpers=(*helpers, unfused_moments),
+                slots=("exp_avg", "exp_avg_sq"), columns=columns, scalars=scalars,
+                prepare_scalars=prepare_scalars, flags=MomentFlags)

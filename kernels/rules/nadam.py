@@ -4,8 +4,7 @@ import math
 from typing import NamedTuple
 
 from ..elementwise import element_prepare, element_span
-from ..rule import Rule
-from .moments import MomentFlags, MomentScalars, unfused_moments
+from .moments import MomentFlags, MomentScalars, moment_rule, unfused_moments
 
 
 Scalars = MomentScalars
@@ -87,9 +86,7 @@ nadam_prepare = element_prepare("nadam_prepare", nadam_per_step,
                                  "exp_avg_coefficient"), PrepareScalars, Columns, Flags)
 
 
-RULE = Rule(name="nadam", span=nadam_span, prepare=nadam_prepare,
-            helpers=(nadam_rule, nadam_per_step, unfused_moments),
-            slots=("exp_avg", "exp_avg_sq"),
-            columns={"step": "int64", "mu_product": "float64", "bias_correction2": "param",
-                     "grad_coefficient": "param", "exp_avg_coefficient": "param"},
-            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)
+RULE = moment_rule("nadam", nadam_span, nadam_prepare, (nadam_rule, nadam_per_step),
+                   {"step": "int64", "mu_product": "float64", "bias_correction2": "param",
+                    "grad_coefficient": "param", "exp_avg_coefficient": "param"},
+                   Scalars, PrepareScalars)

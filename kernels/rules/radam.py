@@ -5,8 +5,7 @@ from typing import NamedTuple
 
 from ..elementwise import element_prepare, element_span
 from ..layouts import positions
-from ..rule import Rule
-from .moments import MomentFlags, MomentScalars, unfused_moments
+from .moments import MomentFlags, MomentScalars, moment_rule, unfused_moments
 
 
 Scalars = NamedTuple("Scalars", [("lr", float), ("one", float),
@@ -97,9 +96,7 @@ radam_prepare = element_prepare("radam_prepare", radam_per_step,
                                  "rect"), PrepareScalars, Columns)
 
 
-RULE = Rule(name="radam", span=radam_span, prepare=radam_prepare,
-            helpers=(radam_per_step, radam_rule, unfused_moments),
-            slots=("exp_avg", "exp_avg_sq"),
-            columns={"step": "int64", "rectified": "uint8", "bias_correction1": "param",
-                     "bias_correction2_sqrt": "param", "rect": "param"},
-            scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)
+RULE = moment_rule("radam", radam_span, radam_prepare, (radam_per_step, radam_rule),
+                   {"step": "int64", "rectified": "uint8", "bias_correction1": "param",
+                    "bias_correction2_sqrt": "param", "rect": "param"},
+                   Scalars, PrepareScalars)
