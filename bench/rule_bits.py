@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.examples:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-        for module in ("adabelief", "adan", "lamb", "adagrad_norm"):
+        for module in ("adabelief", "adan", "lamb", "adagrad_norm", "adamw_blocks"):
             __import__(module)
     warnings.simplefilter("ignore")  # steps where no gradient is present say so
     for name in sorted(args.only or registry.names()):

@@ -35,7 +35,7 @@ from .kernels.threads import get_policy as get_parallel_policy
 from .kernels.threads import set_policy as set_parallel_policy
 
 from . import lr_scheduler  # noqa: E402 (it builds on the optimizer classes above)
-from . import transforms  # noqa: E402 (user rules build on the optimizer class above)
+from . import blocks, transforms  # noqa: E402 (user rules build on the optimizer class above)
 from .custom import define_optimizer  # noqa: E402
 from .transforms import chain  # noqa: E402
 
@@ -58,7 +58,7 @@ __all__ = [
     "NAdam", "ASGD", "Adagrad", "LAMB", "Muon", "Adafactor", "ADOPT",
     "ScheduleFreeSGD", "ScheduleFreeAdamW", "ScheduleFreeRAdam", "Prodigy", "AdEMAMix",
     "Optimizer",
-    "group_by_pattern", "lr_scheduler", "define_optimizer", "chain", "transforms",
+    "group_by_pattern", "lr_scheduler", "define_optimizer", "chain", "transforms", "blocks",
     "StepResult", "clip_grad_norm", "scale_gradients", "GradScaler", "EMA", "Lookahead",
     "set_parallel_policy", "get_parallel_policy",
     "ParamIndex", "ParamInfo", "FlatBuffer", "ParamViews", "Gradients",

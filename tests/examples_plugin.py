@@ -1,5 +1,5 @@
-"""The rules of ``examples/`` (AdaBelief, Adan, Lamb, AdaGradNorm, SFSGD: written with the
-public API only). In the test
+"""The rules of ``examples/`` (AdaBelief, Adan, Lamb, AdaGradNorm, SFSGD, BlocksAdamW: written
+with the public API only). In the test
 process :func:`registered` registers them for one test and removes them after, so the generic
 tests' list of registered optimizers stays flatopt's own; subprocesses import
 ``examples_register`` (``--plugin examples_register``), which registers them for good."""
@@ -15,7 +15,8 @@ from flatopt import registry
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MODULES = {"AdaBelief": "adabelief", "Adan": "adan", "Lamb": "lamb",
-           "AdaGradNorm": "adagrad_norm", "SFSGD": "schedulefree_sgd"}
+           "AdaGradNorm": "adagrad_norm", "SFSGD": "schedulefree_sgd",
+           "BlocksAdamW": "adamw_blocks"}
 
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))

@@ -4,16 +4,19 @@ within 2e-5, several groups, missing gradients), and with everything a built-in 
 exact resume in a fresh process, ZeRO-1 bit-identical at 2 and 3 ranks, the CUDA simulator.
 Lamb is the example of per-tensor totals (reduce and per_tensor: its trust ratio), AdaGradNorm
 of per-group totals and group state (reduce and per_group), SFSGD of mode passes (to_eval,
-to_train) and state that starts at the parameter (from_param)."""
+to_train) and state that starts at the parameter (from_param), BlocksAdamW of flatopt.blocks
+(the built-in AdamW's bits, and through them torch's)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import flatopt
 import examples_plugin
 from checkpoint_helpers import check_round_trip
+from optimizers import FUSED_SHAPES
 from test_custom import parallel_equals_serial
 from test_checkpoint_resume import check_exact_resume
 
@@ -83,6 +86,67 @@ def test_matches_pytorch_optimizer(examples, name, dtype, rtol, atol):
                                        atol=atol, err_msg=f"{name} {path} at step {step}")
     assert opt.state_of("enc.b").step == len(MISSING) - 1  # its own count
     assert opt.param_groups[0]["group_step"] == len(MISSING)  # the oracle's group["step"]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(dtype=st.sampled_from([np.float32, np.float64]),
+       groups=st.lists(st.fixed_dictionaries({
+           "lr": st.sampled_from([1e-3, 0.01, 0.3]),
+           "beta1": st.sampled_from([0.0, 0.3, 0.5, 0.9]), "beta2": st.sampled_from([0.9, 0.999]), "eps": st.sampled_from([1e-8, 1e-3]),
+           "weight_decay": st.sampled_from([0.0, 0.1])}), min_size=2, max_size=2),
+       seed=st.integers(0, 2**16))
+def test_the_blocks_example_gives_the_built_in_adamw_bits(dtype, groups, seed):
+    """BlocksAdamW (examples/adamw_blocks.py: flatopt.blocks' lerp and fma, the public API
+    only) and flatopt.AdamW give the same bits, for generated settings of two groups (a lerp
+    from either end: beta1 below and above 0.5) and missing gradients."""
+    rng = np.random.default_rng(seed)
+    values = {path: rng.standard_normal(shape).astype(dtype) for path, shape in SHAPES.items()}
+
+    def build(cls, to_settings):
+        return cls([{"params": {p: values[p].copy() for p in values if p.startswith(g)},
+                     **to_settings(s)} for g, s in zip(("enc", "head"), groups)])
+    with examples_plugin.registered("BlocksAdamW") as (blocks_adamw,):
+        mine = build(blocks_adamw, dict)
+    built_in = build(flatopt.AdamW, lambda s: oracle_settings("AdamW", s))
+    for missing in MISSING:
+        grads = {p: rng.standard_normal(s).astype(dtype) for p, s in SHAPES.items()
+                 if p not in missing}
+        mine.step(grads)
+        built_in.step(grads)
+    for path in SHAPES:
+        assert mine.params[path].tobytes() == built_in.params[path].tobytes(), path
+        for slot in ("exp_avg", "exp_avg_sq"):
+            assert getattr(mine.state_of(path), slot).tobytes() == \
+                getattr(built_in.state_of(path), slot).tobytes(), (path, slot)
+
+
+def test_the_blocks_example_is_torchs_fused_adamw_to_the_bit(examples):
+    """Through the built-in's bits, torch's: its fused CPU AdamW on one thread (the
+    conformance oracle: its single-tensor float32 sqrt is not correctly rounded), float32,
+    shapes a multiple of its vector width (it rounds the remainder without fused
+    multiply-adds), a lerp from the gradient's end (beta1 < 0.5)."""
+    rng = np.random.default_rng(11)
+    values = {f"p{j}": rng.standard_normal(shape).astype(np.float32)
+              for j, shape in enumerate(FUSED_SHAPES)}
+    opt = examples["BlocksAdamW"]({p: v.copy() for p, v in values.items()}, lr=0.01,
+                                  beta1=0.3, weight_decay=0.1)
+    tensors = {p: torch.tensor(v.copy(), requires_grad=True) for p, v in values.items()}
+    oracle = torch.optim.AdamW(list(tensors.values()), lr=0.01, betas=(0.3, 0.999),
+                               weight_decay=0.1, fused=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(5):
+            grads = {p: rng.standard_normal(v.shape).astype(np.float32)
+                     for p, v in values.items()}
+            opt.step(grads)
+            for path, tensor in tensors.items():
+                tensor.grad = torch.tensor(grads[path])
+            oracle.step()
+    finally:
+        torch.set_num_threads(threads)
+    for path, tensor in tensors.items():
+        assert opt.params[path].tobytes() == tensor.detach().numpy().tobytes(), path
 
 
 @pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 2e-6)],

@@ -8,7 +8,7 @@ from ..elementwise import Off, element_prepare, element_reduce, element_span
 from ..layouts import positions
 from ..rule import Rule
 from .caution import REDUCTIONS, caution_finalize
-from .moments import MomentScalars, lerp
+from .moments import MomentScalars, nearer_lerp
 
 
 Scalars = MomentScalars
@@ -47,7 +47,7 @@ def adam_moment(p, g, m, lerp_coefficient, weight_decay, has_weight_decay, decou
         g = -g
     if has_weight_decay and not decoupled:
         g = fma(p, weight_decay, g)
-    return g, lerp(m, g, lerp_coefficient, lerp_from_end)
+    return g, nearer_lerp(m, g, lerp_coefficient, lerp_from_end)
 
 
 def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coefficient,
@@ -137,7 +137,7 @@ adam_prepare = element_prepare("adam_prepare", adam_per_step,
 
 
 RULE = Rule(name="adam", span=adam_span, prepare=adam_prepare,
-            helpers=(adam_per_step, lerp, adam_moment, adam_agrees, adam_rule, caution_finalize),
+            helpers=(adam_per_step, nearer_lerp, adam_moment, adam_agrees, adam_rule, caution_finalize),
             slots=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
             columns={"step": "int64", "neg_step_size": "param",
                      "bias_correction2_sqrt": "param", "caution_scale": "param"},

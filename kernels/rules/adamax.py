@@ -6,7 +6,7 @@ from ..arithmetic import fma
 from ..elementwise import element_prepare, element_span
 from ..layouts import positions
 from ..rule import Rule
-from .moments import lerp
+from .moments import nearer_lerp
 
 
 class Scalars(NamedTuple):
@@ -54,7 +54,7 @@ def adamax_rule(p, g, m, u, neg_step_size, lerp_coefficient, beta2, eps, weight_
         g = -g
     if has_weight_decay:
         g = fma(p, weight_decay, g)
-    m = lerp(m, g, lerp_coefficient, lerp_from_end)
+    m = nearer_lerp(m, g, lerp_coefficient, lerp_from_end)
     u = u * beta2
     bound = abs(g) + eps
     if bound > u or bound != bound:  # torch.maximum: a NaN on either side wins
@@ -76,7 +76,7 @@ adamax_prepare = element_prepare("adamax_prepare", adamax_per_step, ("neg_step_s
 
 
 RULE = Rule(name="adamax", span=adamax_span, prepare=adamax_prepare,
-            helpers=(adamax_per_step, lerp, adamax_rule),
+            helpers=(adamax_per_step, nearer_lerp, adamax_rule),
             slots=("exp_avg", "exp_inf"),
             columns={"step": "int64", "neg_step_size": "param"},
             scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)

@@ -10,7 +10,7 @@ from ..elementwise import element_prepare, element_reduce, element_span
 from ..layouts import positions
 from ..rule import Rule
 from .caution import REDUCTIONS, caution_finalize
-from .moments import lerp
+from .moments import nearer_lerp
 
 
 class Scalars(NamedTuple):
@@ -67,7 +67,7 @@ def adopt_moment(g, m, v, clip_value, lerp_coefficient, eps, clip, lerp_from_end
             n = -clip_value
         elif n > clip_value:
             n = clip_value
-    return lerp(m, n, lerp_coefficient, lerp_from_end)
+    return nearer_lerp(m, n, lerp_coefficient, lerp_from_end)
 
 
 def adopt_rule(p, g, m, v, first, clip_value, neg_lr, lerp_coefficient, beta2,
@@ -141,7 +141,7 @@ adopt_prepare = element_prepare("adopt_prepare", adopt_per_step, ("first", "clip
 
 
 RULE = Rule(name="adopt", span=adopt_span, prepare=adopt_prepare,
-            helpers=(adopt_per_step, lerp, adopt_agrees, adopt_gradient, adopt_moment,
+            helpers=(adopt_per_step, nearer_lerp, adopt_agrees, adopt_gradient, adopt_moment,
                      adopt_rule, caution_finalize),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "first": "uint8", "clip_value": "param",

@@ -1,5 +1,6 @@
-"""The moments rules share. :func:`lerp`: torch's lerp as its CPU kernel computes it (Adam's,
-Adamax's and ADOPT's first moment, schedule-free's ``y``). :func:`unfused_moments`: Adam's
+"""The moments rules share. :func:`nearer_lerp`: torch's lerp as its CPU kernel computes it,
+with the end chosen once per step (Adam's, Adamax's and ADOPT's first moment, schedule-free's
+``y``; ``flatopt.blocks.lerp`` chooses it per call). :func:`unfused_moments`: Adam's
 moments as NAdam and RAdam round them: the gradient the moments see (``-g`` with maximize,
 plus the L2 term of coupled weight decay), decoupled weight decay of the parameter, ``m =
 lerp(m, g, 1 - beta1)`` from the nearer end, and ``v = beta2 * v + (1 - beta2) * g * g``; with
@@ -34,7 +35,7 @@ class MomentFlags(NamedTuple):
     lerp_from_end: bool
 
 
-def lerp(start, end, coefficient, from_end):
+def nearer_lerp(start, end, coefficient, from_end):
     """torch's ``lerp(start, end, w)`` as its CPU kernel computes it: one fused multiply-add
     from the nearer end, ``start + w * (end - start)`` when ``w < 0.5``, else ``end + (w - 1) *
     (end - start)``; ``coefficient`` is ``w`` or ``w - 1`` accordingly (``from_end``). With ``w``

@@ -19,7 +19,7 @@ from ..arithmetic import fma
 from ..layouts import positions
 from ..rule import Rule
 from .fresh import mark_first_steps
-from .moments import lerp
+from .moments import nearer_lerp
 
 
 class Scalars(NamedTuple):
@@ -79,7 +79,7 @@ def schedulefree_rule(y, g, z, v, first, lerp_coefficient, y_lr, neg_lr, weight_
             g = g / (math.sqrt(v / bias_correction2) + eps)
     if has_weight_decay:
         g = fma(y, weight_decay, g)
-    y = lerp(y, z, lerp_coefficient, lerp_from_end)
+    y = nearer_lerp(y, z, lerp_coefficient, lerp_from_end)
     y = fma(g, y_lr, y)
     z = fma(g, neg_lr, z)
     return y, z, v
@@ -130,7 +130,7 @@ def schedulefree_prepare(present, columns, scalars, flags, start, stop, stride):
 
 
 _COLUMNS = {"initialized": "uint8", "first": "uint8"}
-_HELPERS = (schedulefree_walk, schedulefree_rule, lerp, mark_first_steps)
+_HELPERS = (schedulefree_walk, schedulefree_rule, nearer_lerp, mark_first_steps)
 
 RULE_ADAM = Rule(name="schedulefree_adam", span=schedulefree_adam_span,
                  prepare=schedulefree_prepare, helpers=_HELPERS,
