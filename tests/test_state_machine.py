@@ -95,7 +95,9 @@ def configurations() -> list:
                                  ("Lamb", "bf16_stochastic", [pytest.mark.slow]),
                                  ("AdaGradNorm", "float32", []),
                                  ("AdaGradNorm", "bf16_master", [pytest.mark.slow]),
-                                 ("SFSGD", "float32", [])):
+                                 ("SFSGD", "float32", []),
+                                 ("BlocksAdamW", "float32", [pytest.mark.slow]),
+                                 ("BlocksAdamW", "bf16_stochastic", [pytest.mark.slow])):
         result.append(pytest.param(name, storage, marks=marks, id=f"{name}-{storage}"))
     return result
 
