@@ -58,23 +58,22 @@ def _prepare_walk(present, columns, scalars, flags):
 
 
 @njit(inline="always", error_model="numpy")
-def _overlap(arrays, lo, hi, offset, size, grad_multiplier, scale_grads):
-    """The overlap ``[a, b)`` of the chunk ``[lo, hi)`` and a parameter's segment, unsigned;
-    with ``scale_grads`` its gradients first multiplied in place by ``grad_multiplier``
-    (loss-scale removal, clipping, averaging), while they are in cache."""
-    a = uint64(max(lo, offset))
-    b = uint64(min(hi, offset + size))
-    if scale_grads:
-        g = arrays[1]
-        for i in range(a, b):
-            g[i] = g[i] * grad_multiplier
-    return a, b
+def _overlap(lo, hi, offset, size):
+    """The overlap ``[a, b)`` of the chunk ``[lo, hi)`` and the segment of ``size`` elements
+    at ``offset``, unsigned (the spans' index ranges)."""
+    return uint64(max(lo, offset)), uint64(min(hi, offset + size))
+
+
+@njit(inline="always", error_model="numpy")
+def _scale(g, start, stop, multiplier):
+    for i in range(start, stop):
+        g[i] = g[i] * multiplier
 
 
 def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_first,
                chunk_size, grad_multiplier, scale_grads):
     """``scale_grads``: each segment's gradients are first multiplied in place by
-    ``grad_multiplier`` (:func:`_overlap`)."""
+    ``grad_multiplier`` (loss-scale removal, clipping, averaging), while they are in cache."""
     n_params = offsets.size
     total = arrays[0].size
     one = uint64(1)
@@ -84,8 +83,9 @@ def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_f
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                a, b = _overlap(arrays, lo, hi, offsets[k], sizes[k], grad_multiplier,
-                                scale_grads)
+                a, b = _overlap(lo, hi, offsets[k], sizes[k])
+                if scale_grads:
+                    _scale(arrays[1], a, b, grad_multiplier)
                 span(arrays, scalars, columns, flags, k, a, b, one)  # noqa: F821 (bound)
             k += 1
 
@@ -110,8 +110,9 @@ def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk
         segment = first_segment[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                a, b = _overlap(arrays, lo, hi, offsets[k], sizes[k], grad_multiplier,
-                                scale_grads)
+                a, b = _overlap(lo, hi, offsets[k], sizes[k])
+                if scale_grads:
+                    _scale(arrays[1], a, b, grad_multiplier)
                 values = reduce(arrays, scalars, columns, flags, k, a, b, one)  # noqa: F821
                 for j in range(n_sums):
                     partial[segment, j] = values[j]
