@@ -58,6 +58,13 @@ def _prepare_walk(present, columns, scalars, flags):
 
 
 @njit(inline="always", error_model="numpy")
+def _overlap(lo, hi, offset, size):
+    """The overlap ``[a, b)`` of the chunk ``[lo, hi)`` and the segment of ``size`` elements
+    at ``offset``, unsigned (the spans' index ranges)."""
+    return uint64(max(lo, offset)), uint64(min(hi, offset + size))
+
+
+@njit(inline="always", error_model="numpy")
 def _scale(g, start, stop, multiplier):
     for i in range(start, stop):
         g[i] = g[i] * multiplier
@@ -76,8 +83,7 @@ def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_f
         k = chunk_first[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                a = uint64(max(lo, offsets[k]))
-                b = uint64(min(hi, offsets[k] + sizes[k]))
+                a, b = _overlap(lo, hi, offsets[k], sizes[k])
                 if scale_grads:
                     _scale(arrays[1], a, b, grad_multiplier)
                 span(arrays, scalars, columns, flags, k, a, b, one)  # noqa: F821 (bound)
@@ -104,8 +110,7 @@ def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk
         segment = first_segment[c]
         while k < n_params and offsets[k] < hi:
             if present[k] != 0:
-                a = uint64(max(lo, offsets[k]))
-                b = uint64(min(hi, offsets[k] + sizes[k]))
+                a, b = _overlap(lo, hi, offsets[k], sizes[k])
                 if scale_grads:
                     _scale(arrays[1], a, b, grad_multiplier)
                 values = reduce(arrays, scalars, columns, flags, k, a, b, one)  # noqa: F821
@@ -185,19 +190,50 @@ def _total(partial, partial_bad):
     return value, bad
 
 
-def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, power, c):
+def _reduce_chunk(g, present, offsets, sizes, chunk_first, chunk_size, total, power, c):
+    """(value, non-finite count) of chunk ``c``'s present gradients: each overlap of the
+    chunk and a present parameter taken into the running pair by ``_add_overlap`` (bound:
+    :func:`_add_segment`, or :func:`_add_coded_segment` over 16-bit gradients), in order."""
     lo = c * chunk_size
-    hi = min(lo + chunk_size, g.size)
+    hi = min(lo + chunk_size, total)
     k = chunk_first[c]
     value = 0.0
     bad = 0
     while k < offsets.size and offsets[k] < hi:
         if present[k] != 0:
-            v, n = _reduce_segment(g, max(lo, offsets[k]), min(hi, offsets[k] + sizes[k]),
-                                   power)
-            value = _combined(value, v)
-            bad += n
+            value, bad = _add_overlap(g, max(lo, offsets[k]),  # noqa: F821 (bound)
+                                      min(hi, offsets[k] + sizes[k]), power, value, bad)
         k += 1
+    return value, bad
+
+
+def _add_segment(g, start, stop, power, value, bad):
+    """The running (value, non-finite count) with ``g[start:stop]``'s taken in."""
+    v, n = _reduce_segment(g, start, stop, power)
+    return _combined(value, v), bad + n
+
+
+_load_row = CODEC["load_row"]
+
+
+@njit(inline="always")
+def _coded(raw, fmt):
+    """The 16-bit gradients as :func:`_add_coded_segment` takes them, with a row of their
+    own (one per chunk: a chunk's segments load into it in turn)."""
+    return raw, fmt, np.empty(SUB, np.float32), np.empty(0, np.float32)
+
+
+def _add_coded_segment(coded, start, stop, power, value, bad):
+    """:func:`_add_segment` over 16-bit gradients, ``coded`` = (their bytes, their format, a
+    float32 row of ``SUB`` elements, no block scales): loaded as float32 in sub-blocks, each
+    taken in in turn."""
+    raw, fmt, row, scales = coded
+    for first in range(start, stop, SUB):
+        n = min(SUB, stop - first)
+        _load_row(raw, fmt, scales, TABLES, first, n, row)
+        v, count = _reduce_segment(row, 0, n, power)
+        value = _combined(value, v)
+        bad += count
     return value, bad
 
 
@@ -206,34 +242,8 @@ def _reduce_gradients(g, present, offsets, sizes, chunk_first, chunk_size, power
     n_chunks = chunk_first.size
     for c in prange(n_chunks):
         partial[c], partial_bad[c] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
-                                                   chunk_size, power, c)
+                                                   chunk_size, g.size, power, c)
     return _total(partial, partial_bad)
-
-
-_load_row = CODEC["load_row"]
-
-
-def _reduce_coded_chunk(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
-                        power, c):
-    """_reduce_chunk over 16-bit gradients: each segment loaded as float32 in sub-blocks."""
-    row = np.empty(SUB, np.float32)
-    scales = np.empty(0, np.float32)
-    lo = c * chunk_size
-    hi = min(lo + chunk_size, total)
-    k = chunk_first[c]
-    value = 0.0
-    bad = 0
-    while k < offsets.size and offsets[k] < hi:
-        if present[k] != 0:
-            last = min(hi, offsets[k] + sizes[k])
-            for start in range(max(lo, offsets[k]), last, SUB):
-                n = min(SUB, last - start)
-                _load_row(raw, fmt, scales, TABLES, start, n, row)
-                v, count = _reduce_segment(row, 0, n, power)
-                value = _combined(value, v)
-                bad += count
-        k += 1
-    return value, bad
 
 
 def _reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chunk_size, total,
@@ -242,9 +252,8 @@ def _reduce_coded_gradients(raw, fmt, present, offsets, sizes, chunk_first, chun
     partial = np.empty(n_chunks)
     partial_bad = np.empty(n_chunks, np.int64)
     for c in prange(n_chunks):
-        partial[c], partial_bad[c] = _reduce_coded_chunk(raw, fmt, present, offsets, sizes,
-                                                         chunk_first, chunk_size, total,
-                                                         power, c)
+        partial[c], partial_bad[c] = _reduce_coded_chunk(  # noqa: F821 (bound)
+            _coded(raw, fmt), present, offsets, sizes, chunk_first, chunk_size, total, power, c)
     return _total(partial, partial_bad)
 
 
@@ -254,9 +263,9 @@ def _coded_gradient_chunk_partials(raw, fmt, present, offsets, sizes, chunk_firs
     partial = np.empty(n)
     bad = np.empty(n, np.int64)
     for j in prange(n):
-        partial[j], bad[j] = _reduce_coded_chunk(raw, fmt, present, offsets, sizes,
-                                                 chunk_first, chunk_size, total, power,
-                                                 first_chunk + j)
+        partial[j], bad[j] = _reduce_coded_chunk(  # noqa: F821 (bound)
+            _coded(raw, fmt), present, offsets, sizes, chunk_first, chunk_size, total, power,
+            first_chunk + j)
     return partial, bad
 
 
@@ -264,7 +273,7 @@ def _gradient_chunk_partials(g, present, offsets, sizes, chunk_first, chunk_size
                              first_chunk, partial, bad):
     for j in prange(partial.size):
         partial[j], bad[j] = _reduce_chunk(g, present, offsets, sizes, chunk_first,
-                                           chunk_size, power, first_chunk + j)
+                                           chunk_size, g.size, power, first_chunk + j)
 
 
 _mode_helpers: dict[int, dict] = {}
@@ -286,12 +295,15 @@ def _by_mode(template, mode: int) -> Threaded:
             inline = njit(inline="always", error_model="numpy")
             combined = inline(instantiate(_combined, f"_combined_{name}", MODE=mode))
             bound = {"MODE": mode, "_reduce_segment": segment, "_combined": combined}
+            add = inline(instantiate(_add_segment, f"_add_segment_{name}", **bound))
+            add_coded = inline(instantiate(_add_coded_segment, f"_add_coded_segment_{name}",
+                                           **bound))
             helpers = _mode_helpers[mode] = {
                 **bound, "_total": inline(instantiate(_total, f"_total_{name}", **bound)),
                 "_reduce_chunk": inline(instantiate(_reduce_chunk, f"_reduce_chunk_{name}",
-                                                    **bound)),
+                                                    _add_overlap=add)),
                 "_reduce_coded_chunk": inline(instantiate(
-                    _reduce_coded_chunk, f"_reduce_coded_chunk_{name}", **bound))}
+                    _reduce_chunk, f"_reduce_coded_chunk_{name}", _add_overlap=add_coded))}
         kernel = _mode_kernels[template.__name__, mode] = Threaded(
             template, f"cpu.{template.__name__.lstrip('_')}_{MODE_NAMES[mode]}", cache=True,
             error_model="numpy", bound=helpers)

@@ -25,12 +25,12 @@ from typing import NamedTuple
 import math
 
 import numpy as np
-from numba import uint64
 
 from ._bind import bind, instantiate
 from ._cuda_import import simulated
 from .cpu import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
 from .coded import CODEC_FINGERPRINT, NATIVE
+from .cuda_chunks import chunk_walk, thread_elements
 from .cuda_coded import CudaCodedKernels, codec, fma_primitive, half_kernels
 from .cuda_coded import compile_coded as compile_coded_walks
 from .cuda_launch import (MIN_BLOCKS, THREADS_PER_BLOCK, WIDE_MIN_BLOCKS, Source, cuda, grid,
@@ -44,54 +44,48 @@ def _prepare_walk(present, columns, scalars, flags):
         prepare(present, columns, scalars, flags, k, k + 1, 1)  # noqa: F821 (bound per rule)
 
 
+@cuda.jit(device=True, inline="always")
+def _scaled_elements(arrays, start, stop, grad_multiplier, scale_grads):
+    """This thread's elements of the overlap ``[start, stop)`` (``thread_elements``), its
+    gradients among them first multiplied by ``grad_multiplier`` when ``scale_grads``: each
+    thread scales the elements it then reads."""
+    a, b, stride = thread_elements(start, stop)
+    if scale_grads:
+        g = arrays[1]
+        for i in range(a, b, stride):
+            g[i] = g[i] * grad_multiplier
+    return a, b, stride
+
+
+def _step_overlap(context, state, k, start, stop):
+    arrays, scalars, columns, flags, grad_multiplier, scale_grads = context
+    a, b, stride = _scaled_elements(arrays, start, stop, grad_multiplier, scale_grads)
+    span(arrays, scalars, columns, flags, k, a, b, stride)  # noqa: F821 (bound per rule)
+    return state
+
+
+def _reduce_overlap(context, state, k, start, stop):
+    """This thread's partial totals of the overlap, added into ``sums[k]`` atomically (the
+    order of additions is not fixed, unlike the CPU's)."""
+    arrays, scalars, columns, flags, sums, grad_multiplier, scale_grads = context
+    a, b, stride = _scaled_elements(arrays, start, stop, grad_multiplier, scale_grads)
+    if a < b:
+        values = reduce(arrays, scalars, columns, flags, k, a, b, stride)  # noqa: F821
+        for j in range(sums.shape[1]):
+            cuda.atomic.add(sums, (k, j), values[j])
+    return state
+
+
 def _step_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_first,
                chunk_size, grad_multiplier, scale_grads):
-    n_params = offsets.size
-    total = arrays[0].size
-    g = arrays[1]
-    for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
-        lo = c * chunk_size
-        hi = min(lo + chunk_size, total)
-        k = chunk_first[c]
-        while k < n_params and offsets[k] < hi:
-            if present[k] != 0:
-                # unsigned indices: no negative-index wrap in the span (an add and a live
-                # array length per access)
-                a = uint64(max(lo, offsets[k]) + cuda.threadIdx.x)
-                b = uint64(min(hi, offsets[k] + sizes[k]))
-                stride = uint64(cuda.blockDim.x)
-                if scale_grads:  # each thread scales the elements its span then reads
-                    for i in range(a, b, stride):
-                        g[i] = g[i] * grad_multiplier
-                span(arrays, scalars, columns, flags, k, a, b, stride)  # noqa: F821 (bound)
-            k += 1
+    walk(present, offsets, sizes, chunk_first, chunk_size, arrays[0].size,  # noqa: F821
+         (arrays, scalars, columns, flags, grad_multiplier, scale_grads), None)
 
 
 def _reduce_walk(arrays, scalars, columns, flags, present, offsets, sizes, chunk_first,
                  chunk_size, sums, grad_multiplier, scale_grads):
-    """Each thread reduces its strided elements of each segment and adds its partial totals
-    into ``sums[k]`` atomically (the order of additions is not fixed, unlike the CPU's)."""
-    n_params = offsets.size
-    total = arrays[0].size
-    g = arrays[1]
-    for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
-        lo = c * chunk_size
-        hi = min(lo + chunk_size, total)
-        k = chunk_first[c]
-        while k < n_params and offsets[k] < hi:
-            if present[k] != 0:
-                a = uint64(max(lo, offsets[k]) + cuda.threadIdx.x)
-                b = uint64(min(hi, offsets[k] + sizes[k]))
-                stride = uint64(cuda.blockDim.x)
-                if scale_grads:
-                    for i in range(a, b, stride):
-                        g[i] = g[i] * grad_multiplier
-                if a < b:
-                    values = reduce(arrays, scalars, columns, flags, k, a, b,  # noqa: F821
-                                    stride)
-                    for j in range(sums.shape[1]):
-                        cuda.atomic.add(sums, (k, j), values[j])
-            k += 1
+    walk(present, offsets, sizes, chunk_first, chunk_size, arrays[0].size,  # noqa: F821
+         (arrays, scalars, columns, flags, sums, grad_multiplier, scale_grads), None)
 
 
 def _finalize_walk(present, columns, scalars, flags, sums):
@@ -230,21 +224,23 @@ def compile_rule(rule: Rule, exact: bool = False) -> CompiledRule:
         functions = bind(rule, cuda.jit(device=True), {"fma": fma_primitive()})
         source = Source(compile_rule, (rule, exact))
 
-        def walk(template, name, min_blocks=MIN_BLOCKS, **bound):
-            return make(instantiate(template, f"{name}_{key}", **{
-                role: functions[function.__name__] for role, function in bound.items()}),
-                source, min_blocks)
-        compiled = CompiledRule(walk(_prepare_walk, "prepare", prepare=rule.prepare),
-                                walk(_step_walk, "step", span=rule.span),
-                                walk(_step_walk, "wide_step", WIDE_MIN_BLOCKS, span=rule.span))
+        def kernel(template, name, min_blocks=MIN_BLOCKS, **bound):
+            return make(instantiate(template, f"{name}_{key}", **bound), source, min_blocks)
+        prepare = functions[rule.prepare.__name__]
+        step_walk = chunk_walk(_step_overlap, f"step_{key}", span=functions[rule.span.__name__])
+        compiled = CompiledRule(kernel(_prepare_walk, "prepare", prepare=prepare),
+                                kernel(_step_walk, "step", walk=step_walk),
+                                kernel(_step_walk, "wide_step", WIDE_MIN_BLOCKS, walk=step_walk))
         if rule.reduce is not None:
+            reduce_walk = chunk_walk(_reduce_overlap, f"reduce_{key}",
+                                     reduce=functions[rule.reduce.__name__])
             compiled = compiled._replace(
-                reduce_kernel=walk(_reduce_walk, "reduce", reduce=rule.reduce),
-                wide_reduce_kernel=walk(_reduce_walk, "wide_reduce", WIDE_MIN_BLOCKS,
-                                        reduce=rule.reduce))
+                reduce_kernel=kernel(_reduce_walk, "reduce", walk=reduce_walk),
+                wide_reduce_kernel=kernel(_reduce_walk, "wide_reduce", WIDE_MIN_BLOCKS,
+                                          walk=reduce_walk))
             if rule.finalize is not None:  # none with global reductions
-                compiled = compiled._replace(finalize_kernel=walk(
-                    _finalize_walk, "finalize", finalize=rule.finalize))
+                compiled = compiled._replace(finalize_kernel=kernel(
+                    _finalize_walk, "finalize", finalize=functions[rule.finalize.__name__]))
         _compiled[key] = compiled
     return compiled
 
@@ -287,6 +283,30 @@ def exact_lerp_kernel():
     return _exact_lerp[0]
 
 
+def _totals_overlap(context, state, k, start, stop):
+    """This thread's elements of the overlap added (or maxed) into the running ``state``
+    (value, non-finite count, NaN seen), in float64."""
+    g, fmt, power, mode = context
+    value, bad, nan = state
+    a, b, stride = thread_elements(start, stop)
+    for i in range(a, b, stride):
+        # in the gradient's dtype, as kernels.cpu computes the terms (its float(g[i]) keeps
+        # a float32 a float32); the sum is float64
+        x = abs(gradient_value(g, fmt, i))  # noqa: F821 (bound)
+        if not (x - x == 0):
+            bad += 1.0
+            if x != x:
+                nan = 1.0
+        if mode == SUM_SQUARES:
+            value += x * x
+        elif mode == SUM_POWERS:
+            value += x ** power
+        elif mode == MAX_ABS:
+            if x > value:
+                value = x
+    return value, bad, nan
+
+
 def _gradient_totals(g, fmt, present, offsets, sizes, chunk_first, chunk_size, power, mode,
                      out):
     """``kernels.cpu.reduce_gradients`` on the device: each thread reduces its strided
@@ -294,33 +314,8 @@ def _gradient_totals(g, fmt, present, offsets, sizes, chunk_first, chunk_size, p
     [value, non-finite count, NaN seen]. The order of the additions is not fixed. ``g[i]``
     is read by ``gradient_value``: as it is, or 16-bit patterns in format ``fmt`` as
     float32 (``kernels.cpu.reduce_coded_gradients``)."""
-    n_params = offsets.size
-    value = 0.0
-    bad = 0.0
-    nan = 0.0
-    for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
-        lo = c * chunk_size
-        hi = min(lo + chunk_size, g.size)
-        k = chunk_first[c]
-        while k < n_params and offsets[k] < hi:
-            if present[k] != 0:
-                for i in range(max(lo, offsets[k]) + cuda.threadIdx.x,
-                               min(hi, offsets[k] + sizes[k]), cuda.blockDim.x):
-                    # in the gradient's dtype, as kernels.cpu computes the terms (its
-                    # float(g[i]) keeps a float32 a float32); the sum is float64
-                    x = abs(gradient_value(g, fmt, i))  # noqa: F821 (bound)
-                    if not (x - x == 0):
-                        bad += 1.0
-                        if x != x:
-                            nan = 1.0
-                    if mode == SUM_SQUARES:
-                        value += x * x
-                    elif mode == SUM_POWERS:
-                        value += x ** power
-                    elif mode == MAX_ABS:
-                        if x > value:
-                            value = x
-            k += 1
+    value, bad, nan = walk(present, offsets, sizes, chunk_first,  # noqa: F821 (bound)
+                           chunk_size, g.size, (g, fmt, power, mode), (0.0, 0.0, 0.0))
     if mode == MAX_ABS:
         cuda.atomic.max(out, 0, value)
     elif mode != COUNT_NONFINITE:
@@ -337,17 +332,19 @@ def stored_value(g, fmt, i):
 
 
 reduce_gradients_kernel = make(instantiate(
-    _gradient_totals, "reduce_gradients_kernel",
-    gradient_value=cuda.jit(device=True)(stored_value)), cache=True)
+    _gradient_totals, "reduce_gradients_kernel", walk=chunk_walk(
+        _totals_overlap, "reduce_gradients", gradient_value=cuda.jit(device=True)(stored_value))),
+    cache=True)
 _reduce_half_gradients: list = []
 
 
 def reduce_half_gradients_kernel():
     """:func:`_gradient_totals` over 16-bit gradients (uint16 patterns), compiled once."""
     if not _reduce_half_gradients:
-        _reduce_half_gradients.append(make(instantiate(
-            _gradient_totals, f"reduce_half_gradients_{CODEC_FINGERPRINT}",
-            gradient_value=codec()["half_value"]), Source(reduce_half_gradients_kernel)))
+        name = f"reduce_half_gradients_{CODEC_FINGERPRINT}"
+        walk = chunk_walk(_totals_overlap, name, gradient_value=codec()["half_value"])
+        _reduce_half_gradients.append(make(instantiate(_gradient_totals, name, walk=walk),
+                                           Source(reduce_half_gradients_kernel)))
     return _reduce_half_gradients[0]
 
 

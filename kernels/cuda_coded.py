@@ -37,6 +37,7 @@ from .arithmetic import (portable_hash32, simulated_f32_bits, simulated_f32_from
 from .coded import (BF16, CODEC_FINGERPRINT, F16, KAHAN, MASTER, NATIVE, NEAREST, Q8_SIGNED,
                     Q8_UNSIGNED, ROWS, SPAN_ARRAYS, STOCHASTIC)
 from .coded_views import CODEC_FUNCTIONS
+from .cuda_chunks import chunk_walk, thread_elements
 from .cuda_launch import Source, cuda, grid, launch, make
 from .rule import Rule
 from .storage import BLOCK
@@ -251,25 +252,53 @@ def step_element(stored, formats, absmax, tables, rounding, mode, seed, draw, sc
                   n_arrays)
 
 
+def _coded_step_overlap(context, state, k, start, stop):
+    (stored, formats, absmax, tables, rounding, mode, seed, draw, scalars, columns, flags,
+     scratch, grad_multiplier, scale_grads) = context
+    a, b, stride = thread_elements(start, stop)
+    for i in range(a, b, stride):
+        step_element(stored, formats, absmax, tables, rounding, mode, seed, draw,  # noqa: F821
+                     scalars, columns, flags, scratch, k, i, grad_multiplier, scale_grads)
+    return state
+
+
 def _coded_step_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
                      columns, flags, present, offsets, sizes, chunk_first, chunk_size, total,
                      grad_multiplier, scale_grads):
     """Buffers without 8-bit state: each thread loads, steps and stores its elements."""
-    n_params = offsets.size
     scratch = cuda.local.array((ROWS_MAX, 1), float32)
-    for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
-        lo = c * chunk_size
-        hi = min(lo + chunk_size, total)
-        k = chunk_first[c]
-        while k < n_params and offsets[k] < hi:
-            if present[k] != 0:
-                for i in range(uint64(max(lo, offsets[k]) + cuda.threadIdx.x),
-                               uint64(min(hi, offsets[k] + sizes[k])),
-                               uint64(cuda.blockDim.x)):  # unsigned: no negative-index wrap
-                    step_element(stored, formats, absmax, tables, rounding, mode,  # noqa: F821
-                                 seed, draw, scalars, columns, flags, scratch, k, i,
-                                 grad_multiplier, scale_grads)
-            k += 1
+    walk(present, offsets, sizes, chunk_first, chunk_size, total,  # noqa: F821 (bound)
+         (stored, formats, absmax, tables, rounding, mode, seed, draw, scalars, columns, flags,
+          scratch, grad_multiplier, scale_grads), None)
+
+
+def _coded_block_overlap(context, state, k, start, stop):
+    """The overlap in 8-bit blocks from its start, thread ``t`` owning element ``t`` of each
+    (every thread of the block comes here: the absmax reductions wait for all)."""
+    (stored, formats, absmax, tables, rounding, mode, seed, draw, scalars, columns, flags,
+     scratch, shared, kept, grad_multiplier, scale_grads) = context
+    n_arrays = len(formats) - 2
+    t = cuda.threadIdx.x
+    block = uint64(BLOCK)
+    last = uint64(stop)
+    for first in range(uint64(start), last, block):
+        i = first + uint64(t)
+        active = i < last
+        if active:
+            step_element(stored, formats, absmax, tables, rounding,  # noqa: F821
+                         mode, seed, draw, scalars, columns, flags, scratch, k, i,
+                         grad_multiplier, scale_grads)
+            for j in range(2, n_arrays):
+                kept[j - 2, t] = scratch[j, 0]
+        for j in range(2, n_arrays):
+            fmt = formats[j]
+            if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
+                largest = block_absmax(shared, kept[j - 2, t], active)  # noqa: F821
+                if active:
+                    store_code(stored, fmt, j, i, kept[j - 2, t], largest)  # noqa: F821
+                if t == 0:
+                    absmax[j][first // block] = largest
+    return state
 
 
 def _coded_block_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
@@ -280,38 +309,32 @@ def _coded_block_walk(stored, formats, absmax, tables, rounding, mode, seed, dra
     align to ``BLOCK``), thread ``t`` owning element ``t`` of the block. Each thread keeps
     its new state values in shared memory (``kept``) while the block reduces each 8-bit slot's
     absmax, rather than in registers across the reductions (which made the walk spill)."""
-    n_params = offsets.size
-    n_arrays = len(formats) - 2
     scratch = cuda.local.array((ROWS_MAX, 1), float32)
     shared = cuda.shared.array(BLOCK, float32)
     kept = cuda.shared.array((STATE_ROWS, BLOCK), float32)
-    t = cuda.threadIdx.x
-    block = uint64(BLOCK)
-    for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
-        lo = c * chunk_size
-        hi = min(lo + chunk_size, total)
-        k = chunk_first[c]
-        while k < n_params and offsets[k] < hi:
-            if present[k] != 0:
-                last = uint64(min(hi, offsets[k] + sizes[k]))
-                for first in range(uint64(max(lo, offsets[k])), last, block):
-                    i = first + uint64(t)
-                    active = i < last
-                    if active:
-                        step_element(stored, formats, absmax, tables, rounding,  # noqa: F821
-                                     mode, seed, draw, scalars, columns, flags, scratch, k, i,
-                                     grad_multiplier, scale_grads)
-                        for j in range(2, n_arrays):
-                            kept[j - 2, t] = scratch[j, 0]
-                    for j in range(2, n_arrays):
-                        fmt = formats[j]
-                        if fmt == Q8_SIGNED or fmt == Q8_UNSIGNED:
-                            largest = block_absmax(shared, kept[j - 2, t], active)
-                            if active:
-                                store_code(stored, fmt, j, i, kept[j - 2, t], largest)
-                            if t == 0:
-                                absmax[j][first // block] = largest
-            k += 1
+    walk(present, offsets, sizes, chunk_first, chunk_size, total,  # noqa: F821 (bound)
+         (stored, formats, absmax, tables, rounding, mode, seed, draw, scalars, columns, flags,
+          scratch, shared, kept, grad_multiplier, scale_grads), None)
+
+
+def _coded_reduce_overlap(context, state, k, start, stop):
+    """This thread's partial totals of the overlap, added into ``sums[k]`` atomically."""
+    (stored, formats, absmax, tables, mode, seed, draw, scalars, columns, flags, scratch,
+     rows, partial, sums, grad_multiplier, scale_grads) = context
+    n_arrays = len(formats) - 2
+    for j in range(SUMS_MAX):
+        partial[j] = 0.0
+    a, b, stride = thread_elements(start, stop)
+    for i in range(a, b, stride):
+        load_element(stored, formats, absmax, tables, mode, seed, draw, scratch,  # noqa: F821
+                     i, scale_grads, grad_multiplier, n_arrays)
+        values = reduce(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821
+        for j in range(len(values)):
+            partial[j] += values[j]
+    for j in range(SUMS_MAX):
+        if j < sums.shape[1]:
+            cuda.atomic.add(sums, (k, j), partial[j])
+    return state
 
 
 def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, draw, scalars,
@@ -321,32 +344,11 @@ def _coded_reduce_walk(stored, formats, absmax, tables, rounding, mode, seed, dr
     added into ``sums[k]`` atomically (in no fixed order, as the plain CUDA reduce). The
     partial totals are indexed only by constants once the loops over ``SUMS_MAX`` unroll, so
     they stay in registers (a runtime index puts an array in local memory)."""
-    n_params = offsets.size
-    n_arrays = len(formats) - 2
-    n_sums = sums.shape[1]
     scratch = cuda.local.array((ROWS_MAX, 1), float32)
-    rows = as_rows(scratch)  # noqa: F821
     partial = cuda.local.array(SUMS_MAX, float64)
-    for c in range(cuda.blockIdx.x, chunk_first.size, cuda.gridDim.x):
-        lo = c * chunk_size
-        hi = min(lo + chunk_size, total)
-        k = chunk_first[c]
-        while k < n_params and offsets[k] < hi:
-            if present[k] != 0:
-                for j in range(SUMS_MAX):
-                    partial[j] = 0.0
-                for i in range(uint64(max(lo, offsets[k]) + cuda.threadIdx.x),
-                               uint64(min(hi, offsets[k] + sizes[k])),
-                               uint64(cuda.blockDim.x)):
-                    load_element(stored, formats, absmax, tables, mode, seed, draw, scratch,
-                                 i, scale_grads, grad_multiplier, n_arrays)
-                    values = reduce(rows, scalars, columns, flags, k, 0, 1, 1)  # noqa: F821
-                    for j in range(len(values)):
-                        partial[j] += values[j]
-                for j in range(SUMS_MAX):
-                    if j < n_sums:
-                        cuda.atomic.add(sums, (k, j), partial[j])
-            k += 1
+    walk(present, offsets, sizes, chunk_first, chunk_size, total,  # noqa: F821 (bound)
+         (stored, formats, absmax, tables, mode, seed, draw, scalars, columns, flags, scratch,
+          as_rows(scratch), partial, sums, grad_multiplier, scale_grads), None)  # noqa: F821
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -440,12 +442,15 @@ def compile_coded(rule: Rule, plain, key: str, source: Source) -> CudaCodedKerne
         if n_arrays + 2 > ROWS_MAX:
             raise TypeError(f"rule {rule.name!r}: too many arrays for the CUDA codec walk")
         bound = coded_functions(rule)
-        step = make(instantiate(_coded_step_walk, f"coded_step_{key}", **bound), source)
-        block_step = make(instantiate(_coded_block_walk, f"coded_block_{key}", **bound), source)
+
+        def kernel(template, visit, name):
+            walk = chunk_walk(visit, f"{name}_{key}", **bound)
+            return make(instantiate(template, f"{name}_{key}", walk=walk, **bound), source)
+        step = kernel(_coded_step_walk, _coded_step_overlap, "coded_step")
+        block_step = kernel(_coded_block_walk, _coded_block_overlap, "coded_block")
         reduce = None
         if rule.reduce is not None:
-            reduce = make(instantiate(_coded_reduce_walk, f"coded_reduce_{key}", **bound),
-                          source)
+            reduce = kernel(_coded_reduce_walk, _coded_reduce_overlap, "coded_reduce")
         compiled = _compiled[key] = CudaCodedKernels(step, block_step, reduce, plain)
     return compiled
 
