@@ -236,10 +236,11 @@ def family(launch, rules: set) -> str:
     if name.startswith("half_"):
         return {"add": "accumulation (16-bit)", "decode": "EMA decode (16-bit)",
                 "encode": "EMA encode (16-bit)"}[name.split("_")[1]]
-    named = {"lerp_kernel": "EMA lerp", "fill_kernel": "fill", "add_kernel": "accumulation",
-             "reduce_gradients_kernel": "gradient totals"}
+    named = {"lerp_kernel": "EMA lerp", "fill_kernel": "fill", "add_kernel": "accumulation"}
     if name.split("_flatoptnofma")[0] in named:
         return named[name.split("_flatoptnofma")[0]]
+    if name.startswith("reduce_gradients_kernel"):  # (then the walk's fingerprint)
+        return "gradient totals"
     if name.startswith("reduce_half_gradients"):
         return "gradient totals (16-bit)"
     rule = launch.source.arguments[0]

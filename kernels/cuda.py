@@ -30,7 +30,7 @@ from ._bind import bind, instantiate
 from ._cuda_import import simulated
 from .cpu import COUNT_NONFINITE, MAX_ABS, SUM_POWERS, SUM_SQUARES
 from .coded import CODEC_FINGERPRINT, NATIVE
-from .cuda_chunks import chunk_walk, thread_elements
+from .cuda_chunks import FINGERPRINT as CHUNKS_FINGERPRINT, chunk_walk, thread_elements
 from .cuda_coded import CudaCodedKernels, codec, fma_primitive, half_kernels
 from .cuda_coded import compile_coded as compile_coded_walks
 from .cuda_launch import (MIN_BLOCKS, THREADS_PER_BLOCK, WIDE_MIN_BLOCKS, Source, cuda, grid,
@@ -332,7 +332,7 @@ def stored_value(g, fmt, i):
 
 
 reduce_gradients_kernel = make(instantiate(
-    _gradient_totals, "reduce_gradients_kernel", walk=chunk_walk(
+    _gradient_totals, f"reduce_gradients_kernel_{CHUNKS_FINGERPRINT}", walk=chunk_walk(
         _totals_overlap, "reduce_gradients", gradient_value=cuda.jit(device=True)(stored_value))),
     cache=True)
 _reduce_half_gradients: list = []

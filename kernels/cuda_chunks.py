@@ -11,17 +11,24 @@ carried): the visit returns it, and the walk returns the last one.
 A kernel calls the walk its maker bound with :func:`chunk_walk` (as ``walk``); the visit and
 the walk are device functions inlined into the kernel by Numba (``inline="always"``), so NVVM
 gets each kernel as the loop written by hand (left to NVVM, the extra call levels changed
-what it unrolled and unswitched). ``kernels.cuda.reduce_gradients_kernel`` is cached on
-disk (``cache=True``), and Numba's cache checks the kernel's own file only: after an edit here,
-clear the Numba cache directory before running on a GPU.
+what it unrolled and unswitched). A kernel cached on disk that inlines the walk carries
+:data:`FINGERPRINT` in its name (``kernels.cuda.reduce_gradients_kernel``): Numba's cache
+checks the kernel's own file only, so an edit here must change the name it is cached under.
 """
 
 from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
 
 from numba import uint64
 
 from ._bind import instantiate
 from .cuda_launch import cuda
+
+FINGERPRINT = hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()[:8]
+"""A digest of this file: part of the name of a disk-cached kernel that inlines the walk."""
 
 
 def _walk(present, offsets, sizes, chunk_first, chunk_size, total, context, state):
