@@ -3,14 +3,14 @@ arithmetic, rounded as torch rounds it, so both give the same bits."""
 import math
 
 import flatopt
-from flatopt.blocks import fma, lerp
+from flatopt.blocks import bias_correction, lerp, square_ema
 
 
 def adamw(p, g, m, v, decay, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size,
           bias_correction2_sqrt):
     p = p * decay                                   # decoupled weight decay
     m = lerp(m, g, one_minus_beta1)                 # torch's exp_avg.lerp_(grad, 1 - beta1)
-    v = fma(one_minus_beta2 * g, g, v * beta2)      # exp_avg_sq.mul_(beta2).addcmul_(...)
+    v = square_ema(v, g, beta2, one_minus_beta2)    # exp_avg_sq.mul_(beta2).addcmul_(...)
     p = p + (neg_step_size * m) / (math.sqrt(v) / bias_correction2_sqrt + eps)
     return p, m, v
 
@@ -21,7 +21,7 @@ def derived(lr, beta1, beta2, weight_decay):
 
 
 def bias_corrections(step, lr, beta1, beta2):      # the parameter's own count, as torch
-    return -(lr / (1 - beta1 ** float(step))), (1 - beta2 ** float(step)) ** 0.5
+    return -(lr / bias_correction(beta1, step)), bias_correction(beta2, step) ** 0.5
 
 
 BlocksAdamW = flatopt.define_optimizer(

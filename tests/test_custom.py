@@ -1020,3 +1020,45 @@ def test_a_function_whose_file_changed_since_it_was_defined_is_refused(tmp_path,
         np.testing.assert_allclose(opt.params["w"], 1.1)
     finally:
         registry.unregister("EditedTest")
+
+
+# ----------------------------------------------------------------------------- building blocks
+_BLOCKS: dict = {}
+
+
+def compiled_blocks() -> dict:
+    """flatopt.blocks' functions compiled for the CPU, as a rule's body gets them."""
+    if not _BLOCKS:
+        from numba import njit
+        from flatopt.kernels._bind import bind_functions
+        from flatopt.kernels.rules.moments import nearer_lerp
+        _BLOCKS.update(bind_functions("blocks", [flatopt.blocks.lerp, nearer_lerp,
+                                                 flatopt.blocks.square_ema,
+                                                 flatopt.blocks.cautious], njit))
+    return _BLOCKS
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(weight=st.floats(-2, 2, width=32), beta=st.floats(0, 1, width=32, exclude_max=True),
+       scale=st.floats(1, 1000, width=32), seed=st.integers(0, 2**16))
+def test_the_building_blocks_round_as_torchs_kernels(weight, beta, scale, seed):
+    """flatopt.blocks against torch's CPU kernels, float32, bit for bit (32 elements: whole
+    vectors of its kernels): lerp is torch.lerp (either end), square_ema is
+    v.mul(beta).addcmul_(g, g, value=1 - beta); cautious is timm's mask times its scale."""
+    torch = pytest.importorskip("torch")
+    blocks = compiled_blocks()
+    rng = np.random.default_rng(seed)
+    start, end, v = (rng.standard_normal(32).astype(np.float32) for _ in range(3))
+    v = np.abs(v)
+    w, b, c = np.float32(weight), np.float32(beta), np.float32(1 - beta)
+    mine = np.array([blocks["lerp"](s, e, w) for s, e in zip(start, end)], np.float32)
+    theirs = torch.lerp(torch.tensor(start), torch.tensor(end), float(weight)).numpy()
+    assert mine.tobytes() == theirs.tobytes()
+    mine = np.array([blocks["square_ema"](x, g, b, c) for x, g in zip(v, end)], np.float32)
+    theirs = torch.tensor(v).mul(float(beta)).addcmul_(torch.tensor(end), torch.tensor(end),
+                                                       value=1 - float(beta)).numpy()
+    assert mine.tobytes() == theirs.tobytes()
+    s = np.float32(scale)
+    mine = np.array([blocks["cautious"](u, g, s) for u, g in zip(start, end)], np.float32)
+    assert mine.dtype == np.float32 and \
+        mine.tobytes() == (start * np.where(start * end > 0, s, np.float32(0))).tobytes()

@@ -7,8 +7,8 @@ from ..arithmetic import fma
 from ..elementwise import Off, element_prepare, element_reduce, element_span
 from ..layouts import positions
 from ..rule import Rule
-from .caution import REDUCTIONS, caution_finalize
-from .moments import MomentScalars, nearer_lerp
+from .caution import REDUCTIONS, caution_finalize, cautious
+from .moments import MomentScalars, bias_correction, nearer_lerp, square_ema
 
 
 Scalars = MomentScalars
@@ -81,7 +81,7 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coef
         p = p * decoupled_decay_factor
     g, m = adam_moment(p, g, m, lerp_coefficient, weight_decay, has_weight_decay, decoupled,
                        maximize, lerp_from_end)
-    v = fma(one_minus_beta2 * g, g, v * beta2)
+    v = square_ema(v, g, beta2, one_minus_beta2)
     if amsgrad:
         # torch.maximum propagates NaN; "not (v_max >= v)" keeps that.
         if not (v_max >= v):
@@ -89,11 +89,7 @@ def adam_rule(p, g, m, v, v_max, neg_step_size, bias_correction2_sqrt, lerp_coef
         denom = math.sqrt(v_max) / bias_correction2_sqrt + eps
     else:
         denom = math.sqrt(v) / bias_correction2_sqrt + eps
-    u = m
-    if caution:
-        # timm multiplies by the mask: a masked m gives 0 (NaN where m is not finite); the
-        # zero is the scale's own type, so a float32 kernel stays float32
-        u = m * (caution_scale if m * g > 0 else caution_scale - caution_scale)
+    u = cautious(m, g, caution_scale) if caution else m
     p = p + (neg_step_size * u) / denom
     return p, m, v, v_max
 
@@ -128,7 +124,7 @@ def adam_per_step(t, lr, beta1, beta2):
     """A parameter's bias corrections at its step ``t``, formed in float64 as torch does in
     Python (the literals too), then stored in the buffer's dtype: ``neg_step_size =
     -lr / (1 - beta1**t)``, ``bias_correction2_sqrt = sqrt(1 - beta2**t)``."""
-    return -(lr / (1.0 - beta1 ** t)), (1.0 - beta2 ** t) ** 0.5
+    return -(lr / bias_correction(beta1, t)), bias_correction(beta2, t) ** 0.5
 
 
 adam_prepare = element_prepare("adam_prepare", adam_per_step,
@@ -137,7 +133,8 @@ adam_prepare = element_prepare("adam_prepare", adam_per_step,
 
 
 RULE = Rule(name="adam", span=adam_span, prepare=adam_prepare,
-            helpers=(adam_per_step, nearer_lerp, adam_moment, adam_agrees, adam_rule, caution_finalize),
+            helpers=(adam_per_step, bias_correction, nearer_lerp, square_ema, cautious, adam_moment,
+                     adam_agrees, adam_rule, caution_finalize),
             slots=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
             columns={"step": "int64", "neg_step_size": "param",
                      "bias_correction2_sqrt": "param", "caution_scale": "param"},

@@ -8,6 +8,7 @@ from ..arithmetic import fma
 from ..elementwise import element_span
 from ..layouts import positions
 from ..rule import Rule
+from .moments import square_ema
 
 
 class Scalars(NamedTuple):
@@ -40,7 +41,7 @@ def ademamix_rule(p, g, m1, m2, nu, beta1, one_minus_beta1, beta2, one_minus_bet
     rest one operation at a time in the reference's order."""
     m1 = fma(g, one_minus_beta1, m1 * beta1)
     m2 = fma(g, one_minus_beta3, m2 * beta3)
-    nu = fma(one_minus_beta2 * g, g, nu * beta2)
+    nu = square_ema(nu, g, beta2, one_minus_beta2)
     denom = math.sqrt(nu) / bias_correction2_sqrt + eps
     update = (m1 / bias_correction1 + alpha * m2) / denom
     update = fma(p, weight_decay, update)
@@ -59,5 +60,5 @@ def ademamix_prepare(present, columns, scalars, flags, start, stop, stride):
 
 
 RULE = Rule(name="ademamix", span=ademamix_span, prepare=ademamix_prepare,
-            helpers=(ademamix_rule,), slots=("m1", "m2", "nu"),
+            helpers=(ademamix_rule, square_ema), slots=("m1", "m2", "nu"),
             columns={"initialized": "uint8"}, scalars=Scalars)

@@ -9,8 +9,8 @@ from ..arithmetic import fma
 from ..elementwise import element_prepare, element_reduce, element_span
 from ..layouts import positions
 from ..rule import Rule
-from .caution import REDUCTIONS, caution_finalize
-from .moments import nearer_lerp
+from .caution import REDUCTIONS, caution_finalize, cautious
+from .moments import nearer_lerp, square_ema
 
 
 class Scalars(NamedTuple):
@@ -96,13 +96,9 @@ def adopt_rule(p, g, m, v, first, clip_value, neg_lr, lerp_coefficient, beta2,
     if has_weight_decay and decoupled:
         p = fma(p, neg_lr_weight_decay, p)
     m = adopt_moment(g, m, v, clip_value, lerp_coefficient, eps, clip, lerp_from_end)
-    u = m
-    if caution:
-        # timm multiplies by the mask: a masked m gives 0 (NaN where m is not finite); the
-        # zero is the scale's own type, so a float32 kernel stays float32
-        u = m * (caution_scale if m * g > 0 else caution_scale - caution_scale)
+    u = cautious(m, g, caution_scale) if caution else m
     p = fma(u, neg_lr, p)
-    v = fma(one_minus_beta2 * g, g, v * beta2)
+    v = square_ema(v, g, beta2, one_minus_beta2)
     return p, m, v
 
 
@@ -141,8 +137,8 @@ adopt_prepare = element_prepare("adopt_prepare", adopt_per_step, ("first", "clip
 
 
 RULE = Rule(name="adopt", span=adopt_span, prepare=adopt_prepare,
-            helpers=(adopt_per_step, nearer_lerp, adopt_agrees, adopt_gradient, adopt_moment,
-                     adopt_rule, caution_finalize),
+            helpers=(adopt_per_step, nearer_lerp, square_ema, cautious, adopt_agrees,
+                     adopt_gradient, adopt_moment, adopt_rule, caution_finalize),
             slots=("exp_avg", "exp_avg_sq"),
             columns={"step": "int64", "first": "uint8", "clip_value": "param",
                      "caution_scale": "param"},

@@ -21,6 +21,13 @@ REDUCTIONS = ("caution_agreeing", "caution_elements")
 """The per-parameter totals of a cautious rule's reduce: agreeing elements, all elements."""
 
 
+def cautious(u, g, scale):
+    """timm's cautious mask on an element's update ``u``: ``u * scale`` where it agrees in sign
+    with the gradient ``g``, else 0 (NaN where ``u`` is not finite: timm multiplies by the
+    mask). The zero is ``scale``'s own type, so a float32 body stays float32."""
+    return u * (scale if u * g > 0 else scale - scale)
+
+
 def caution_finalize(present, scale, sums, start, stop, stride):
     """``scale[k] = 1 / max(agreeing / elements, 1e-3)`` for the present parameters, rounded
     as timm's tensor arithmetic in the buffer's dtype: the mean is rounded to it, the clamp

@@ -43,6 +43,18 @@ def nearer_lerp(start, end, coefficient, from_end):
     return fma(coefficient, end - start, end if from_end else start)
 
 
+def square_ema(v, g, beta, one_minus_beta):
+    """``beta * v + (1 - beta) * g * g`` rounded as torch's ``v.mul_(beta).addcmul_(g, g,
+    value=1 - beta)``: ``v * beta`` rounded, then one fused multiply-add of ``(1 - beta) * g``
+    (rounded) by ``g`` (Adam's, ADOPT's, AdEMAMix's and schedule-free's second moment)."""
+    return fma(one_minus_beta * g, g, v * beta)
+
+
+def bias_correction(beta, step):
+    """``1 - beta ** step`` in float64, as torch forms it in Python (a per-step body's)."""
+    return 1.0 - beta ** float(step)
+
+
 def unfused_moments(p, g, m, v, lerp_coefficient, beta2, one_minus_beta2, weight_decay,
                     decoupled_decay_factor, has_weight_decay, decoupled, maximize,
                     lerp_from_end):

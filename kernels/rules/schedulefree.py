@@ -19,7 +19,7 @@ from ..arithmetic import fma
 from ..layouts import positions
 from ..rule import Rule
 from .fresh import mark_first_steps
-from .moments import nearer_lerp
+from .moments import nearer_lerp, square_ema
 
 
 class Scalars(NamedTuple):
@@ -74,7 +74,7 @@ def schedulefree_rule(y, g, z, v, first, lerp_coefficient, y_lr, neg_lr, weight_
     if first:
         z = y
     if adaptive:
-        v = fma(one_minus_beta2 * g, g, v * beta2)
+        v = square_ema(v, g, beta2, one_minus_beta2)
         if normalize:
             g = g / (math.sqrt(v / bias_correction2) + eps)
     if has_weight_decay:
@@ -130,7 +130,7 @@ def schedulefree_prepare(present, columns, scalars, flags, start, stop, stride):
 
 
 _COLUMNS = {"initialized": "uint8", "first": "uint8"}
-_HELPERS = (schedulefree_walk, schedulefree_rule, nearer_lerp, mark_first_steps)
+_HELPERS = (schedulefree_walk, schedulefree_rule, nearer_lerp, square_ema, mark_first_steps)
 
 RULE_ADAM = Rule(name="schedulefree_adam", span=schedulefree_adam_span,
                  prepare=schedulefree_prepare, helpers=_HELPERS,
