@@ -226,8 +226,9 @@ def element_prepare(name: str, per_step: Callable | None, outputs: Sequence[str]
     """A built-in rule's prepare ``name``: each present parameter's ``step`` column advanced;
     with ``per_step(t, <values>)``, its results (a tuple, in float64 as torch forms such
     scalars in Python, ``t`` the step count as a float) stored, in the buffer's dtype, in the
-    columns ``outputs`` names. Its values are found by name among the prepare scalars and
-    the flags."""
+    columns ``outputs`` names. Its values are found by name among the prepare scalars, the
+    flags and the columns: a column is read at each parameter (then the results are computed
+    per parameter), and may be among ``outputs`` too (NAdam's ``mu_product``)."""
     if columns._fields[0] != "step":
         raise TypeError(f"{name}: the step count must be the first column")
     values = _found(per_step, 1, _layouts(per_step.__globals__, prepare_scalars, columns,
