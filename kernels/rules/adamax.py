@@ -6,7 +6,7 @@ from ..arithmetic import fma
 from ..elementwise import element_prepare, element_span
 from ..layouts import positions
 from ..rule import Rule
-from .moments import nearer_lerp
+from .moments import bias_correction, nearer_lerp
 
 
 class Scalars(NamedTuple):
@@ -68,7 +68,7 @@ adamax_span = element_span("adamax_span", adamax_rule, 2, Scalars, Columns, Flag
 
 def adamax_per_step(t, lr, beta1):
     """``neg_step_size = -lr / (1 - beta1**t)``, formed in float64 as torch does in Python."""
-    return (-(lr / (1.0 - beta1 ** t)),)
+    return (-(lr / bias_correction(beta1, t)),)
 
 
 adamax_prepare = element_prepare("adamax_prepare", adamax_per_step, ("neg_step_size",),
@@ -76,7 +76,7 @@ adamax_prepare = element_prepare("adamax_prepare", adamax_per_step, ("neg_step_s
 
 
 RULE = Rule(name="adamax", span=adamax_span, prepare=adamax_prepare,
-            helpers=(adamax_per_step, nearer_lerp, adamax_rule),
+            helpers=(adamax_per_step, bias_correction, nearer_lerp, adamax_rule),
             slots=("exp_avg", "exp_inf"),
             columns={"step": "int64", "neg_step_size": "param"},
             scalars=Scalars, prepare_scalars=PrepareScalars, flags=Flags)

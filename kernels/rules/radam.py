@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 from ..elementwise import element_prepare, element_span
 from ..layouts import positions
-from .moments import MomentFlags, MomentScalars, moment_rule, unfused_moments
+from .moments import MomentFlags, MomentScalars, bias_correction, moment_rule, unfused_moments
 
 
 Scalars = NamedTuple("Scalars", [("lr", float), ("one", float),
@@ -81,8 +81,8 @@ def radam_per_step(t, beta1, beta2, rho_inf):
     with ``rho_inf = 2 / (1 - beta2) - 1``; the switch is per parameter, from its own ``t``.
     Returns ``(rectified, bias_correction1, sqrt(bias_correction2), rect)``, the last two 0
     when not rectified."""
-    correction1 = 1.0 - beta1 ** t
-    correction2 = 1.0 - beta2 ** t
+    correction1 = bias_correction(beta1, t)
+    correction2 = bias_correction(beta2, t)
     rho_t = rho_inf - 2.0 * t * (beta2 ** t) / correction2
     if rho_t > 5.0:
         return 1, correction1, correction2 ** 0.5, ((rho_t - 4.0) * (rho_t - 2.0) * rho_inf
@@ -96,7 +96,8 @@ radam_prepare = element_prepare("radam_prepare", radam_per_step,
                                  "rect"), PrepareScalars, Columns)
 
 
-RULE = moment_rule("radam", radam_span, radam_prepare, (radam_per_step, radam_rule),
+RULE = moment_rule("radam", radam_span, radam_prepare,
+                   (radam_per_step, bias_correction, radam_rule),
                    {"step": "int64", "rectified": "uint8", "bias_correction1": "param",
                     "bias_correction2_sqrt": "param", "rect": "param"},
                    Scalars, PrepareScalars)
