@@ -120,6 +120,11 @@ def element_span(name: str, body: Callable, slots: int, scalars: type,
     lines, _ = element_head(f"def {name}({SPAN_ARGUMENTS}):", slots,
                             [v for v in values if v[0] not in branches], pack=False)
     slot_names = tuple(inspect.signature(body).parameters)[2:2 + slots]
+    strays = sorted({s for off in branches.values() for s in (*off.unread, *off.unwritten)}
+                    - set(slot_names))
+    if strays:  # a misspelt slot would leave its array touched without a word
+        raise TypeError(f"{name}: branches name {strays}, not slots of {body.__name__}() "
+                        f"{list(slot_names)}")
 
     def loops(switches: list[str], setting: dict[str, bool], indent: str) -> list[str]:
         if switches:

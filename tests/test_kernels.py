@@ -133,6 +133,19 @@ def test_a_span_leaves_the_slots_of_a_switch_that_is_off_alone():
     assert [", True, caution_scale)" in line for line in loops] == [True, False] * 2
 
 
+def test_element_span_refuses_branches_it_cannot_honour():
+    """A switch the body does not read, or a slot name that is not one of the body's slots,
+    is a TypeError naming the span (not a span that touches an array it was told to leave)."""
+    from flatopt.kernels.elementwise import Off, element_span
+    from flatopt.kernels.rules import adam
+    with pytest.raises(TypeError, match=r"bad_span: branches \['nesterov'\]"):
+        element_span("bad_span", adam.adam_rule, 3, adam.Scalars, adam.Columns, adam.Flags,
+                     branches={"nesterov": Off()})
+    with pytest.raises(TypeError, match=r"bad_span: branches name \['vmax'\]"):
+        element_span("bad_span", adam.adam_rule, 3, adam.Scalars, adam.Columns, adam.Flags,
+                     branches={"amsgrad": Off(unread=("vmax",))})
+
+
 _BOUND_SPANS: dict = {}
 
 
