@@ -37,7 +37,7 @@ from numba import njit, prange, uint64
 
 from .._layout import aligned_zeros
 from ._bind import bind, instantiate
-from .coded import CODEC, SUB, TABLES, compile_coded
+from .coded import CODEC, SUB, compile_coded
 from .rule import Rule
 from . import segments
 from .segments import add_segments, first_segments
@@ -230,7 +230,7 @@ def _add_coded_segment(coded, start, stop, power, value, bad):
     raw, fmt, row, scales = coded
     for first in range(start, stop, SUB):
         n = min(SUB, stop - first)
-        _load_row(raw, fmt, scales, TABLES, first, n, row)
+        _load_row(raw, fmt, scales, first, n, row)
         v, count = _reduce_segment(row, 0, n, power)
         value = _combined(value, v)
         bad += count
