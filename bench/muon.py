@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 import flatopt
+from flatopt.kernels import amx
 
 from .impls import torch
 
@@ -85,8 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     ours_products = best_of(products(
         shapes.values(), np.matmul,
         lambda s: (rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32)), args.rounds)
+    half = flatopt.Muon({k: v.copy() for k, v in params.items()}, lr=0.02,
+                        ns_dtype="bfloat16")
+    ours_half = best_of(lambda: half.step(grads), args.rounds)
     line = (f"Muon, {args.blocks} {args.model} block(s): flatopt {ours * 1e3:.1f} ms "
-            f"(float32 products alone {ours_products * 1e3:.1f} ms)")
+            f"(float32 products alone {ours_products * 1e3:.1f} ms), "
+            f"flatopt ns_dtype=bfloat16 {ours_half * 1e3:.1f} ms "
+            f"({'AMX' if amx.available() else 'no AMX: NumPy'} products)")
     if torch is not None:
         tensors = [torch.tensor(v.copy(), requires_grad=True) for v in params.values()]
         for t, g in zip(tensors, grads.values()):
@@ -96,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             shapes.values(), torch.matmul,
             lambda s: torch.randn(*s, dtype=torch.bfloat16) / s[1] ** 0.5), args.rounds)
         line += (f", torch {theirs * 1e3:.1f} ms (bfloat16 products alone "
-                 f"{theirs_products * 1e3:.1f} ms); torch / flatopt {theirs / ours:.2f}x")
+                 f"{theirs_products * 1e3:.1f} ms); torch / flatopt {theirs / ours:.2f}x, "
+                 f"torch / flatopt bfloat16 {theirs / ours_half:.2f}x")
     print(line)
     return 0
 

@@ -585,6 +585,9 @@ def test_adafactor_checkpoints_store_the_factors_and_load_into_another_layout(tm
 KINDS = ["Adamax", "RAdam", "Adadelta", "RMSprop", "Rprop", "NAdam", "ASGD", "Adagrad", "Muon",
          "Adafactor"]
 TORCH_ONLY = {"foreach", "fused", "capturable", "differentiable"}
+FLATOPT_ONLY = {"Muon": ["ns_dtype"]}
+"""flatopt's own settings, keyword-only after torch's, defaulting to torch's behaviour or
+flatopt's documented one."""
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -592,7 +595,9 @@ def test_signature_and_defaults_are_torchs(kind):
     ours = inspect.signature(getattr(flatopt, kind).__init__).parameters
     theirs = inspect.signature(getattr(torch.optim, kind).__init__).parameters
     names = [n for n in theirs if n not in TORCH_ONLY]
-    assert [n for n in ours if n != "unknown"] == names
+    extras = FLATOPT_ONLY.get(kind, [])
+    assert [n for n in ours if n != "unknown"] == names + extras
+    assert all(ours[n].kind is ours[n].KEYWORD_ONLY for n in extras)
     for name in names[1:]:
         assert ours[name].default == theirs[name].default, name
     torch_keyword_only = {n for n, p in theirs.items() if p.kind is p.KEYWORD_ONLY}

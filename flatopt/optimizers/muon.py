@@ -37,6 +37,12 @@ def _adjust_lr_fn(value: Any) -> str | None:
     return value
 
 
+def _ns_dtype(value: Any) -> str | None:
+    if value not in (None, "bfloat16"):
+        raise Invalid(f"must be None (the parameter's dtype) or 'bfloat16', got {value!r}")
+    return value
+
+
 def _only_matrices(shape: tuple) -> str | None:
     if len(shape) != 2:
         return (f"has shape {shape}: Muon optimizes 2-D parameters only (as torch.optim.Muon); "
@@ -56,7 +62,11 @@ SCHEMA = Schema(
         "ns_steps": Hyperparameter(5, _ns_steps, (5, 3, 0)),
         "adjust_lr_fn": Hyperparameter(None, _adjust_lr_fn,
                                        (None, "original", "match_rms_adamw")),
+        # not drawn by the generic tests (their NumPy reference keeps the parameter's
+        # dtype): tests/test_muon_bfloat16.py covers "bfloat16"
+        "ns_dtype": Hyperparameter(None, _ns_dtype, (None,), since=2),
     },
+    version=2,
     columns={"momentum_initialized": Column("uint8", 1, marker=True, in_state_dict=False)},
     slots={"momentum_buffer": Slot()},
     param_problem=_only_matrices,
@@ -74,10 +84,14 @@ class Muon(Optimizer):
         p = p * (1 - lr * weight_decay) - lr * adjust(shape) * O
 
     with ``adjust`` ``sqrt(max(1, rows / cols))`` ("original", the default) or
-    ``0.2 * sqrt(max(rows, cols))`` ("match_rms_adamw"). The Newton-Schulz iteration runs in
-    the parameter's dtype with NumPy matrix products, one parameter at a time (torch runs it in
-    bfloat16: results agree to bfloat16's precision). Pair it with AdamW (two optimizers) for
-    biases, norms and embeddings; non-2-D parameters are refused.
+    ``0.2 * sqrt(max(rows, cols))`` ("match_rms_adamw"). The Newton-Schulz iteration runs
+    one parameter at a time, by default in the parameter's dtype with NumPy's matrix products
+    (torch runs it in bfloat16: results agree to bfloat16's precision). ``ns_dtype="bfloat16"``
+    rounds the products' operands to bfloat16 and sums them in float32, the rest in float32:
+    torch's precision and, on a CPU with AMX (Intel Xeon from Sapphire Rapids on), its speed
+    (``kernels/amx.py``; elsewhere NumPy's float32 products of the rounded operands). Pair it
+    with AdamW (two optimizers) for biases, norms and embeddings; non-2-D parameters are
+    refused.
     """
 
     schema = SCHEMA
@@ -85,8 +99,9 @@ class Muon(Optimizer):
     def __init__(self, params: Any, lr: float = 1e-3, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
-                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
-                 **unknown: Any):
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None, *,
+                 ns_dtype: str | None = None, **unknown: Any):
         super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum,
                          nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps,
-                         ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, **unknown)
+                         ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
+                         **unknown)
