@@ -29,6 +29,7 @@ import sys
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
+import numba
 from numba import njit, prange, types, uint64
 from numba.extending import intrinsic
 
@@ -246,9 +247,8 @@ def store_block(bits, i, j, left, right, transposed):
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def pack(a, left, right, transposed):
-    """The operands of float32 ``a`` (its dimensions multiples of ``BLOCK``), rounded: left,
-    right, and its transpose's right (each skipped where empty)."""
+def _pack(a, left, right, transposed):
+    """:func:`pack`, its arguments checked."""
     for strip in prange(a.shape[0] // BLOCK):
         bits = np.empty((BLOCK, BLOCK), np.uint16)
         i = strip * BLOCK
@@ -260,50 +260,107 @@ def pack(a, left, right, transposed):
             store_block(bits, i, j, left, right, transposed)
 
 
+def pack(a: np.ndarray, left: np.ndarray, right: np.ndarray, transposed: np.ndarray) -> None:
+    """The operands of float32 ``a`` (any strides, its dimensions multiples of ``BLOCK``),
+    rounded: its left operand, its right operand and its transpose's right operand, each
+    skipped where given empty. Misshapen arrays are refused (``ValueError``) before anything
+    is written: the kernel does not check its indices."""
+    if a.dtype != np.float32 or a.ndim != 2 or a.shape[0] % BLOCK or a.shape[1] % BLOCK:
+        raise ValueError(f"a must be a float32 matrix of multiples of {BLOCK}, got "
+                         f"{a.dtype} {a.shape}")
+    m, n = a.shape
+    for name, out, shape in (("left", left, left_shape(m, n)), ("right", right, right_shape(m, n)),
+                             ("transposed", transposed, right_shape(n, m))):
+        if out.size and (out.dtype != np.uint16 or out.shape != shape
+                         or not out.flags.c_contiguous):
+            raise ValueError(f"{name} must be empty or a C-contiguous uint16 array of shape "
+                             f"{shape}, got {out.dtype} {out.shape}")
+    _pack(a, left, right, transposed)
+
+
+DEPTH_STEPS = 8
+"""Inner-dimension steps (of ``BLOCK``) per pass over a panel: a strip's left operand for
+one pass, 2 x 8 tiles (16 KiB), stays in L1 while the panel's right tiles stream by."""
+PANEL_TILES = 64
+"""Right-operand tile columns per panel (1024 columns): a panel of ``DEPTH_STEPS`` steps is
+512 KiB, in a core's L2 while every strip of the thread passes over it (the whole right
+operand, 4.5 MiB at 768 x 3072, came from L3 once per strip)."""
+
+
 @njit(cache=True, parallel=True, error_model="numpy")
-def _dot(left, right, sums, config):
-    """``sums`` = ``left @ right``, a 32 x 32 block of ``sums`` per iteration, its inner
-    dimension in order."""
-    columns = right.shape[1] // 2
+def _dot(left, right, sums, config, threads):
+    """``sums`` = ``left @ right``, the rows' strips of 32 split evenly among the threads.
+    Each thread walks panels of the right operand (``DEPTH_STEPS`` x ``PANEL_TILES`` tiles),
+    and for each of its strips the panel's 32 x 32 blocks, a block's sums loaded from
+    ``sums`` (zero at the first panel of the inner dimension) and stored back; each block's
+    inner dimension runs in order, so the sums do not depend on the thread count. The tiles
+    are configured once per thread (``threads``: the caller's ``numba.get_num_threads()``,
+    an argument so that the kernel can be cached)."""
+    strips = left.shape[0] // 2
+    tiles = right.shape[1]
     depth = left.shape[1]
-    for block in prange((left.shape[0] // 2) * columns):
-        i = (block // columns) * 2
-        j = (block % columns) * 2
+    parts = min(threads, strips)
+    for part in prange(parts):
+        first, last = part * strips // parts, (part + 1) * strips // parts
         _tile_config(config)
-        _tile_zero(4)
-        _tile_zero(5)
-        _tile_zero(6)
-        _tile_zero(7)
-        for k in range(depth):
-            _tile_load(0, left[i, k], 0, 0)
-            _tile_load(1, left[i + 1, k], 0, 0)
-            _tile_load(2, right[k, j], 0, 0)
-            _tile_load(3, right[k, j + 1], 0, 0)
-            _tile_dot(4, 0, 2)
-            _tile_dot(5, 0, 3)
-            _tile_dot(6, 1, 2)
-            _tile_dot(7, 1, 3)
-        row, col = i * TILE_ROWS, j * TILE_ROWS
-        _tile_store(4, sums, row, col)
-        _tile_store(5, sums, row, col + TILE_ROWS)
-        _tile_store(6, sums, row + TILE_ROWS, col)
-        _tile_store(7, sums, row + TILE_ROWS, col + TILE_ROWS)
+        for k0 in range(0, depth, DEPTH_STEPS):
+            k1 = min(k0 + DEPTH_STEPS, depth)
+            for j0 in range(0, tiles, PANEL_TILES):
+                for strip in range(first, last):
+                    i = 2 * strip
+                    row = i * TILE_ROWS
+                    for j in range(j0, min(j0 + PANEL_TILES, tiles), 2):
+                        col = j * TILE_ROWS
+                        if k0 == 0:
+                            _tile_zero(4)
+                            _tile_zero(5)
+                            _tile_zero(6)
+                            _tile_zero(7)
+                        else:
+                            _tile_load(4, sums, row, col)
+                            _tile_load(5, sums, row, col + TILE_ROWS)
+                            _tile_load(6, sums, row + TILE_ROWS, col)
+                            _tile_load(7, sums, row + TILE_ROWS, col + TILE_ROWS)
+                        for k in range(k0, k1):
+                            _tile_load(0, left[i, k], 0, 0)
+                            _tile_load(1, left[i + 1, k], 0, 0)
+                            _tile_load(2, right[k, j], 0, 0)
+                            _tile_load(3, right[k, j + 1], 0, 0)
+                            _tile_dot(4, 0, 2)
+                            _tile_dot(5, 0, 3)
+                            _tile_dot(6, 1, 2)
+                            _tile_dot(7, 1, 3)
+                        _tile_store(4, sums, row, col)
+                        _tile_store(5, sums, row, col + TILE_ROWS)
+                        _tile_store(6, sums, row + TILE_ROWS, col)
+                        _tile_store(7, sums, row + TILE_ROWS, col + TILE_ROWS)
         _tile_release()
 
 
 def dot(left: np.ndarray, right: np.ndarray, sums: np.ndarray) -> None:
     """``sums`` (float32, m x n, C-contiguous) = the product of the packed operands
-    ``left`` (:func:`left_shape` ``(m, k)``) and ``right`` (:func:`right_shape` ``(k, n)``);
-    only where :func:`available` (a CPU without AMX stops at an illegal instruction)."""
+    ``left`` (uint16, C-contiguous, :func:`left_shape` ``(m, k)``) and ``right`` (the same,
+    :func:`right_shape` ``(k, n)``); only where :func:`available` (a CPU without AMX stops
+    at an illegal instruction). Anything else is refused before a tile is touched: the
+    tiles read and write whole rows of 64 bytes, so a wrong dtype or layout would read or
+    write past the arrays."""
     if not available():
         raise RuntimeError("this CPU or process cannot run AMX tile instructions")
+    for name, array, dtype in (("left", left, np.uint16), ("right", right, np.uint16),
+                               ("sums", sums, np.float32)):
+        if array.dtype != dtype or not array.flags.c_contiguous:
+            raise ValueError(f"{name} must be a C-contiguous {np.dtype(dtype)} array, got "
+                             f"{array.dtype} {'C' if array.flags.c_contiguous else 'strided'}")
+    if left.ndim != 4 or right.ndim != 4 or sums.ndim != 2:
+        raise ValueError(f"operands {left.shape} and {right.shape} into {sums.shape}: not "
+                         f"packed operands and a matrix")
     m, n = sums.shape
     k = left.shape[1] * BLOCK
     if (left.shape != left_shape(m, k) or right.shape != right_shape(k, n)
-            or m % BLOCK or n % BLOCK or not sums.flags.c_contiguous):
+            or m % BLOCK or n % BLOCK):
         raise ValueError(f"operands {left.shape} and {right.shape} into {sums.shape}: not "
                          f"packed products of multiples of {BLOCK}")
-    _dot(left, right, sums, _CONFIG)
+    _dot(left, right, sums, _CONFIG, numba.get_num_threads())
 
 
 @njit(cache=True, parallel=True, error_model="numpy")

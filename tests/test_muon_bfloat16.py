@@ -176,8 +176,12 @@ def test_dot_of_packed_operands_is_matmul():
 @amx_only
 @pytest.mark.parametrize("case", ["rows not a multiple of 32", "columns not a multiple of 32",
                                   "inner dimensions differ", "left not packed",
-                                  "right not packed", "sums not contiguous"])
+                                  "right not packed", "sums not contiguous",
+                                  "left float32", "left uint8", "left strided",
+                                  "right strided", "sums float64", "sums float16"])
 def test_dot_refuses_operands_that_are_not_packed_multiples_of_32(case):
+    """Refused before a tile moves: the tiles read and write whole 64-byte rows, so a
+    wrong dtype or layout would read or write past the arrays."""
     left, right = _packed(32, 64, 32)
     sums = np.empty((32, 32), np.float32)
     if case == "rows not a multiple of 32":
@@ -192,10 +196,20 @@ def test_dot_refuses_operands_that_are_not_packed_multiples_of_32(case):
         left = np.zeros((32, 64), np.uint16)
     elif case == "right not packed":
         right = np.zeros((64, 32), np.uint16)
-    else:
+    elif case == "sums not contiguous":
         sums = np.empty((32, 64), np.float32)[:, :32]
+    elif case == "left float32":
+        left = left.astype(np.float32)
+    elif case == "left uint8":
+        left = np.zeros(left.shape, np.uint8)
+    elif case == "left strided":
+        left = np.asfortranarray(left)
+    elif case == "right strided":
+        right = np.asfortranarray(right)
+    else:
+        sums = np.empty((32, 32), np.float64 if case == "sums float64" else np.float16)
     before = sums.copy()
-    with pytest.raises(ValueError, match="not packed products of multiples of 32"):
+    with pytest.raises(ValueError, match="not packed|C-contiguous"):
         amx.dot(left, right, sums)
     np.testing.assert_array_equal(sums, before)
 
@@ -482,3 +496,27 @@ def test_muon_bfloat16_is_deterministic_and_its_setting_is_used():
     for path in values:
         assert relative(default.params[path] - values[path],
                         first.params[path] - values[path]) > 1e-3, path
+
+
+@pytest.mark.parametrize("case", ["a not a multiple of 32", "a float64", "left too small",
+                                  "right float32", "transposed strided"])
+def test_pack_refuses_misshapen_arrays_before_writing(case):
+    """``pack``'s kernel does not check its indices: a wrong shape, dtype or layout is
+    refused before any array is written."""
+    a = np.ones((32, 64), np.float32)
+    left = np.zeros(amx.left_shape(32, 64), np.uint16)
+    right = np.zeros(amx.right_shape(32, 64), np.uint16)
+    transposed = np.zeros(amx.right_shape(64, 32), np.uint16)
+    if case == "a not a multiple of 32":
+        a = np.ones((32, 48), np.float32)
+    elif case == "a float64":
+        a = a.astype(np.float64)
+    elif case == "left too small":
+        left = np.zeros(amx.left_shape(32, 32), np.uint16)
+    elif case == "right float32":
+        right = right.astype(np.float32)
+    else:
+        transposed = np.asfortranarray(transposed)
+    with pytest.raises(ValueError, match="must be"):
+        amx.pack(a, left, right, transposed)
+    assert not left.any() and not right.any() and not transposed.any()

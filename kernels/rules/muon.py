@@ -169,7 +169,7 @@ def _newtonschulz_tiles(x: np.ndarray, a, b, c, steps: int) -> np.ndarray:
         _combine(gram, gram_squared, b, c, combined)
         amx.dot(combined, x_right, product)
         _advance(padded, product, a, x_left, x_right, x_transposed)
-    return padded[:m, :n]
+    return padded[:m, :n].copy()  # not a view keeping the padded work array
 
 
 def adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
