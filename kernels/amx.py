@@ -227,23 +227,23 @@ def store_block(bits, i, j, left, right, transposed):
                 source = bits[t * half + r]
                 for c in range(uint64(BLOCK)):
                     target[c] = source[c]
-    if right.size:  # rows 2r and 2r + 1 of the block interleaved, 16 columns per tile
+    # a right operand's tile row holds 16 pairs, each a 32-bit word (the pair's first
+    # element in the low half): built and moved as words, half the stores
+    if right.size:  # rows 2r and 2r + 1 of the block, paired, 16 columns per tile
         for t in range(2):
             for r in range(half):
-                target = right[i // BLOCK, j // half + t, r]
+                target = right[i // BLOCK, j // half + t, r].view(np.uint32)
                 even = bits[2 * r, t * half:(t + 1) * half]
                 odd = bits[2 * r + 1, t * half:(t + 1) * half]
                 for c in range(width):
-                    target[2 * c] = even[c]
-                    target[2 * c + 1] = odd[c]
-    if transposed.size:  # the same of the block's transpose: columns 2r and 2r + 1
+                    target[c] = np.uint32(even[c]) | (np.uint32(odd[c]) << np.uint32(16))
+    if transposed.size:  # the block's transpose: its row c's pairs are the words of column
+        words = bits.view(np.uint32)  # BLOCK x 16 words: row c's pairs
         for t in range(2):
-            rows = bits[t * half:(t + 1) * half]
             for r in range(half):
-                target = transposed[j // BLOCK, i // half + t, r]
+                target = transposed[j // BLOCK, i // half + t, r].view(np.uint32)
                 for c in range(width):
-                    target[2 * c] = rows[c, 2 * r]
-                    target[2 * c + 1] = rows[c, 2 * r + 1]
+                    target[c] = words[t * half + c, r]
 
 
 @njit(cache=True, parallel=True, error_model="numpy")

@@ -90,13 +90,16 @@ def newtonschulz_bfloat16(update: np.ndarray, coefficients, steps: int, eps: flo
     f32 = np.float32
     a, b, c = (f32(x) for x in coefficients)
     tall = update.shape[0] > update.shape[1]
-    x = np.array(update.T if tall else update, dtype=f32, order="C")
-    x /= max(f32(np.linalg.norm(x)), f32(eps))
+    source = update.astype(f32, copy=False)
+    source = source.T if tall else source
+    scale = max(f32(np.linalg.norm(source)), f32(eps))
     if tiles is None:
         tiles = amx.available()
-    if tiles and x.size:
-        x = _newtonschulz_tiles(x, a, b, c, steps)
+    if tiles and source.size:
+        x = _newtonschulz_tiles(source, scale, a, b, c, steps)
     else:
+        x = np.empty(source.shape, f32)
+        np.divide(source, scale, out=x)
         for _ in range(steps):
             rounded = np.empty_like(x)
             amx.round_bfloat16(x, rounded)
@@ -143,14 +146,15 @@ def _advance(x, product, a, left, right, transposed):
             amx.store_block(bits, i, j, left, right, transposed)
 
 
-def _newtonschulz_tiles(x: np.ndarray, a, b, c, steps: int) -> np.ndarray:
-    """:func:`newtonschulz_bfloat16`'s loop on AMX: the matrices zero-padded to whole
-    blocks (the padding stays zero: every product and combination of zeros is zero), the
-    operands packed (and rounded) by the passes that make their matrices."""
-    m, n = x.shape
+def _newtonschulz_tiles(source: np.ndarray, scale, a, b, c, steps: int) -> np.ndarray:
+    """:func:`newtonschulz_bfloat16`'s loop on AMX from ``source / scale`` (``source``
+    float32, the wide orientation, any strides): the matrices zero-padded to whole blocks
+    (the padding stays zero: every product and combination of zeros is zero), the operands
+    packed (and rounded) by the passes that make their matrices."""
+    m, n = source.shape
     rows, cols = amx.padded(m), amx.padded(n)
     padded = np.zeros((rows, cols), np.float32)
-    padded[:m, :n] = x
+    np.divide(source, scale, out=padded[:m, :n])
     x_left = np.empty(amx.left_shape(rows, cols), np.uint16)
     x_right = np.empty(amx.right_shape(rows, cols), np.uint16)
     x_transposed = np.empty(amx.right_shape(cols, rows), np.uint16)
@@ -181,6 +185,37 @@ def adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
     return lr * ratio
 
 
+@njit(inline="always", error_model="numpy")
+def _lerp(start, end, weight, from_start, one_minus_weight):
+    """:func:`torch_lerp` of one element, its end chosen by the caller."""
+    difference = end - start
+    return start + weight * difference if from_start else end - one_minus_weight * difference
+
+
+@njit(cache=True, error_model="numpy")
+def _momentum(buf, grad, lerps, from_start, nesterov, update):
+    """``buf = lerp(buf, grad, lerps[0])`` and, with ``nesterov``, ``update = lerp(grad,
+    buf, lerps[2])`` (``lerps[1]``, ``lerps[3]``: one minus each weight; ``from_start``:
+    each lerp's end) in one pass, as :func:`torch_lerp`'s NumPy passes round them."""
+    for i in range(buf.shape[0]):
+        b, g, u = buf[i], grad[i], update[i]
+        for j in range(uint64(buf.shape[1])):
+            value = _lerp(b[j], g[j], lerps[0], from_start[0], lerps[1])
+            b[j] = value
+            if nesterov:
+                u[j] = _lerp(g[j], value, lerps[2], from_start[1], lerps[3])
+
+
+@njit(cache=True, error_model="numpy")
+def _apply(param, ortho, decay, step):
+    """``param = param * decay + step * ortho``, rounded as NumPy's ``param *= decay;
+    param += step * ortho``."""
+    for i in range(param.shape[0]):
+        p, o = param[i], ortho[i]
+        for j in range(uint64(param.shape[1])):
+            p[j] = p[j] * decay + step * o[j]
+
+
 def muon_update(param, grad, state, settings, columns):
     """One parameter's step (torch's ``_single_tensor_muon``)::
 
@@ -188,19 +223,26 @@ def muon_update(param, grad, state, settings, columns):
         u = lerp(g, buf, momentum) if nesterov else buf
         O = NewtonSchulz(u)
         p = p * (1 - lr * weight_decay) - adjusted_lr * O
-    """
+
+    the element-wise parts in one pass each (:func:`_momentum`, :func:`_apply`: the same
+    roundings as NumPy's expressions, without their temporaries)."""
     if param.size == 0:
         return  # nothing to move (torch divides by zero adjusting lr for a 3 x 0 matrix)
-    dtype = param.dtype
+    t = param.dtype.type
     buf = state["momentum_buffer"]
     momentum = settings["momentum"]
-    buf[...] = torch_lerp(buf, grad, 1.0 - momentum, dtype)
-    update = torch_lerp(grad, buf, momentum, dtype) if settings["nesterov"] else buf
+    weights = (t(1.0 - momentum), t(momentum))
+    lerps = np.array([weights[0], t(1) - weights[0], weights[1], t(1) - weights[1]],
+                     param.dtype)
+    from_start = np.array([abs(float(w)) < 0.5 for w in weights])
+    nesterov = bool(settings["nesterov"])
+    update = np.empty_like(buf) if nesterov else buf
+    _momentum(buf, grad, lerps, from_start, nesterov, update)
     ortho = zeropower_via_newtonschulz(update, settings["ns_coefficients"],
                                        settings["ns_steps"], settings["eps"],
                                        settings["ns_dtype"])
-    param *= dtype.type(1.0 - settings["lr"] * settings["weight_decay"])
-    param += dtype.type(-adjusted_lr(settings["lr"], settings["adjust_lr_fn"], param.shape)) * ortho
+    _apply(param, ortho, t(1.0 - settings["lr"] * settings["weight_decay"]),
+           t(-adjusted_lr(settings["lr"], settings["adjust_lr_fn"], param.shape)))
 
 
 RULE = Rule(name="muon", span=muon_span, prepare=muon_prepare, helpers=(),
