@@ -88,10 +88,10 @@ class Muon(Optimizer):
     one parameter at a time, by default in the parameter's dtype with NumPy's matrix products
     (torch runs it in bfloat16: results agree to bfloat16's precision). ``ns_dtype="bfloat16"``
     rounds the products' operands to bfloat16 and sums them in float32, the rest in float32:
-    torch's precision and, on a CPU with AMX (Intel Xeon from Sapphire Rapids on), its speed
-    (``kernels/amx.py``; elsewhere NumPy's float32 products of the rounded operands). Pair it
-    with AdamW (two optimizers) for biases, norms and embeddings; non-2-D parameters are
-    refused.
+    torch's precision, and on a CPU with AMX (Intel Xeon from Sapphire Rapids on) about twice
+    the default's speed (``kernels/amx.py``; elsewhere NumPy's float32 products of the rounded
+    operands, slower than the default). Pair it with AdamW (two optimizers) for biases, norms
+    and embeddings; non-2-D parameters are refused.
     """
 
     schema = SCHEMA

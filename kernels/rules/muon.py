@@ -105,9 +105,9 @@ def newtonschulz_bfloat16(update: np.ndarray, coefficients, steps: int, eps: flo
             amx.round_bfloat16(x, rounded)
             gram = np.empty((x.shape[0], x.shape[0]), f32)
             np.matmul(rounded, rounded.T, out=gram)
-            amx.round_bfloat16(gram.copy(), gram)
+            amx.round_bfloat16(gram, gram)  # element by element: in place is safe
             combined = b * gram + c * (gram @ gram)
-            amx.round_bfloat16(combined.copy(), combined)
+            amx.round_bfloat16(combined, combined)
             x = a * rounded + combined @ rounded
     return x.T if tall else x
 
