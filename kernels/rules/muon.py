@@ -47,7 +47,8 @@ def zeropower_via_newtonschulz(update: np.ndarray, coefficients, steps: int, eps
     None), or with the matrix products' operands rounded to bfloat16 and summed in float32,
     the rest in float32 (``"bfloat16"``: torch's choice, :func:`newtonschulz_bfloat16`)."""
     if products == "bfloat16":
-        return newtonschulz_bfloat16(update, coefficients, steps, eps).astype(update.dtype)
+        return newtonschulz_bfloat16(update, coefficients, steps, eps).astype(update.dtype,
+                                                                               copy=False)
     a, b, c = (update.dtype.type(x) for x in coefficients)
     x = update.T if update.shape[0] > update.shape[1] else update
     x = x / max(update.dtype.type(np.linalg.norm(x)), update.dtype.type(eps))
