@@ -5,6 +5,7 @@ function run per present parameter (``Rule.per_parameter``); its kernels only ma
 parameters have a momentum buffer."""
 
 import math
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -13,6 +14,7 @@ from numba import njit, prange, uint64
 from .. import amx
 from ..layouts import positions
 from ..rule import Rule
+from ..threads import threaded
 
 
 class Columns(NamedTuple):
@@ -42,13 +44,14 @@ def torch_lerp(start, end, weight, dtype):
 
 
 def zeropower_via_newtonschulz(update: np.ndarray, coefficients, steps: int, eps: float,
-                               products: str | None = None) -> np.ndarray:
+                               products: str | None = None, scratch: bool = False) -> np.ndarray:
     """torch's ``_zeropower_via_newtonschulz``: in the update's own dtype (``products``
     None), or with the matrix products' operands rounded to bfloat16 and summed in float32,
-    the rest in float32 (``"bfloat16"``: torch's choice, :func:`newtonschulz_bfloat16`)."""
+    the rest in float32 (``"bfloat16"``: torch's choice, :func:`newtonschulz_bfloat16`,
+    ``scratch`` as there)."""
     if products == "bfloat16":
-        return newtonschulz_bfloat16(update, coefficients, steps, eps).astype(update.dtype,
-                                                                               copy=False)
+        return newtonschulz_bfloat16(update, coefficients, steps, eps,
+                                     scratch=scratch).astype(update.dtype, copy=False)
     a, b, c = (update.dtype.type(x) for x in coefficients)
     x = update.T if update.shape[0] > update.shape[1] else update
     x = x / max(update.dtype.type(np.linalg.norm(x)), update.dtype.type(eps))
@@ -71,7 +74,7 @@ def zeropower_via_newtonschulz(update: np.ndarray, coefficients, steps: int, eps
 
 
 def newtonschulz_bfloat16(update: np.ndarray, coefficients, steps: int, eps: float,
-                          tiles: bool | None = None) -> np.ndarray:
+                          tiles: bool | None = None, scratch: bool = False) -> np.ndarray:
     """The Newton-Schulz iteration with bfloat16 products (``r``: rounding to the nearest
     bfloat16; every product of two of them is exact in float32, where the sums run)::
 
@@ -87,7 +90,8 @@ def newtonschulz_bfloat16(update: np.ndarray, coefficients, steps: int, eps: flo
     (default: where ``amx.available()``) the products run on the AMX kernel over zero-padded
     work arrays made once, each rounding fused into the pass that makes its operand;
     otherwise as NumPy's float32 products of the rounded operands (the same values up to the
-    order of the sums)."""
+    order of the sums). With ``scratch`` the tiles path returns a view of this thread's work
+    buffer (:func:`work_arrays`), valid until the thread's next call, instead of a copy."""
     f32 = np.float32
     a, b, c = (f32(x) for x in coefficients)
     tall = update.shape[0] > update.shape[1]
@@ -98,6 +102,7 @@ def newtonschulz_bfloat16(update: np.ndarray, coefficients, steps: int, eps: flo
         tiles = amx.available()
     if tiles and source.size:
         x = _newtonschulz_tiles(source, scale, a, b, c, steps)
+        x = x if scratch else x.copy()
     else:
         x = np.empty(source.shape, f32)
         np.divide(source, scale, out=x)
@@ -147,25 +152,54 @@ def _advance(x, product, a, left, right, transposed):
             amx.store_block(bits, i, j, left, right, transposed)
 
 
+WORK_BYTES_KEPT = 256 << 20
+"""The largest work buffer a thread keeps from one Newton-Schulz call to the next (about
+40 MiB for GPT-2 small's largest matrix); a larger one is made per call and let go."""
+_WORK_ALIGN = 64
+_work = threading.local()
+
+
+def work_arrays(*specs) -> list[np.ndarray]:
+    """Uninitialized C-contiguous arrays of the ``(shape, dtype)`` pairs ``specs``, each on a
+    64-byte boundary, carved from this thread's work buffer: kept between calls (up to
+    ``WORK_BYTES_KEPT``), so that a step does not fault in fresh pages for its work arrays
+    (18 ms of a GPT-2 block's 190 ms step did). Valid until the thread's next call; one per
+    thread, so optimizers stepping in several threads do not share it."""
+    sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs]
+    spans = [-(-size // _WORK_ALIGN) * _WORK_ALIGN for size in sizes]
+    total = sum(spans) + _WORK_ALIGN
+    buffer = getattr(_work, "buffer", None)
+    if buffer is None or buffer.size < total:
+        buffer = np.empty(total, np.uint8)
+        if total <= WORK_BYTES_KEPT:
+            _work.buffer = buffer
+    offset = (-buffer.ctypes.data) % _WORK_ALIGN
+    arrays = []
+    for (shape, dtype), size, span in zip(specs, sizes, spans):
+        arrays.append(buffer[offset:offset + size].view(dtype).reshape(shape))
+        offset += span
+    return arrays
+
+
 def _newtonschulz_tiles(source: np.ndarray, scale, a, b, c, steps: int) -> np.ndarray:
     """:func:`newtonschulz_bfloat16`'s loop on AMX from ``source / scale`` (``source``
-    float32, the wide orientation, any strides): the matrices zero-padded to whole blocks
-    (the padding stays zero: every product and combination of zeros is zero), the operands
-    packed (and rounded) by the passes that make their matrices."""
+    float32, the wide orientation, any strides), returned as a view of the work buffer
+    (:func:`work_arrays`): the matrices zero-padded to whole blocks (the padding stays zero:
+    every product and combination of zeros is zero), the operands packed (and rounded) by
+    the passes that make their matrices."""
     m, n = source.shape
     rows, cols = amx.padded(m), amx.padded(n)
-    padded = np.zeros((rows, cols), np.float32)
+    u16, f32 = np.uint16, np.float32
+    (padded, product, x_left, x_right, x_transposed, gram, gram_squared, gram_left,
+     gram_right, combined) = work_arrays(
+        ((rows, cols), f32), ((rows, cols), f32), (amx.left_shape(rows, cols), u16),
+        (amx.right_shape(rows, cols), u16), (amx.right_shape(cols, rows), u16),
+        ((rows, rows), f32), ((rows, rows), f32), (amx.left_shape(rows, rows), u16),
+        (amx.right_shape(rows, rows), u16), (amx.left_shape(rows, rows), u16))
+    padded[m:] = 0
+    padded[:m, n:] = 0
     np.divide(source, scale, out=padded[:m, :n])
-    x_left = np.empty(amx.left_shape(rows, cols), np.uint16)
-    x_right = np.empty(amx.right_shape(rows, cols), np.uint16)
-    x_transposed = np.empty(amx.right_shape(cols, rows), np.uint16)
-    gram = np.empty((rows, rows), np.float32)
-    gram_squared = np.empty_like(gram)
-    gram_left = np.empty(amx.left_shape(rows, rows), np.uint16)
-    gram_right = np.empty(amx.right_shape(rows, rows), np.uint16)
-    combined = np.empty_like(gram_left)
-    product = np.empty_like(padded)
-    none = np.empty((0, 0, 0, 0), np.uint16)
+    none = np.empty((0, 0, 0, 0), u16)
     amx.pack(padded, x_left, x_right, x_transposed)
     for _ in range(steps):
         amx.dot(x_left, x_transposed, gram)
@@ -174,7 +208,7 @@ def _newtonschulz_tiles(source: np.ndarray, scale, a, b, c, steps: int) -> np.nd
         _combine(gram, gram_squared, b, c, combined)
         amx.dot(combined, x_right, product)
         _advance(padded, product, a, x_left, x_right, x_transposed)
-    return padded[:m, :n].copy()  # not a view keeping the padded work array
+    return padded[:m, :n]
 
 
 def adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
@@ -193,12 +227,12 @@ def _lerp(start, end, weight, from_start, one_minus_weight):
     return start + weight * difference if from_start else end - one_minus_weight * difference
 
 
-@njit(cache=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def _momentum(buf, grad, lerps, from_start, nesterov, update):
     """``buf = lerp(buf, grad, lerps[0])`` and, with ``nesterov``, ``update = lerp(grad,
     buf, lerps[2])`` (``lerps[1]``, ``lerps[3]``: one minus each weight; ``from_start``:
     each lerp's end) in one pass, as :func:`torch_lerp`'s NumPy passes round them."""
-    for i in range(buf.shape[0]):
+    for i in prange(buf.shape[0]):
         b, g, u = buf[i], grad[i], update[i]
         for j in range(uint64(buf.shape[1])):
             value = _lerp(b[j], g[j], lerps[0], from_start[0], lerps[1])
@@ -207,14 +241,21 @@ def _momentum(buf, grad, lerps, from_start, nesterov, update):
                 u[j] = _lerp(g[j], value, lerps[2], from_start[1], lerps[3])
 
 
-@njit(cache=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def _apply(param, ortho, decay, step):
     """``param = param * decay + step * ortho``, rounded as NumPy's ``param *= decay;
-    param += step * ortho``."""
-    for i in range(param.shape[0]):
-        p, o = param[i], ortho[i]
-        for j in range(uint64(param.shape[1])):
-            p[j] = p[j] * decay + step * o[j]
+    param += step * ortho``; by blocks of ``amx.BLOCK`` squared, so that a transposed
+    ``ortho`` (a tall matrix's, orthogonalised in its wide orientation) is read from L1."""
+    rows, cols = param.shape
+    for strip in prange((rows + amx.BLOCK - 1) // amx.BLOCK):
+        i0 = strip * amx.BLOCK
+        i1 = min(i0 + amx.BLOCK, rows)
+        for j0 in range(0, cols, amx.BLOCK):
+            j1 = min(j0 + amx.BLOCK, cols)
+            for i in range(i0, i1):
+                p, o = param[i, j0:j1], ortho[i, j0:j1]
+                for j in range(uint64(j1 - j0)):
+                    p[j] = p[j] * decay + step * o[j]
 
 
 def muon_update(param, grad, state, settings, columns):
@@ -238,11 +279,11 @@ def muon_update(param, grad, state, settings, columns):
     from_start = np.array([abs(float(w)) < 0.5 for w in weights])
     nesterov = bool(settings["nesterov"])
     update = np.empty_like(buf) if nesterov else buf
-    _momentum(buf, grad, lerps, from_start, nesterov, update)
+    _momentum(buf.size, buf, grad, lerps, from_start, nesterov, update)
     ortho = zeropower_via_newtonschulz(update, settings["ns_coefficients"],
                                        settings["ns_steps"], settings["eps"],
-                                       settings["ns_dtype"])
-    _apply(param, ortho, t(1.0 - settings["lr"] * settings["weight_decay"]),
+                                       settings["ns_dtype"], scratch=True)
+    _apply(param.size, param, ortho, t(1.0 - settings["lr"] * settings["weight_decay"]),
            t(-adjusted_lr(settings["lr"], settings["adjust_lr_fn"], param.shape)))
 
 
