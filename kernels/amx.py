@@ -212,51 +212,61 @@ def put_left(out, i, k, bits):
 
 @njit(inline="always", error_model="numpy")
 def store_block(bits, i, j, left, right, transposed):
-    """The ``BLOCK x BLOCK`` patterns ``bits`` of a matrix's block at ``(i, j)`` into its
-    left operand, its right operand and its transpose's right operand (each skipped where
-    empty), a tile row at a time: contiguous stores from the block, which stays in L1 (an
-    element at a time, the right operands' scattered stores took 1.7 ns per element).
-    Inner loops over slices with unsigned indices (as the CPU walks': a signed index keeps
-    Numba's negative-index check in the loop, which then does not vectorize)."""
+    """The ``BLOCK x BLOCK`` patterns ``bits`` (C-contiguous) of a matrix's block at
+    ``(i, j)`` into its left operand, its right operand and its transpose's right operand
+    (each skipped where empty), a tile at a time. The loops index flat views with unsigned
+    offsets computed once per tile row: a slice per row (``left[a, b, r]``) costs more than
+    the row's 64 bytes, and a signed index keeps Numba's negative-index check in the loop,
+    which then does not vectorize."""
     half = TILE_ROWS
     width = uint64(half)
-    if left.size:
+    flat = bits.reshape(bits.size)
+    if left.size:  # a left tile is 16 of the block's rows, contiguous in both
+        out = left.reshape(left.size)
         for t in range(2):
-            for r in range(half):
-                target = left[i // half + t, j // BLOCK, r]
-                source = bits[t * half + r]
-                for c in range(uint64(BLOCK)):
-                    target[c] = source[c]
+            base = uint64(((i // half + t) * left.shape[1] + j // BLOCK) * half * BLOCK)
+            source = uint64(t * half * BLOCK)
+            for e in range(uint64(half * BLOCK)):
+                out[base + e] = flat[source + e]
     # a right operand's tile row holds 16 pairs, each a 32-bit word (the pair's first
     # element in the low half): built and moved as words, half the stores
     if right.size:  # rows 2r and 2r + 1 of the block, paired, 16 columns per tile
+        out = right.reshape(right.size).view(np.uint32)
         for t in range(2):
+            base = ((i // BLOCK) * right.shape[1] + j // half + t) * half * half
             for r in range(half):
-                target = right[i // BLOCK, j // half + t, r].view(np.uint32)
-                even = bits[2 * r, t * half:(t + 1) * half]
-                odd = bits[2 * r + 1, t * half:(t + 1) * half]
+                target = uint64(base + r * half)
+                even = uint64(2 * r * BLOCK + t * half)
+                odd = even + uint64(BLOCK)
                 for c in range(width):
-                    target[c] = np.uint32(even[c]) | (np.uint32(odd[c]) << np.uint32(16))
-    if transposed.size:  # the block's transpose: its row c's pairs are the words of column
-        words = bits.view(np.uint32)  # BLOCK x 16 words: row c's pairs
+                    out[target + c] = (np.uint32(flat[even + c])
+                                       | (np.uint32(flat[odd + c]) << np.uint32(16)))
+    if transposed.size:  # the block's transpose: its row r's pairs are column r's words
+        out = transposed.reshape(transposed.size).view(np.uint32)
+        words = flat.view(np.uint32)  # BLOCK x 16 words: row c's pairs
         for t in range(2):
+            base = ((j // BLOCK) * transposed.shape[1] + i // half + t) * half * half
             for r in range(half):
-                target = transposed[j // BLOCK, i // half + t, r].view(np.uint32)
+                target = uint64(base + r * half)
+                column = uint64(t * half * half + r)
                 for c in range(width):
-                    target[c] = words[t * half + c, r]
+                    out[target + c] = words[column + c * width]
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
 def _pack(a, left, right, transposed):
-    """:func:`pack`, its arguments checked."""
+    """:func:`pack`, its arguments checked (``a`` C-contiguous)."""
+    cols = a.shape[1]
+    flat = a.reshape(a.size)
     for strip in prange(a.shape[0] // BLOCK):
         bits = np.empty((BLOCK, BLOCK), np.uint16)
+        row_bits = bits.reshape(bits.size)
         i = strip * BLOCK
-        for j in range(0, a.shape[1], BLOCK):
+        for j in range(0, cols, BLOCK):
             for r in range(BLOCK):
-                source, target = a[i + r, j:j + BLOCK], bits[r]
+                source, target = uint64((i + r) * cols + j), uint64(r * BLOCK)
                 for c in range(uint64(BLOCK)):
-                    target[c] = _bf16_encode_nearest(source[c])
+                    row_bits[target + c] = _bf16_encode_nearest(flat[source + c])
             store_block(bits, i, j, left, right, transposed)
 
 
@@ -275,7 +285,7 @@ def pack(a: np.ndarray, left: np.ndarray, right: np.ndarray, transposed: np.ndar
                          or not out.flags.c_contiguous):
             raise ValueError(f"{name} must be empty or a C-contiguous uint16 array of shape "
                              f"{shape}, got {out.dtype} {out.shape}")
-    _pack(a, left, right, transposed)
+    _pack(np.ascontiguousarray(a), left, right, transposed)
 
 
 DEPTH_STEPS = 8
