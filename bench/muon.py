@@ -1,7 +1,8 @@
 """Muon against torch.optim.Muon (CPU): flatopt orthogonalises in float32 with NumPy's BLAS
 matrix products, torch in bfloat16 (its own matrix products: oneDNN, AMX where the CPU has it).
 
-Run: ``python -m bench.muon [--model gpt2|small] [--blocks 1] [--rounds 3]``. ``gpt2``: one
+Run: ``python -m bench.muon [--model gpt2|small] [--blocks 1] [--rounds 3]
+[--after-matmuls]``. ``gpt2``: one
 GPT-2 small block per ``--blocks`` (c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; a step of all 12
 blocks is 12 times one block's); ``small``: the matrices 128x512, 512x512 and 512x10 per block
 (a new user's model in issue 32).
@@ -43,14 +44,31 @@ def block_shapes(blocks: int, model: str = "gpt2") -> dict[str, tuple[int, int]]
     return shapes
 
 
-def best_of(step, rounds: int) -> float:
+MATMUL_N = 512
+
+
+def matmuls() -> callable:
+    """A forward/backward's stand-in: two 512 x 512 float32 products (NumPy's BLAS on every
+    core, its threads still spinning when the step starts: ``bench.inloop``'s)."""
+    a = np.random.default_rng(1).standard_normal((MATMUL_N, MATMUL_N)).astype(np.float32)
+
+    def run():
+        a @ (a @ a)
+    return run
+
+
+def best_of(step, rounds: int, before=None) -> float:
+    """The fastest of ``rounds`` calls of ``step`` back to back; with ``before`` (untimed,
+    before each call) the median: a step after matmuls varies with the BLAS threads."""
     step()
     samples = []
     for _ in range(rounds):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         step()
         samples.append(time.perf_counter() - t0)
-    return min(samples)
+    return min(samples) if before is None else float(np.median(samples))
 
 
 def products(shapes, matmul, make) -> callable:
@@ -76,20 +94,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("gpt2", "small"), default="gpt2")
     parser.add_argument("--blocks", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--after-matmuls", action="store_true",
+                        help="time each step right after two 512 x 512 NumPy products "
+                             "(the median; the products alone are timed back to back)")
     args = parser.parse_args(argv)
+    before = matmuls() if args.after_matmuls else None
     rng = np.random.default_rng(0)
     shapes = block_shapes(args.blocks, args.model)
     params = {k: (0.02 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
     grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    # bfloat16 first: its kernels choose serial or parallel by timing both (kernels/threads.py),
+    # and BLAS threads left spinning by the float32 runs would make the first timings stale
+    half = flatopt.Muon({k: v.copy() for k, v in params.items()}, lr=0.02,
+                        ns_dtype="bfloat16")
+    ours_half = best_of(lambda: half.step(grads), args.rounds, before)
     opt = flatopt.Muon({k: v.copy() for k, v in params.items()}, lr=0.02)
-    ours = best_of(lambda: opt.step(grads), args.rounds)
+    ours = best_of(lambda: opt.step(grads), args.rounds, before)
     ours_products = best_of(products(
         shapes.values(), np.matmul,
         lambda s: (rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32)), args.rounds)
-    half = flatopt.Muon({k: v.copy() for k, v in params.items()}, lr=0.02,
-                        ns_dtype="bfloat16")
-    ours_half = best_of(lambda: half.step(grads), args.rounds)
-    line = (f"Muon, {args.blocks} {args.model} block(s): flatopt {ours * 1e3:.1f} ms "
+    line = (f"Muon, {args.blocks} {args.model} block(s)"
+            f"{', after matmuls' if args.after_matmuls else ''}: flatopt {ours * 1e3:.1f} ms "
             f"(float32 products alone {ours_products * 1e3:.1f} ms), "
             f"flatopt ns_dtype=bfloat16 {ours_half * 1e3:.1f} ms "
             f"({'AMX' if amx.available() else 'no AMX: NumPy'} products)")
@@ -97,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         tensors = [torch.tensor(v.copy(), requires_grad=True) for v in params.values()]
         for t, g in zip(tensors, grads.values()):
             t.grad = torch.from_numpy(g)
-        theirs = best_of(torch.optim.Muon(tensors, lr=0.02).step, args.rounds)
+        theirs = best_of(torch.optim.Muon(tensors, lr=0.02).step, args.rounds, before)
         theirs_products = best_of(products(
             shapes.values(), torch.matmul,
             lambda s: torch.randn(*s, dtype=torch.bfloat16) / s[1] ** 0.5), args.rounds)

@@ -34,6 +34,7 @@ from numba import njit, prange, types, uint64
 from numba.extending import intrinsic
 
 from .coded_views import CODEC
+from .threads import USABLE_CORES, threaded
 
 _bf16_encode_nearest = CODEC["bf16_encode_nearest"]
 _bf16_decode = CODEC["bf16_decode"]
@@ -253,7 +254,7 @@ def store_block(bits, i, j, left, right, transposed):
                     out[target + c] = words[column + c * width]
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def _pack(a, left, right, transposed):
     """:func:`pack`, its arguments checked (``a`` C-contiguous)."""
     cols = a.shape[1]
@@ -285,7 +286,7 @@ def pack(a: np.ndarray, left: np.ndarray, right: np.ndarray, transposed: np.ndar
                          or not out.flags.c_contiguous):
             raise ValueError(f"{name} must be empty or a C-contiguous uint16 array of shape "
                              f"{shape}, got {out.dtype} {out.shape}")
-    _pack(np.ascontiguousarray(a), left, right, transposed)
+    _pack(a.size, np.ascontiguousarray(a), left, right, transposed)
 
 
 DEPTH_STEPS = 8
@@ -297,7 +298,7 @@ PANEL_TILES = 64
 operand, 4.5 MiB at 768 x 3072, came from L3 once per strip)."""
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def _dot(left, right, sums, config, threads):
     """``sums`` = ``left @ right``, the rows' strips of 32 split evenly among the threads.
     Each thread walks panels of the right operand (``DEPTH_STEPS`` x ``PANEL_TILES`` tiles),
@@ -370,16 +371,21 @@ def dot(left: np.ndarray, right: np.ndarray, sums: np.ndarray) -> None:
             or m % BLOCK or n % BLOCK):
         raise ValueError(f"operands {left.shape} and {right.shape} into {sums.shape}: not "
                          f"packed products of multiples of {BLOCK}")
-    _dot(left, right, sums, _CONFIG, numba.get_num_threads())
+    _dot(m * n * (k // BLOCK), left, right, sums, _CONFIG,
+         min(numba.get_num_threads(), USABLE_CORES))
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
-def round_bfloat16(a, out):
-    """``out`` = ``a`` (float32, C-contiguous) rounded to the nearest bfloat16, as float32."""
+@threaded(cache=True, error_model="numpy")
+def _round(a, out):
     flat_in = a.reshape(-1)
     flat_out = out.reshape(-1)
     for i in prange(flat_in.size):
         flat_out[i] = _bf16_decode(_bf16_encode_nearest(flat_in[i]))
+
+
+def round_bfloat16(a: np.ndarray, out: np.ndarray) -> None:
+    """``out`` = ``a`` (float32, C-contiguous) rounded to the nearest bfloat16, as float32."""
+    _round(a.size, a, out)
 
 
 def padded(n: int) -> int:

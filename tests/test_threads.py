@@ -12,7 +12,8 @@ import pytest
 from numba import prange
 
 import flatopt
-from flatopt.kernels import cpu
+from flatopt.kernels import amx, cpu
+from flatopt.kernels.rules import muon
 from flatopt.kernels import threads
 
 from optimizers import INFO, NAMES, build, fit_params
@@ -34,6 +35,12 @@ def _run_everything(monkeypatch, parallel: bool) -> None:
                  max_grad_norm=1.0)
         flatopt.EMA(opt).update()
         flatopt.scale_gradients(opt, 0.5)
+    # Muon's bfloat16 iteration: the AMX kernels where the CPU has them, the fallback's rounding
+    muon_params = {"w": np.ones((40, 72), np.float32), "t": np.ones((72, 40), np.float32)}
+    flatopt.Muon(muon_params, ns_dtype="bfloat16").step(
+        {k: np.full(v.shape, 0.5, np.float32) for k, v in muon_params.items()})
+    muon.newtonschulz_bfloat16(np.ones((40, 72), np.float32), (3.4445, -4.775, 2.0315), 2, 1e-7,
+                               tiles=False)
     buf = opt.buffers[0]
     cpu.gradient_chunk_partials(
         buf.length, buf.grads, buf.present, buf.offsets, buf.sizes, buf.chunk_first, buf.chunk_size, 2.0,
@@ -74,7 +81,10 @@ def test_every_threaded_kernel_of_a_training_loop_ran_both_ways(exercised):
     ran = {t.name for t in exercised if t.serial.signatures and t.parallel.signatures}
     assert {"cpu.reduce_gradients_sum_squares", "tools.lerp_into", "adafactor._square_sums",
             "adafactor._update_square_sums", "adafactor._apply",
-            "cpu.gradient_chunk_partials_sum_squares"} <= ran
+            "cpu.gradient_chunk_partials_sum_squares", "muon._momentum", "muon._apply",
+            "amx._round"} <= ran
+    if amx.available():
+        assert {"amx._pack", "amx._dot", "muon._start", "muon._combine", "muon._advance"} <= ran
     for name in NAMES:
         if not INFO[name].per_matrix_update:  # an element step kernel of its own
             rule = flatopt.registry.lookup(name).schema.rule

@@ -118,7 +118,7 @@ def newtonschulz_bfloat16(update: np.ndarray, coefficients, steps: int, eps: flo
     return x.T if tall else x
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def _start(source, scale, left, right, transposed):
     """The three operands (``kernels/amx.py``) of ``r(source / scale)``, ``source`` float32
     of any strides (a tall update's transpose), zero-padded to the operands' whole blocks:
@@ -146,7 +146,7 @@ def _start(source, scale, left, right, transposed):
             amx.store_block(bits, i, j, left, right, transposed)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def _combine(gram_left, gram_squared, b, c, out):
     """``out`` = the left operand (``kernels/amx.py``) of ``r(b r(G) + c G2)``, ``r(G)``
     read from its own left operand ``gram_left``: the same layout as ``out``, a tile row of
@@ -166,7 +166,7 @@ def _combine(gram_left, gram_squared, b, c, out):
                                                           + c * g2[row + col])
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@threaded(cache=True, error_model="numpy")
 def _advance(x, product, a, left, right, transposed, last):
     """``x = a r(x) + product``, ``r(x)`` read from its left operand ``left``: the next
     iteration's three operands of ``r(x)`` (``left`` and ``right``, ``x^T``'s right:
@@ -245,14 +245,15 @@ def _newtonschulz_tiles(source: np.ndarray, scale, a, b, c, steps: int) -> np.nd
     if steps == 0:
         np.divide(source, scale, out=padded[:m, :n])
     none = np.empty((0, 0, 0, 0), u16)
-    _start(source, scale, x_left, x_right, x_transposed)
+    _start(padded.size, source, scale, x_left, x_right, x_transposed)
     for step in range(steps):
         amx.dot(x_left, x_transposed, gram)
         amx.pack(gram, gram_left, gram_right, none)
         amx.dot(gram_left, gram_right, gram_squared)
-        _combine(gram_left, gram_squared, b, c, combined)
+        _combine(gram.size, gram_left, gram_squared, b, c, combined)
         amx.dot(combined, x_right, product)
-        _advance(padded, product, a, x_left, x_right, x_transposed, step == steps - 1)
+        _advance(padded.size, padded, product, a, x_left, x_right, x_transposed,
+                 step == steps - 1)
     return padded[:m, :n]
 
 
