@@ -2,13 +2,16 @@
 product (``kernels/amx.py``, on AMX tiles and NumPy's fallback) against an independent
 rounding (``ml_dtypes``) and float64 sums, the iteration's two paths against each other and
 its accuracy against torch's own bfloat16 iteration, the optimizer against torch.optim.Muon,
-and the setting: validated, saved, resumed to the same bits, deterministic.
+and the setting: validated, saved, resumed to the same bits, deterministic; the per-thread
+work buffers: aligned, disjoint, kept, never leaking what they held into a result.
 
 AMX flushes subnormal operands and results to zero, so the exactness tests draw normal values
 whose products and sums stay normal. Tests of the AMX kernel itself are skipped on a CPU (or
 process) without it; the fallback's run everywhere."""
 
 from __future__ import annotations
+
+import threading
 
 import ml_dtypes
 import numba
@@ -480,3 +483,91 @@ def test_pack_refuses_misshapen_arrays_before_writing(case):
     with pytest.raises(ValueError, match="must be"):
         amx.pack(a, left, right, transposed)
     assert not left.any() and not right.any() and not transposed.any()
+
+
+# --------------------------------------------------------------------------- work buffers
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(specs=st.lists(st.tuples(st.lists(st.integers(0, 70), min_size=1, max_size=4),
+                                st.sampled_from(["float32", "uint16", "uint8"])),
+                      min_size=1, max_size=6))
+def test_work_arrays_are_aligned_disjoint_and_kept_between_calls(specs):
+    specs = [(tuple(shape), np.dtype(dtype)) for shape, dtype in specs]
+    arrays = muon.work_arrays(*specs)
+    spans = []
+    for array, (shape, dtype) in zip(arrays, specs):
+        assert array.shape == shape and array.dtype == dtype
+        assert array.flags.c_contiguous and array.flags.writeable
+        if array.nbytes:  # (an empty array's address is NumPy's choice)
+            assert array.ctypes.data % 64 == 0
+            spans.append((array.ctypes.data, array.ctypes.data + array.nbytes))
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start
+    again = muon.work_arrays(*specs)  # the same buffer: no pages faulted in anew
+    assert ([a.ctypes.data for a in again if a.nbytes]
+            == [a.ctypes.data for a in arrays if a.nbytes])
+
+
+def test_a_work_buffer_over_the_limit_is_not_kept(monkeypatch):
+    kept = muon.work_arrays(((1000,), np.dtype(np.float32)))[0]
+    monkeypatch.setattr(muon, "WORK_BYTES_KEPT", 1 << 16)
+    big = muon.work_arrays(((1 << 16,), np.dtype(np.float32)))[0]
+    assert big.size == 1 << 16
+    assert muon.work_arrays(((1000,), np.dtype(np.float32)))[0].ctypes.data == kept.ctypes.data
+
+
+@pytest.mark.parametrize("tiles", BOTH_PATHS)
+def test_newtonschulz_bfloat16_results_belong_to_the_caller(tiles):
+    """Only ``scratch=True`` returns the work buffer: a result is not overwritten by the
+    next call."""
+    rng = np.random.default_rng(3)
+    first = muon.newtonschulz_bfloat16(rng.standard_normal((40, 70)).astype(np.float32),
+                                       COEFFICIENTS, STEPS, EPS, tiles=tiles)
+    kept = first.copy()
+    muon.newtonschulz_bfloat16(rng.standard_normal((40, 70)).astype(np.float32), COEFFICIENTS,
+                               STEPS, EPS, tiles=tiles)
+    np.testing.assert_array_equal(first, kept)
+
+
+@amx_only
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 80), cols=st.integers(1, 80), steps=st.sampled_from([0, 1, 2, 5]),
+       seed=st.integers(0, 2**32 - 1))
+def test_what_a_work_buffer_held_before_never_changes_a_result(rows, cols, steps, seed):
+    """The tiles path over a work buffer filled with huge values, then with NaN patterns:
+    the same bits (the padding is made zero, every work array written before it is read);
+    with no iteration, ``u / ||u||``."""
+    u = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    results = []
+    for poison in (0x7F, 0xFF):
+        muon._work.buffer = np.full(1 << 20, poison, np.uint8)
+        results.append(muon.newtonschulz_bfloat16(u, COEFFICIENTS, steps, EPS, tiles=True))
+    np.testing.assert_array_equal(results[0], results[1])
+    assert np.isfinite(results[0]).all()
+    if steps == 0:
+        np.testing.assert_array_equal(results[0], u / np.float32(np.linalg.norm(u)))
+
+
+@pytest.mark.parametrize("tiles", BOTH_PATHS)
+def test_threads_iterating_at_once_get_their_own_work_buffers(tiles):
+    """Four threads, each over its own matrices, ``scratch=True`` (the optimizer's way):
+    every result is the one computed alone."""
+    rng = np.random.default_rng(4)
+    inputs = [rng.standard_normal((40 + 24 * i, 96)).astype(np.float32) for i in range(4)]
+    expected = [muon.newtonschulz_bfloat16(u, COEFFICIENTS, STEPS, EPS, tiles=tiles)
+                for u in inputs]
+    failures = []
+
+    def run(u, want):
+        for _ in range(8):
+            got = muon.newtonschulz_bfloat16(u, COEFFICIENTS, STEPS, EPS, tiles=tiles,
+                                             scratch=True)
+            if not np.array_equal(got, want):
+                failures.append(u.shape)
+
+    workers = [threading.Thread(target=run, args=pair) for pair in zip(inputs, expected)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not failures
