@@ -101,7 +101,7 @@ def newtonschulz_bfloat16(update: np.ndarray, coefficients, steps: int, eps: flo
     if tiles is None:
         tiles = amx.available()
     if tiles and source.size:
-        x = _newtonschulz_tiles(source, scale, a, b, c, steps)
+        x = _newtonschulz_tiles(np.ascontiguousarray(update, f32), tall, scale, a, b, c, steps)
         x = x if scratch else x.copy()
     else:
         x = np.empty(source.shape, f32)
@@ -119,31 +119,45 @@ def newtonschulz_bfloat16(update: np.ndarray, coefficients, steps: int, eps: flo
 
 
 @threaded(cache=True, error_model="numpy")
-def _start(source, scale, left, right, transposed):
-    """The three operands (``kernels/amx.py``) of ``r(source / scale)``, ``source`` float32
-    of any strides (a tall update's transpose), zero-padded to the operands' whole blocks:
-    read a block at a time, along ``source``'s rows or columns, whichever is contiguous (a
-    transposed ``np.divide`` over GPT-2's 3072 x 768 matrix alone took 16 ms)."""
-    m, n = source.shape
-    by_columns = source.strides[0] < source.strides[1]
+def _start(update, tall, scale, left, right, transposed, empty):
+    """The three operands (``kernels/amx.py``) of ``r(x)``, ``x = u / scale`` in its wide
+    orientation (``update`` C-contiguous, ``x`` its transpose where ``tall``), zero-padded to
+    the operands' whole blocks. A block is read along ``update``'s rows, so that the division
+    and rounding run as vector loops (a transposed ``np.divide`` over GPT-2's 3072 x 768
+    matrix alone took 16 ms); a tall update's block is its transpose ``tb``, whose right
+    operand is ``x``'s transposed one and vice versa (``store_block`` with the block's
+    coordinates swapped, ``empty`` for its left operand), ``x``'s left operand gathered from
+    it."""
+    rows, cols = update.shape
+    m, n = (cols, rows) if tall else (rows, cols)
+    flat = update.reshape(update.size)
     for strip in prange(left.shape[0] // 2):
         bits = np.empty((amx.BLOCK, amx.BLOCK), np.uint16)
+        flat_bits = bits.reshape(bits.size)
         i = strip * amx.BLOCK
         for j in range(0, left.shape[1] * amx.BLOCK, amx.BLOCK):
-            height, width = min(amx.BLOCK, m - i), min(amx.BLOCK, n - j)
+            # the block of update read here: its rows r0.., its columns c0..
+            r0, c0 = (j, i) if tall else (i, j)
+            height, width = min(amx.BLOCK, rows - r0), min(amx.BLOCK, cols - c0)
             if height < amx.BLOCK or width < amx.BLOCK:
-                for r in range(amx.BLOCK):
-                    for col in range(amx.BLOCK):
-                        bits[r, col] = 0
-            if by_columns:
-                for col in range(width):
-                    for r in range(height):
-                        bits[r, col] = amx.encode_one(source[i + r, j + col] / scale)
-            else:
-                for r in range(height):
-                    for col in range(width):
-                        bits[r, col] = amx.encode_one(source[i + r, j + col] / scale)
-            amx.store_block(bits, i, j, left, right, transposed)
+                for e in range(amx.BLOCK * amx.BLOCK):
+                    flat_bits[e] = 0
+            for r in range(height):
+                source, target = uint64((r0 + r) * cols + c0), uint64(r * amx.BLOCK)
+                for col in range(uint64(width)):
+                    flat_bits[target + col] = amx.encode_one(flat[source + col] / scale)
+            if not tall:
+                amx.store_block(bits, i, j, left, right, transposed)
+                continue
+            amx.store_block(bits, j, i, empty, transposed, right)
+            out = left.reshape(left.size)
+            for t in range(2):
+                for r in range(amx.TILE_ROWS):
+                    base = uint64((((i // amx.TILE_ROWS + t) * left.shape[1] + j // amx.BLOCK)
+                                   * amx.TILE_ROWS + r) * amx.BLOCK)
+                    column = uint64(t * amx.TILE_ROWS + r)
+                    for col in range(uint64(amx.BLOCK)):
+                        out[base + col] = flat_bits[col * uint64(amx.BLOCK) + column]
 
 
 @threaded(cache=True, error_model="numpy")
@@ -226,14 +240,15 @@ def work_arrays(*specs) -> list[np.ndarray]:
     return arrays
 
 
-def _newtonschulz_tiles(source: np.ndarray, scale, a, b, c, steps: int) -> np.ndarray:
-    """:func:`newtonschulz_bfloat16`'s loop on AMX from ``source / scale`` (``source``
-    float32, the wide orientation, any strides), returned as a view of the work buffer
+def _newtonschulz_tiles(update: np.ndarray, tall: bool, scale, a, b, c,
+                        steps: int) -> np.ndarray:
+    """:func:`newtonschulz_bfloat16`'s loop on AMX from ``x = update / scale`` (``update``
+    float32, C-contiguous, transposed where ``tall``), returned as a view of the work buffer
     (:func:`work_arrays`): the matrices zero-padded to whole blocks (the padding stays zero:
     every product and combination of zeros is zero), the operands packed (and rounded) by
     the passes that make their matrices; the float32 ``x`` is written by the last pass only
     (each iteration reads ``r(x)``, from its left operand)."""
-    m, n = source.shape
+    m, n = update.shape[::-1] if tall else update.shape
     rows, cols = amx.padded(m), amx.padded(n)
     u16, f32 = np.uint16, np.float32
     (padded, product, x_left, x_right, x_transposed, gram, gram_squared, gram_left,
@@ -243,9 +258,9 @@ def _newtonschulz_tiles(source: np.ndarray, scale, a, b, c, steps: int) -> np.nd
         ((rows, rows), f32), ((rows, rows), f32), (amx.left_shape(rows, rows), u16),
         (amx.right_shape(rows, rows), u16), (amx.left_shape(rows, rows), u16))
     if steps == 0:
-        np.divide(source, scale, out=padded[:m, :n])
+        np.divide(update.T if tall else update, scale, out=padded[:m, :n])
     none = np.empty((0, 0, 0, 0), u16)
-    _start(padded.size, source, scale, x_left, x_right, x_transposed)
+    _start(padded.size, update, tall, scale, x_left, x_right, x_transposed, none)
     for step in range(steps):
         amx.dot(x_left, x_transposed, gram)
         amx.pack(gram, gram_left, gram_right, none)
