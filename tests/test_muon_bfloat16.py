@@ -492,7 +492,7 @@ def test_pack_refuses_misshapen_arrays_before_writing(case):
                       min_size=1, max_size=6))
 def test_work_arrays_are_aligned_disjoint_and_kept_between_calls(specs):
     specs = [(tuple(shape), np.dtype(dtype)) for shape, dtype in specs]
-    arrays = muon.work_arrays(*specs)
+    arrays = muon.work_arrays("iteration", *specs)
     spans = []
     for array, (shape, dtype) in zip(arrays, specs):
         assert array.shape == shape and array.dtype == dtype
@@ -503,17 +503,26 @@ def test_work_arrays_are_aligned_disjoint_and_kept_between_calls(specs):
     spans.sort()
     for (_, end), (start, _) in zip(spans, spans[1:]):
         assert end <= start
-    again = muon.work_arrays(*specs)  # the same buffer: no pages faulted in anew
+    again = muon.work_arrays("iteration", *specs)  # the same buffer: no pages faulted in anew
     assert ([a.ctypes.data for a in again if a.nbytes]
             == [a.ctypes.data for a in arrays if a.nbytes])
 
 
 def test_a_work_buffer_over_the_limit_is_not_kept(monkeypatch):
-    kept = muon.work_arrays(((1000,), np.dtype(np.float32)))[0]
+    kept = muon.work_arrays("iteration", ((1000,), np.dtype(np.float32)))[0]
     monkeypatch.setattr(muon, "WORK_BYTES_KEPT", 1 << 16)
-    big = muon.work_arrays(((1 << 16,), np.dtype(np.float32)))[0]
+    big = muon.work_arrays("iteration", ((1 << 16,), np.dtype(np.float32)))[0]
     assert big.size == 1 << 16
-    assert muon.work_arrays(((1000,), np.dtype(np.float32)))[0].ctypes.data == kept.ctypes.data
+    again = muon.work_arrays("iteration", ((1000,), np.dtype(np.float32)))[0]
+    assert again.ctypes.data == kept.ctypes.data
+
+
+def test_each_use_has_its_own_work_buffer():
+    """The step's momentum update (``"update"``) lives through the iteration's call: the two
+    never share memory."""
+    update = muon.work_arrays("update", ((300, 200), np.dtype(np.float32)))[0]
+    iteration = muon.work_arrays("iteration", ((300, 200), np.dtype(np.float32)))[0]
+    assert not np.shares_memory(update, iteration)
 
 
 @pytest.mark.parametrize("tiles", BOTH_PATHS)
@@ -540,7 +549,7 @@ def test_what_a_work_buffer_held_before_never_changes_a_result(rows, cols, steps
     u = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     results = []
     for poison in (0x7F, 0xFF):
-        muon._work.buffer = np.full(1 << 20, poison, np.uint8)
+        muon._work.buffers = {"iteration": np.full(1 << 20, poison, np.uint8)}
         results.append(muon.newtonschulz_bfloat16(u, COEFFICIENTS, steps, EPS, tiles=True))
     np.testing.assert_array_equal(results[0], results[1])
     assert np.isfinite(results[0]).all()

@@ -129,8 +129,7 @@ def _start(update, tall, scale, left, right, transposed, empty):
     coordinates swapped, ``empty`` for its left operand), ``x``'s left operand gathered from
     it."""
     rows, cols = update.shape
-    m, n = (cols, rows) if tall else (rows, cols)
-    flat = update.reshape(update.size)
+    flat, out = update.reshape(update.size), left.reshape(left.size)
     for strip in prange(left.shape[0] // 2):
         bits = np.empty((amx.BLOCK, amx.BLOCK), np.uint16)
         flat_bits = bits.reshape(bits.size)
@@ -150,7 +149,6 @@ def _start(update, tall, scale, left, right, transposed, empty):
                 amx.store_block(bits, i, j, left, right, transposed)
                 continue
             amx.store_block(bits, j, i, empty, transposed, right)
-            out = left.reshape(left.size)
             for t in range(2):
                 for r in range(amx.TILE_ROWS):
                     base = uint64((((i // amx.TILE_ROWS + t) * left.shape[1] + j // amx.BLOCK)
@@ -212,26 +210,29 @@ def _advance(x, product, a, left, right, transposed, last):
 
 
 WORK_BYTES_KEPT = 256 << 20
-"""The largest work buffer a thread keeps from one Newton-Schulz call to the next (about
-40 MiB for GPT-2 small's largest matrix); a larger one is made per call and let go."""
+"""The largest work buffer a thread keeps from one step to the next (about 40 MiB for the
+iteration over GPT-2 small's largest matrix); a larger one is made per call and let go."""
 _WORK_ALIGN = 64
 _work = threading.local()
 
 
-def work_arrays(*specs) -> list[np.ndarray]:
+def work_arrays(use: str, *specs) -> list[np.ndarray]:
     """Uninitialized C-contiguous arrays of the ``(shape, dtype)`` pairs ``specs``, each on a
-    64-byte boundary, carved from this thread's work buffer: kept between calls (up to
-    ``WORK_BYTES_KEPT``), so that a step does not fault in fresh pages for its work arrays
-    (18 ms of a GPT-2 block's 190 ms step did). Valid until the thread's next call; one per
-    thread, so optimizers stepping in several threads do not share it."""
+    64-byte boundary, carved from this thread's work buffer for ``use`` (``"update"``,
+    ``"iteration"``: one buffer per use, so that one's arrays outlive the other's call): kept
+    between calls (up to ``WORK_BYTES_KEPT``), so that a step does not fault in fresh pages
+    (18 ms of a GPT-2 block's 190 ms step did) and NumPy's 16-byte aligned allocations do not
+    split tile rows across cache lines. Valid until the thread's next call for ``use``; one
+    set per thread, so optimizers stepping in several threads do not share them."""
     sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs]
     spans = [-(-size // _WORK_ALIGN) * _WORK_ALIGN for size in sizes]
     total = sum(spans) + _WORK_ALIGN
-    buffer = getattr(_work, "buffer", None)
+    buffers = _work.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(use)
     if buffer is None or buffer.size < total:
         buffer = np.empty(total, np.uint8)
         if total <= WORK_BYTES_KEPT:
-            _work.buffer = buffer
+            buffers[use] = buffer
     offset = (-buffer.ctypes.data) % _WORK_ALIGN
     arrays = []
     for (shape, dtype), size, span in zip(specs, sizes, spans):
@@ -253,7 +254,7 @@ def _newtonschulz_tiles(update: np.ndarray, tall: bool, scale, a, b, c,
     u16, f32 = np.uint16, np.float32
     (padded, product, x_left, x_right, x_transposed, gram, gram_squared, gram_left,
      gram_right, combined) = work_arrays(
-        ((rows, cols), f32), ((rows, cols), f32), (amx.left_shape(rows, cols), u16),
+        "iteration", ((rows, cols), f32), ((rows, cols), f32), (amx.left_shape(rows, cols), u16),
         (amx.right_shape(rows, cols), u16), (amx.right_shape(cols, rows), u16),
         ((rows, rows), f32), ((rows, rows), f32), (amx.left_shape(rows, rows), u16),
         (amx.right_shape(rows, rows), u16), (amx.left_shape(rows, rows), u16))
@@ -303,20 +304,39 @@ def _momentum(buf, grad, lerps, from_start, nesterov, update):
 
 
 @threaded(cache=True, error_model="numpy")
-def _apply(param, ortho, decay, step):
-    """``param = param * decay + step * ortho``, rounded as NumPy's ``param *= decay;
-    param += step * ortho``; by blocks of ``amx.BLOCK`` squared, so that a transposed
-    ``ortho`` (a tall matrix's, orthogonalised in its wide orientation) is read from L1."""
+def _apply(param, ortho, stride, transposed, decay, step):
+    """``param = param * decay + step * o``, rounded as NumPy's ``param *= decay; param +=
+    step * o``: ``param`` C-contiguous, ``o[i, j]`` at ``ortho[i * stride + j]`` (flat), or
+    at ``ortho[j * stride + i]`` where ``transposed`` (a tall matrix's, orthogonalised in its
+    wide orientation: read by blocks of ``amx.BLOCK`` squared, which stay in L1)."""
     rows, cols = param.shape
+    flat = param.reshape(param.size)
     for strip in prange((rows + amx.BLOCK - 1) // amx.BLOCK):
         i0 = strip * amx.BLOCK
         i1 = min(i0 + amx.BLOCK, rows)
+        if not transposed:
+            for i in range(i0, i1):
+                p, o = uint64(i * cols), uint64(i * stride)
+                for j in range(uint64(cols)):
+                    flat[p + j] = flat[p + j] * decay + step * ortho[o + j]
+            continue
         for j0 in range(0, cols, amx.BLOCK):
             j1 = min(j0 + amx.BLOCK, cols)
             for i in range(i0, i1):
-                p, o = param[i, j0:j1], ortho[i, j0:j1]
-                for j in range(uint64(j1 - j0)):
-                    p[j] = p[j] * decay + step * o[j]
+                p = uint64(i * cols)
+                for j in range(j0, j1):
+                    flat[p + j] = flat[p + j] * decay + step * ortho[uint64(j * stride + i)]
+
+
+def _apply_update(param: np.ndarray, ortho: np.ndarray, decay, step) -> None:
+    """:func:`_apply` of ``ortho``, a param-shaped view whose rows or columns are contiguous
+    (a result, or a result's transpose, within a possibly wider work array)."""
+    transposed = ortho.strides[1] != ortho.itemsize
+    wide = ortho.T if transposed else ortho
+    stride = wide.strides[0] // wide.itemsize
+    extent = (wide.shape[0] - 1) * stride + wide.shape[1]  # the elements the rows span
+    flat = np.lib.stride_tricks.as_strided(wide, (extent,), (wide.itemsize,), writeable=False)
+    _apply(param.size, param, flat, stride, transposed, decay, step)
 
 
 def muon_update(param, grad, state, settings, columns):
@@ -339,13 +359,13 @@ def muon_update(param, grad, state, settings, columns):
                      param.dtype)
     from_start = np.array([abs(float(w)) < 0.5 for w in weights])
     nesterov = bool(settings["nesterov"])
-    update = np.empty_like(buf) if nesterov else buf
+    update = work_arrays("update", (buf.shape, buf.dtype))[0] if nesterov else buf
     _momentum(buf.size, buf, grad, lerps, from_start, nesterov, update)
     ortho = zeropower_via_newtonschulz(update, settings["ns_coefficients"],
                                        settings["ns_steps"], settings["eps"],
                                        settings["ns_dtype"], scratch=True)
-    _apply(param.size, param, ortho, t(1.0 - settings["lr"] * settings["weight_decay"]),
-           t(-adjusted_lr(settings["lr"], settings["adjust_lr_fn"], param.shape)))
+    _apply_update(param, ortho, t(1.0 - settings["lr"] * settings["weight_decay"]),
+                  t(-adjusted_lr(settings["lr"], settings["adjust_lr_fn"], param.shape)))
 
 
 RULE = Rule(name="muon", span=muon_span, prepare=muon_prepare, helpers=(),
