@@ -580,3 +580,28 @@ def test_threads_iterating_at_once_get_their_own_work_buffers(tiles):
     for worker in workers:
         worker.join()
     assert not failures
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 70), cols=st.integers(1, 70), pad=st.integers(0, 40),
+       layout=st.sampled_from(["rows", "columns"]), dtype=st.sampled_from(["float32", "float64"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_the_update_is_applied_from_any_result_layout(rows, cols, pad, layout, dtype, seed):
+    """The step's last pass reads the orthogonalised update where the iteration left it: a
+    param-shaped view with its rows contiguous, or its columns (a tall matrix's result), inside
+    a wider work array; the same bits as NumPy's ``p *= decay; p += step * o``."""
+    rng = np.random.default_rng(seed)
+    t = np.dtype(dtype).type
+    param = rng.standard_normal((rows, cols)).astype(dtype)
+    if layout == "rows":
+        ortho = rng.standard_normal((rows, cols + pad)).astype(dtype)[:, :cols]
+    else:
+        ortho = rng.standard_normal((cols, rows + pad)).astype(dtype)[:, :rows].T
+    decay, step = t(1 - 0.02 * 0.1), t(-0.013)
+    expected = param.copy()
+    expected *= decay
+    expected += step * ortho
+    kept = ortho.copy()
+    muon._apply_update(param, ortho, decay, step)
+    np.testing.assert_array_equal(param, expected)
+    np.testing.assert_array_equal(ortho, kept)
