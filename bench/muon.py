@@ -1,13 +1,16 @@
-"""Muon against torch.optim.Muon (CPU): flatopt orthogonalises in float32 with NumPy's BLAS
-matrix products, torch in bfloat16 (its own matrix products: oneDNN, AMX where the CPU has it).
+"""Muon against torch.optim.Muon (CPU): flatopt's default orthogonalises in float32 with
+NumPy's BLAS matrix products, ``ns_dtype="bfloat16"`` with bfloat16 operands on AMX tiles
+(``kernels/amx.py``, NumPy's float32 products of the rounded operands without AMX), torch in
+bfloat16 (its own matrix products: oneDNN, AMX where the CPU has it).
 
 Run: ``python -m bench.muon [--model gpt2|small] [--blocks 1] [--rounds 3]
-[--after-matmuls]``. ``gpt2``: one
-GPT-2 small block per ``--blocks`` (c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; a step of all 12
-blocks is 12 times one block's); ``small``: the matrices 128x512, 512x512 and 512x10 per block
-(a new user's model in issue 32).
+[--after-matmuls]``. ``gpt2``: one GPT-2 small block per ``--blocks`` (c_attn, attn.c_proj,
+mlp.c_fc, mlp.c_proj; a step of all 12 blocks is 12 times one block's); ``small``: the
+matrices 128x512, 512x512 and 512x10 per block (a new user's model in issue 32).
+``--after-matmuls``: each timed step right after two 512 x 512 NumPy products (the median),
+where a training loop runs it: NumPy's BLAS threads still spinning.
 
-Beside the two steps it prints each side's *product bound*: the Newton-Schulz iteration's
+Beside the steps it prints each side's *product bound*: the Newton-Schulz iteration's
 matrix products alone (``ns_steps`` times ``X X^T``, ``G G`` and ``G X`` per matrix, the wide
 orientation), timed in float32 with NumPy and in bfloat16 with torch. No float32 step can be
 faster than its products; when torch's whole step is faster than flatopt's product bound, the
