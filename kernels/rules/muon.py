@@ -209,6 +209,12 @@ def _advance(x, product, a, left, right, transposed, last):
                 amx.store_block(bits, i, j, left, right, transposed)
 
 
+PASS_WORK = 4
+"""What one element of the iteration's passes (``_start``, ``_combine``, ``_advance``) weighs
+against one of a streaming step (the unit of ``threads.PARALLEL_MIN_ELEMENTS``): a rounding,
+a decoding and up to three operands' stores each. With it the passes over issue 32's 128 x 512
+matrix try threads too (that model's step: medians 5.6-6.4 -> 5.3-5.9 ms back to back, four
+interleaved runs each); right after matmuls the timings still choose the calling thread."""
 WORK_BYTES_KEPT = 256 << 20
 """The largest work buffer a thread keeps from one step to the next (about 40 MiB for the
 iteration over GPT-2 small's largest matrix); a larger one is made per call and let go."""
@@ -261,14 +267,14 @@ def _newtonschulz_tiles(update: np.ndarray, tall: bool, scale, a, b, c,
     if steps == 0:
         np.divide(update.T if tall else update, scale, out=padded[:m, :n])
     none = np.empty((0, 0, 0, 0), u16)
-    _start(padded.size, update, tall, scale, x_left, x_right, x_transposed, none)
+    _start(PASS_WORK * padded.size, update, tall, scale, x_left, x_right, x_transposed, none)
     for step in range(steps):
         amx.dot(x_left, x_transposed, gram)
         amx.pack(gram, gram_left, gram_right, none)
         amx.dot(gram_left, gram_right, gram_squared)
-        _combine(gram.size, gram_left, gram_squared, b, c, combined)
+        _combine(PASS_WORK * gram.size, gram_left, gram_squared, b, c, combined)
         amx.dot(combined, x_right, product)
-        _advance(padded.size, padded, product, a, x_left, x_right, x_transposed,
+        _advance(PASS_WORK * padded.size, padded, product, a, x_left, x_right, x_transposed,
                  step == steps - 1)
     return padded[:m, :n]
 
