@@ -584,19 +584,25 @@ def test_threads_iterating_at_once_get_their_own_work_buffers(tiles):
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(rows=st.integers(1, 70), cols=st.integers(1, 70), pad=st.integers(0, 40),
-       layout=st.sampled_from(["rows", "columns"]), dtype=st.sampled_from(["float32", "float64"]),
+       layout=st.sampled_from(["rows", "columns", "strided", "reversed"]),
+       dtype=st.sampled_from(["float32", "float64"]),
        seed=st.integers(0, 2**32 - 1))
 def test_the_update_is_applied_from_any_result_layout(rows, cols, pad, layout, dtype, seed):
     """The step's last pass reads the orthogonalised update where the iteration left it: a
     param-shaped view with its rows contiguous, or its columns (a tall matrix's result), inside
-    a wider work array; the same bits as NumPy's ``p *= decay; p += step * o``."""
+    a wider work array (any other layout too); the same bits as NumPy's ``p *= decay; p +=
+    step * o``."""
     rng = np.random.default_rng(seed)
     t = np.dtype(dtype).type
     param = rng.standard_normal((rows, cols)).astype(dtype)
     if layout == "rows":
         ortho = rng.standard_normal((rows, cols + pad)).astype(dtype)[:, :cols]
-    else:
+    elif layout == "columns":
         ortho = rng.standard_normal((cols, rows + pad)).astype(dtype)[:, :rows].T
+    elif layout == "strided":  # neither contiguous: copied first
+        ortho = rng.standard_normal((2 * rows, 2 * cols)).astype(dtype)[::2, ::2]
+    else:
+        ortho = rng.standard_normal((rows, cols)).astype(dtype)[::-1]
     decay, step = t(1 - 0.02 * 0.1), t(-0.013)
     expected = param.copy()
     expected *= decay

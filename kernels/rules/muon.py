@@ -336,7 +336,10 @@ def _apply(param, ortho, stride, transposed, decay, step):
 
 def _apply_update(param: np.ndarray, ortho: np.ndarray, decay, step) -> None:
     """:func:`_apply` of ``ortho``, a param-shaped view whose rows or columns are contiguous
-    (a result, or a result's transpose, within a possibly wider work array)."""
+    (a result, or a result's transpose, within a possibly wider work array; any other
+    layout is copied first)."""
+    if ortho.itemsize not in (ortho.strides[1], ortho.strides[0]) or min(ortho.strides) < 0:
+        ortho = np.ascontiguousarray(ortho)
     transposed = ortho.strides[1] != ortho.itemsize
     wide = ortho.T if transposed else ortho
     stride = wide.strides[0] // wide.itemsize
